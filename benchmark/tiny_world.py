@@ -1,0 +1,283 @@
+"""The offline tiny world: a synthetic TL;DR task, its tokenizer, tiny models and a programmatic gold judge.
+
+    python benchmark/tiny_world.py --output_dir tiny_world
+
+writes, in a few seconds and deterministically for `--seed`:
+    tokenizer/     byte-level BPE trained on the task's corpus (pad and eos tokens)
+    policy/        a random-init Llama-style causal LM (about 1M parameters)
+    reward/        the same backbone as a sequence classifier with one label
+    dataset/       a DatasetDict (save_to_disk) with the splits below, and the same splits as jsonl files
+
+The task. A post is `--post_words` words of filler with `--num_keys` key words hidden in it (key words come
+from their own vocabulary). The post's facts are its key words in order. A summary is scored by the gold
+judge: +1 for each fact it names (first mention), -1 for each key word that is not a fact or is repeated,
+-0.1 for every other word; the better summary has the higher score, equal scores tie.
+
+The references are systematically imperfect, as human ones are: they omit the last fact with probability
+`--ref_omit_last` and end with the hedge word `--hedge` with probability `--ref_hedge`. A model that imitates
+them lands well below 50% win rate against them; one that names every fact and nothing else wins almost
+always. Preference pairs are two perturbed summaries of a post, labelled by the gold judge and then flipped
+with probability `--label_noise`, so a reward model is good but not perfect.
+
+Splits (column names of the standard formats):
+    sft                   prompt, completion (reference), facts
+    preference            prompt, chosen, rejected, facts            (noisy labels)
+    preference_validation prompt, chosen, rejected, facts            (gold labels)
+    validation, test      prompt, completion (reference), facts      (held-out posts)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+SUBREDDITS = [
+    "relationships",
+    "AskReddit",
+    "personalfinance",
+    "jobs",
+    "legaladvice",
+    "tifu",
+    "dating",
+    "pets",
+]
+KEY_WORDS = (
+    "landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt "
+    "credit car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher "
+    "doctor surgery insurance lawyer contract neighbor party birthday gift phone laptop job interview"
+).split()
+FILLER_WORDS = (
+    "the a and so then but really just very quite today yesterday week month year we i you they it was is "
+    "had have went said told felt thought maybe because about after before while when again still always "
+    "never often some many much more less good bad big small long short new old happy sad angry tired"
+).split()
+HEDGE = "tbh"
+
+
+@dataclass
+class Args:
+    output_dir: str = "tiny_world"
+    """where to write the world"""
+    seed: int = 0
+    """random seed; the same seed writes the same files"""
+    num_sft: int = 4000
+    """posts in the sft split"""
+    num_preference: int = 8000
+    """pairs in the preference split"""
+    num_preference_validation: int = 500
+    """pairs, with gold labels, in the preference_validation split"""
+    num_validation: int = 200
+    """held-out posts in the validation split"""
+    num_test: int = 200
+    """held-out posts in the test split"""
+    post_words: int = 30
+    """words in a post"""
+    num_keys: int = 3
+    """key words (facts) in a post"""
+    ref_omit_last: float = 0.7
+    """probability that a reference summary omits the last fact"""
+    ref_hedge: float = 0.6
+    """probability that a reference summary ends with the hedge word"""
+    label_noise: float = 0.25
+    """probability that a preference label is flipped"""
+    vocab_size: int = 1024
+    """tokenizer vocabulary size"""
+    hidden_size: int = 128
+    """hidden size of the tiny models"""
+    num_layers: int = 4
+    """transformer layers of the tiny models"""
+    num_heads: int = 4
+    """attention heads of the tiny models"""
+    intermediate_size: int = 512
+    """MLP width of the tiny models"""
+    max_position_embeddings: int = 256
+    """longest sequence the tiny models accept"""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The task and its gold judge (pure functions)
+# ----------------------------------------------------------------------------------------------------------------
+def gold_score(facts: list[str], summary: str) -> float:
+    """+1 per fact named (first mention), -1 per other or repeated key word, -0.1 per any other word."""
+    score, seen = 0.0, set()
+    for word in summary.split():
+        if word in facts and word not in seen:
+            score += 1.0
+            seen.add(word)
+        elif word in KEY_WORDS:
+            score -= 1.0
+        else:
+            score -= 0.1
+    return round(score, 6)
+
+
+def gold_judge(facts: list[str], summary_a: str, summary_b: str) -> float:
+    """1.0 if summary_a is better than summary_b for a post with these facts, 0.0 if worse, 0.5 for a tie."""
+    a, b = gold_score(facts, summary_a), gold_score(facts, summary_b)
+    return 1.0 if a > b else 0.0 if a < b else 0.5
+
+
+def make_post(rng: random.Random, post_words: int, num_keys: int) -> tuple[str, list[str]]:
+    """A TL;DR-format query and its facts (the key words, in the order they appear)."""
+    facts = rng.sample(KEY_WORDS, num_keys)
+    words = [rng.choice(FILLER_WORDS) for _ in range(post_words - num_keys)]
+    for position, fact in zip(sorted(rng.sample(range(post_words), num_keys)), facts):
+        words.insert(position, fact)
+    title = " ".join(rng.choice(FILLER_WORDS) for _ in range(3))
+    query = f"SUBREDDIT: r/{rng.choice(SUBREDDITS)}\n\nTITLE: {title}\n\nPOST: {' '.join(words)}\n\nTL;DR:"
+    return query, facts
+
+
+def reference_summary(rng: random.Random, facts: list[str], omit_last: float, hedge: float) -> str:
+    """A human-like reference: the facts, usually missing the last one, often ending with the hedge word."""
+    words = list(facts[:-1] if rng.random() < omit_last else facts)
+    if rng.random() < hedge:
+        words.append(HEDGE)
+    return " " + " ".join(words)
+
+
+def perturbed_summary(rng: random.Random, facts: list[str]) -> str:
+    """A candidate summary of the kind a policy produces: facts dropped, a hedge, an invented or repeated key."""
+    words = [f for i, f in enumerate(facts) if rng.random() < (0.5 if i == len(facts) - 1 else 0.85)]
+    if rng.random() < 0.15:
+        words.insert(rng.randrange(len(words) + 1), rng.choice([k for k in KEY_WORDS if k not in facts]))
+    if words and rng.random() < 0.1:
+        words.append(rng.choice(words))
+    if rng.random() < 0.5:
+        words.append(HEDGE)
+    if rng.random() < 0.1:
+        words.append(rng.choice(FILLER_WORDS))
+    return " " + " ".join(words)
+
+
+def make_splits(args: Args) -> dict[str, list[dict]]:
+    rng = random.Random(args.seed)
+    seen_queries: set[str] = set()
+
+    def new_post():
+        while True:
+            query, facts = make_post(rng, args.post_words, args.num_keys)
+            if query not in seen_queries:
+                seen_queries.add(query)
+                return query, facts
+
+    def sft_rows(n):
+        rows = []
+        for _ in range(n):
+            query, facts = new_post()
+            ref = reference_summary(rng, facts, args.ref_omit_last, args.ref_hedge)
+            rows.append({"prompt": query, "completion": ref, "facts": facts})
+        return rows
+
+    def preference_rows(n, noise):
+        rows = []
+        while len(rows) < n:
+            query, facts = new_post()
+            a, b = perturbed_summary(rng, facts), perturbed_summary(rng, facts)
+            label = gold_judge(facts, a, b)
+            if label == 0.5:
+                continue
+            chosen, rejected = (a, b) if label == 1.0 else (b, a)
+            if rng.random() < noise:
+                chosen, rejected = rejected, chosen
+            rows.append({"prompt": query, "chosen": chosen, "rejected": rejected, "facts": facts})
+        return rows
+
+    return {
+        "sft": sft_rows(args.num_sft),
+        "preference": preference_rows(args.num_preference, args.label_noise),
+        "preference_validation": preference_rows(args.num_preference_validation, 0.0),
+        "validation": sft_rows(args.num_validation),
+        "test": sft_rows(args.num_test),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer, models, files
+# ----------------------------------------------------------------------------------------------------------------
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+
+
+def model_config(args: Args, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        num_labels=1,
+    )
+
+
+def build(args: Args) -> str:
+    """Write the whole world into `args.output_dir` and return that path."""
+    import datasets
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    splits = make_splits(args)
+    corpus = [
+        row["prompt"] + row.get("completion", row.get("chosen", ""))
+        for rows in splits.values()
+        for row in rows
+    ]
+    corpus += [" " + " ".join(KEY_WORDS + FILLER_WORDS + [HEDGE])] * 10
+    tokenizer = train_tokenizer(corpus, args.vocab_size)
+    os.makedirs(args.output_dir, exist_ok=True)
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+
+    config = model_config(args, tokenizer)
+    torch.manual_seed(args.seed)
+    policy = LlamaForCausalLM(config)
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    policy.save_pretrained(os.path.join(args.output_dir, "policy"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "policy"))
+    torch.manual_seed(args.seed + 1)
+    reward = LlamaForSequenceClassification(config)
+    reward.save_pretrained(os.path.join(args.output_dir, "reward"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "reward"))
+
+    dataset_dir = os.path.join(args.output_dir, "dataset")
+    datasets.DatasetDict(
+        {name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}
+    ).save_to_disk(dataset_dir)
+    for name, rows in splits.items():
+        with open(os.path.join(dataset_dir, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    with open(os.path.join(args.output_dir, "world.json"), "w") as f:
+        json.dump({k: v for k, v in vars(args).items() if k != "output_dir"}, f, indent=2)
+    return args.output_dir
+
+
+if __name__ == "__main__":
+    import tyro
+
+    world_args = tyro.cli(Args, use_underscores=True)
+    build(world_args)
+    print(f"tiny world written to {world_args.output_dir}")

@@ -1,0 +1,27 @@
+"""Every top-level script answers --help (so one that stops importing is caught) and imports without running."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_script
+
+SCRIPTS = sorted(p.name for p in ROOT.glob("*.py")) + ["benchmark/tiny_world.py"]
+
+
+def test_there_are_scripts():
+    assert "benchmark/tiny_world.py" in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    out = run_script([script, "--help"], timeout=120).stdout
+    assert "--help" in out and "--output_dir" in out
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in ROOT.glob("*.py")))
+def test_import_has_no_side_effects(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    importlib.import_module(script)
+    assert not any(Path(tmp_path).iterdir())
