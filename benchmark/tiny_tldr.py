@@ -1,0 +1,358 @@
+"""The TL;DR recipe in miniature, offline on a CPU: world -> SFT -> reward model -> PPO / RLOO / DPO -> judge.
+
+    python benchmark/tiny_tldr.py                 # one seed, about 15-20 minutes on 2 CPU cores
+    python benchmark/tiny_tldr.py --seeds 3       # mean and standard deviation over seeds 0, 1, 2
+    python benchmark/tiny_tldr.py --quick         # a minute-long plumbing check (used by the tests)
+
+Every stage runs the scripts through their real command lines, exactly as a user would. Each trained policy
+then summarizes the held-out test posts (greedy decoding, the same settings for all) and the tiny world's gold
+judge compares each summary with the reference summary: the win rate counts ties as half, and the tie rate
+is reported beside it. Writes `--results_dir`/tiny_tldr.json (every figure, the commands, seeds, package
+versions, wall time per stage) and two plots: win rate per method, and PPO/RLOO learning curves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+METHODS = ["sft", "ppo", "rloo", "dpo"]
+
+
+@dataclass
+class Args:
+    seeds: int = 1
+    """number of seeds (0, 1, ...); each seed builds its own world and trains every model"""
+    quick: bool = False
+    """a minute-long version that checks the plumbing, not the numbers"""
+    work_dir: str = "benchmark/work"
+    """where worlds, models and logs go (large; not committed)"""
+    results_dir: str = "benchmark/results"
+    """where the json summary and the plots go"""
+    jobs: int = 2
+    """stages run at once where they do not depend on each other (PPO, RLOO, DPO; the evaluations)"""
+    threads_per_job: int = 1
+    """torch threads per stage process"""
+    overwrite: bool = True
+    """replace what an earlier run left in --work_dir"""
+    extra: dict[str, str] = field(default_factory=dict)
+    """extra flags per stage, e.g. --extra ppo "--kl_coef 0.1" """
+
+
+def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, list[str]]:
+    """The command line of every stage for one seed. Full runs use the settings reported in the README."""
+    data = f"{world}/dataset"
+    logs = ["--logging_dir", f"{work}/runs", "--seed", str(seed), "--overwrite_output_dir"]
+    sft_steps, rm_epochs, rl_episodes, dpo_epochs = (40, 0.05, 256, 0.02) if quick else (1200, 1, 24576, 1)
+    rl_common = [
+        "--sft_model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
+        "--dataset_name", data, "--dataset_train_split", "sft", "--dataset_test_split", "validation",
+        "--response_length", "8", "--temperature", "0.7", "--stop_token", "eos", "--missing_eos_penalty", "1.0",
+        "--per_device_train_batch_size", "32" if not quick else "16", "--gradient_accumulation_steps", "1",
+        "--local_rollout_forward_batch_size", "64", "--total_episodes", str(rl_episodes),
+        "--num_sample_generations", "4",
+    ]  # fmt: skip
+    return {
+        "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed)],
+        "sft": [
+            "sft.py",
+            "--model_name_or_path",
+            f"{world}/policy",
+            "--dataset_name",
+            data,
+            "--dataset_train_split",
+            "sft",
+            "--dataset_test_split",
+            "validation",
+            "--output_dir",
+            f"{work}/sft",
+            "--learning_rate",
+            "2e-3",
+            "--per_device_train_batch_size",
+            "32",
+            "--total_steps",
+            str(sft_steps),
+            "--warmup_ratio",
+            "0.05",
+            "--eval_steps",
+            "400",
+            *logs,
+        ],
+        "reward": [
+            "reward.py",
+            "--model_name_or_path",
+            f"{work}/sft",
+            "--dataset_name",
+            data,
+            "--dataset_train_split",
+            "preference",
+            "--dataset_test_split",
+            "preference_validation",
+            "--output_dir",
+            f"{work}/reward",
+            "--learning_rate",
+            "1e-3",
+            "--per_device_train_batch_size",
+            "32",
+            "--num_train_epochs",
+            str(rm_epochs),
+            "--normalize_split",
+            "sft",
+            *logs,
+        ],
+        "ppo": [
+            "ppo.py",
+            *rl_common,
+            "--output_dir",
+            f"{work}/ppo",
+            "--learning_rate",
+            "3e-4",
+            "--num_ppo_epochs",
+            "4",
+            "--num_mini_batches",
+            "2",
+            "--kl_coef",
+            "0.2",
+            *logs,
+        ],
+        "rloo": [
+            "rloo.py",
+            *rl_common,
+            "--output_dir",
+            f"{work}/rloo",
+            "--learning_rate",
+            "3e-4",
+            "--rloo_k",
+            "4",
+            "--num_ppo_epochs",
+            "2",
+            "--num_mini_batches",
+            "2",
+            "--kl_coef",
+            "0.2",
+            *logs,
+        ],
+        "dpo": [
+            "dpo.py",
+            "--model_name_or_path",
+            f"{work}/sft",
+            "--dataset_name",
+            data,
+            "--dataset_train_split",
+            "preference",
+            "--dataset_test_split",
+            "preference_validation",
+            "--output_dir",
+            f"{work}/dpo",
+            "--learning_rate",
+            "1e-4",
+            "--per_device_train_batch_size",
+            "32",
+            "--num_train_epochs",
+            str(dpo_epochs),
+            "--beta",
+            "0.1",
+            *logs,
+        ],
+    }
+
+
+def run_stage(name: str, command: list[str], log_dir: str, threads: int) -> dict:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    start = time.time()
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+        proc = subprocess.run(
+            [sys.executable, *command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"stage {name} failed (exit {proc.returncode}); see {log_dir}/{name}.log")
+    return {"command": shlex.join(["python", *command]), "seconds": round(time.time() - start, 1)}
+
+
+def scalars(run_root: str, prefix: str, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard scalars of the run whose directory name starts with `prefix`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = sorted(d for d in os.listdir(run_root) if d.startswith(prefix)) if os.path.isdir(run_root) else []
+    if not runs:
+        return {}
+    acc = EventAccumulator(os.path.join(run_root, runs[-1]), size_guidance={"scalars": 0})
+    acc.Reload()
+    have = set(acc.Tags().get("scalars", []))
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags if t in have}
+
+
+def run_seed(args: Args, seed: int, progress, task) -> dict:
+    work = os.path.join(args.work_dir, f"seed{seed}")
+    world = os.path.join(work, "world")
+    if args.overwrite and os.path.isdir(work):
+        import shutil
+
+        shutil.rmtree(work)
+    commands = stage_commands(world, work, seed, args.quick)
+    for name, extra in args.extra.items():
+        commands[name] += shlex.split(extra)
+    logs = os.path.join(work, "logs")
+    stages: dict[str, dict] = {}
+
+    def step(name):
+        progress.update(task, description=f"seed {seed}: {name}")
+        stages[name] = run_stage(name, commands[name], logs, args.threads_per_job)
+        progress.advance(task)
+
+    for name in ("world", "sft", "reward"):
+        step(name)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(step, ["ppo", "rloo", "dpo"]))
+
+    def evaluate(method):
+        model = f"{world}/policy" if method == "init" else f"{work}/{method}"
+        command = [
+            "benchmark/evaluate_tldr.py", "--model_path", model, "--dataset_name", f"{world}/dataset",
+            "--split", "test", "--response_length", "8", "--output_jsonl", f"{work}/eval/{method}.jsonl",
+        ]  # fmt: skip
+        stages[f"eval_{method}"] = run_stage(f"eval_{method}", command, logs, args.threads_per_job)
+        with open(f"{work}/eval/{method}_result.json") as f:
+            return method, json.load(f)
+
+    progress.update(task, description=f"seed {seed}: judging")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        judged = dict(pool.map(evaluate, METHODS))
+    progress.advance(task)
+    reward_eval = scalars(f"{work}/runs", "reward", ["eval/accuracy"]).get("eval/accuracy", [])
+    curves = {m: scalars(f"{work}/runs", m, ["objective/scores", "objective/kl"]) for m in ("ppo", "rloo")}
+    return {
+        "seed": seed,
+        "win_rates": judged,
+        "reward_model_accuracy": reward_eval[-1][1] if reward_eval else None,
+        "stages": stages,
+        "curves": curves,
+    }
+
+
+def summarize(per_seed: list[dict]) -> dict:
+    table = {}
+    for method in METHODS:
+        rates = [s["win_rates"][method]["win_rate"] for s in per_seed]
+        ties = [s["win_rates"][method]["tie_rate"] for s in per_seed]
+        gold = [s["win_rates"][method]["mean_gold_score"] for s in per_seed]
+        table[method] = {
+            "win_rate_mean": statistics.mean(rates),
+            "win_rate_std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+            "tie_rate_mean": statistics.mean(ties),
+            "gold_score_mean": statistics.mean(gold),
+            "per_seed": rates,
+        }
+    accs = [s["reward_model_accuracy"] for s in per_seed if s["reward_model_accuracy"] is not None]
+    table["reward_model_accuracy_mean"] = statistics.mean(accs) if accs else None
+    return table
+
+
+def plot(summary: dict, per_seed: list[dict], results_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    means = [summary[m]["win_rate_mean"] for m in METHODS]
+    ax.bar(METHODS, means, color=["#999999", "#1f77b4", "#ff7f0e", "#2ca02c"], alpha=0.7)
+    for i, m in enumerate(METHODS):
+        ax.scatter([i] * len(summary[m]["per_seed"]), summary[m]["per_seed"], color="black", s=12, zorder=3)
+    ax.axhline(0.5, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_ylabel("win rate vs reference (gold judge)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"tiny TL;DR, {len(per_seed)} seed(s)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "tiny_tldr_win_rates.png"), dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, tag in zip(axes, ["objective/scores", "objective/kl"]):
+        for method, color in (("ppo", "#1f77b4"), ("rloo", "#ff7f0e")):
+            for k, s in enumerate(per_seed):
+                points = s["curves"].get(method, {}).get(tag, [])
+                if points:
+                    ax.plot(*zip(*points), color=color, alpha=0.8, label=method if k == 0 else None)
+        ax.set_title(tag)
+        ax.set_xlabel("episode")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "tiny_tldr_curves.png"), dpi=120)
+    plt.close(fig)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    names = ["torch", "transformers", "accelerate", "datasets", "tokenizers", "tyro"]
+    return {"python": platform.python_version(), **{n: version(n) for n in names}}
+
+
+def main(args: Args) -> dict:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    start = time.time()
+    per_seed = []
+    with Progress() as progress:
+        task = progress.add_task("tiny TL;DR", total=args.seeds * 7)
+        for seed in range(args.seeds):
+            per_seed.append(run_seed(args, seed, progress, task))
+    summary = summarize(per_seed)
+    result = {
+        "summary": summary,
+        "per_seed": per_seed,
+        "quick": args.quick,
+        "wall_seconds": round(time.time() - start, 1),
+        "command": shlex.join(["python", "benchmark/tiny_tldr.py", *sys.argv[1:]]),
+        "versions": versions(),
+        "cpu_count": os.cpu_count(),
+    }
+    os.makedirs(args.results_dir, exist_ok=True)
+    name = "tiny_tldr_quick.json" if args.quick else "tiny_tldr.json"
+    with open(os.path.join(args.results_dir, name), "w") as f:
+        json.dump(result, f, indent=2)
+    if not args.quick:
+        plot(summary, per_seed, args.results_dir)
+
+    table = Table(title=f"tiny TL;DR: win rate against the reference summaries ({args.seeds} seed(s))")
+    for column in ("method", "win rate", "std", "tie rate", "gold score"):
+        table.add_column(column)
+    for m in METHODS:
+        s = summary[m]
+        table.add_row(
+            m,
+            f"{s['win_rate_mean']:.3f}",
+            f"{s['win_rate_std']:.3f}",
+            f"{s['tie_rate_mean']:.3f}",
+            f"{s['gold_score_mean']:.2f}",
+        )
+    Console().print(table)
+    print(f"reward model accuracy (gold labels): {summary['reward_model_accuracy_mean']}")
+    return result
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args, use_underscores=True))
