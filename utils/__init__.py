@@ -163,7 +163,7 @@ def response_logits(
 ) -> torch.Tensor:
     """Logits [B, R, V] that predict the response tokens (positions context_length..T-1), divided by the
     sampling temperature so that logprobs match those of sampling."""
-    logits = forward(model, query_responses, attention_mask).logits[:, context_length - 1 : -1]
+    logits = forward(model, query_responses, attention_mask).logits[:, context_length - 1 : -1].float()
     return logits / (temperature if temperature > 0 else 1.0)
 
 

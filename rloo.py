@@ -1,0 +1,562 @@
+"""REINFORCE Leave-One-Out (RLOO) for language models, in one file.
+
+Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback
+in LLMs" (2024), https://arxiv.org/abs/2402.14740; the estimator is from Kool et al., "Buy 4 REINFORCE
+Samples, Get a Baseline for Free!" (2019).
+
+For each prompt the policy samples `--rloo_k` completions. A completion's reward is its score (reward model or
+reward function) minus `kl_coef` times the KL to the frozen SFT model, summed over its tokens; its baseline is
+the mean reward of the other k-1 completions of the same prompt, so no critic is needed. By default the whole
+completion is one action (sequence-level ratio); `--token_level_kl` puts the KL on every token and the score
+on the EOS token (REINFORCE++ style) and makes every token an action. With `num_ppo_epochs > 1` (or several
+mini-batches) the update is PPO's clipped objective; with one epoch and one mini-batch it is plain REINFORCE.
+
+Batch layout, completion-major: the k*P completions of one update are rows `c * P + p` (completion c of prompt
+p), i.e. `rewards.view(k, P)`. Prompts are stored once ([P, Q]); the rows are built at forward time.
+
+    python rloo.py --sft_model_path models/sft --reward_model_path models/reward --dataset_name data/tldr/prompts \
+        --rloo_k 2 --per_device_train_batch_size 16 --gradient_accumulation_steps 16 --num_mini_batches 2 \
+        --num_ppo_epochs 2 --learning_rate 3e-6 --total_episodes 1000000 --kl_coef 0.03 \
+        --stop_token eos --missing_eos_penalty 1.0 --local_rollout_forward_batch_size 16 --output_dir models/rloo
+"""
+
+import contextlib
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+import utils
+
+
+@dataclass
+class Args:
+    # Run
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (model init is the checkpoint's; this seeds sampling and shuffling)"""
+    run_name: str | None = None
+    """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
+    track: bool = False
+    """log to Weights & Biases as well as TensorBoard"""
+    wandb_project_name: str = "rlhf-reference"
+    """the W&B project"""
+    wandb_entity: str | None = None
+    """the W&B entity (team)"""
+    logging_dir: str = "runs"
+    """TensorBoard logs and metrics.jsonl go to {logging_dir}/{run_name}"""
+    output_dir: str = "models/rloo"
+    """where the trained policy (weights, tokenizer, model card) is saved"""
+    overwrite_output_dir: bool = False
+    """allow writing into a non-empty --output_dir"""
+    push_to_hub: bool = False
+    """push --output_dir to the hub (repo named after the folder) at the end"""
+
+    # Models and data
+    model_name_or_path: str | None = None
+    """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides the weights"""
+    sft_model_path: str | None = None
+    """the SFT policy to start from; also the frozen reference model of the KL penalty"""
+    reward_model_path: str | None = None
+    """sequence classifier (one label) giving the score; or use --reward_fn"""
+    reward_fn: str | None = None
+    """path/to/file.py:function, called as function(prompts, completions) -> one float per completion"""
+    dataset_name: str = "trl-lib/tldr"
+    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column"""
+    dataset_train_split: str = "train"
+    """split holding the prompts"""
+    dataset_test_split: str | None = None
+    """split whose first prompts are completed for the sample table (None: the table shows the rollout)"""
+    max_prompt_length: int | None = None
+    """keep only the last this-many tokens of each prompt (None: keep all)"""
+    bf16: bool = False
+    """bf16 mixed precision (accelerate)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # Algorithm
+    total_episodes: int | None = None
+    """completions to train on in total (None: every prompt once, rloo_k completions each)"""
+    learning_rate: float = 3e-6
+    """Adam learning rate"""
+    lr_scheduler_type: Literal["linear", "constant"] = "linear"
+    """'linear' decays the learning rate to 0 over the updates"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass per process (micro-batch)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over one update's batch"""
+    num_ppo_epochs: int = 4
+    """epochs over each batch of completions; > 1 relies on the clipped objective"""
+    rloo_k: int = 2
+    """completions sampled per prompt (at least 2: the baseline is the mean of the other k-1)"""
+    kl_coef: float = 0.05
+    """weight of the KL penalty to the reference model"""
+    cliprange: float = 0.2
+    """clip range of the probability ratio"""
+    token_level_kl: bool = False
+    """KL penalty on every token and the score on the EOS token, every token an action (REINFORCE++ style)"""
+    whiten_rewards: bool = False
+    """whiten the rewards (variance 1, mean kept) over the batch before the advantages"""
+    normalize_reward: bool = False
+    """normalize the scores to mean 0, std 1 over the batch, then clip them to +-reward_clip_range"""
+    reward_clip_range: float = 10.0
+    """clip range of the normalized scores (used with --normalize_reward)"""
+    normalize_advantage: bool = False
+    """normalize the advantages to mean 0, std 1 over the batch (over its tokens with --token_level_kl)"""
+    response_length: int = 53
+    """tokens sampled per completion (then truncated after the stop token)"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs of policy and reference are taken at the same temperature"""
+    stop_token: Literal["eos"] | None = None
+    """'eos' truncates completions after the tokenizer's EOS token"""
+    stop_token_id: int | None = None
+    """truncate completions after this token id"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of completions without an EOS token"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / reference / reward forward pass"""
+    num_sample_generations: int = 10
+    """print a table of sample completions at the first update and this many times more (0: never)"""
+
+    # Filled in at runtime
+    world_size: int = 0
+    """number of processes (filled in at runtime)"""
+    local_batch_size: int = 0
+    """completions per process per update = per_device_train_batch_size * gradient_accumulation_steps *
+    num_mini_batches (filled in at runtime)"""
+    batch_size: int = 0
+    """completions per update over all processes = local_batch_size * world_size (filled in at runtime)"""
+    local_mini_batch_size: int = 0
+    """completions per process per optimizer step (filled in at runtime)"""
+    mini_batch_size: int = 0
+    """completions per optimizer step over all processes (filled in at runtime)"""
+    local_dataloader_batch_size: int = 0
+    """prompts per process per update = local_batch_size / rloo_k (filled in at runtime)"""
+    num_total_batches: int = 0
+    """number of updates = ceil(total_episodes / batch_size) (filled in at runtime)"""
+
+
+def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
+    """Check the flags and compute the derived batch sizes (TRL's arithmetic); ValueError on a bad value."""
+    if args.rloo_k < 2:
+        raise ValueError(
+            f"--rloo_k must be at least 2 (the baseline is the mean of the other k-1), got {args.rloo_k}."
+        )
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size"):  # fmt: skip
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    if args.temperature <= 0 or args.cliprange <= 0:
+        raise ValueError("--temperature and --cliprange must be positive (RLOO needs sampled completions).")
+    if (args.reward_model_path is None) == (args.reward_fn is None):
+        raise ValueError("pass exactly one of --reward_model_path and --reward_fn.")
+    if args.sft_model_path is None and args.model_name_or_path is None:
+        raise ValueError("pass the policy to train with --sft_model_path or --model_name_or_path.")
+    if args.stop_token is not None and args.stop_token_id is not None:
+        raise ValueError("pass only one of --stop_token and --stop_token_id.")
+    args.world_size = world_size
+    args.local_batch_size = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    )
+    args.batch_size = args.local_batch_size * world_size
+    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
+    args.mini_batch_size = args.batch_size // args.num_mini_batches
+    if args.local_batch_size % args.rloo_k:
+        raise ValueError(
+            f"--rloo_k {args.rloo_k} must divide the completions per process per update, per_device_train_batch_size "
+            f"* gradient_accumulation_steps * num_mini_batches = {args.local_batch_size}; change --rloo_k or "
+            "--per_device_train_batch_size / --gradient_accumulation_steps / --num_mini_batches."
+        )
+    args.local_dataloader_batch_size = args.local_batch_size // args.rloo_k
+    if num_prompts is not None:
+        prompts_per_update = args.local_dataloader_batch_size * world_size
+        if num_prompts < prompts_per_update:
+            raise ValueError(
+                f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_update} of one update; "
+                "lower the batch flags or use a larger split."
+            )
+        if args.total_episodes is None:
+            args.total_episodes = num_prompts * args.rloo_k
+        if args.total_episodes < 1:
+            raise ValueError(f"--total_episodes must be at least 1, got {args.total_episodes}.")
+        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The math (pure functions; B = k * P completions in completion-major order, R response tokens)
+# ----------------------------------------------------------------------------------------------------------------
+def rloo_baseline(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """Leave-one-out baseline [B]: for completion c of prompt p, mean_{c' != c} rewards[c' * P + p]."""
+    grouped = rewards.view(k, -1)  # [k, P]: row c holds completion c of every prompt
+    return ((grouped.sum(0, keepdim=True) - grouped) / (k - 1)).flatten()
+
+
+def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """A_i = R_i - mean of the other k-1 rewards of the same prompt. rewards [B] completion-major -> [B]."""
+    return rewards - rloo_baseline(rewards, k)
+
+
+def sequence_level_rewards(scores, kl, mask, kl_coef):
+    """Whole-completion reward [B]: score - kl_coef * sum_t kl_t over the response tokens (mask [B, R])."""
+    return scores - kl_coef * (kl * mask).sum(1)
+
+
+def token_level_rewards(scores, kl, lengths, kl_coef):
+    """Per-token rewards [B, R]: -kl_coef * kl_t on every response token, plus the score on the last kept token
+    (the EOS when there is one; index lengths - 1, never the token after it). Zero on padding."""
+    mask = utils.lengths_to_mask(lengths, kl.size(1))
+    rewards = -kl_coef * kl * mask
+    return rewards.scatter_add(1, (lengths - 1)[:, None], scores[:, None].to(rewards.dtype))
+
+
+def token_level_advantages(rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Advantage of token t [B, R]: reward-to-go G_t = sum_{s >= t} r_s (gamma 1) minus the leave-one-out mean
+    of the other completions' total rewards G_0. At t = 0 it equals rloo_advantages of the summed rewards; later
+    tokens are not charged for the KL of the tokens before them. Zero on padding."""
+    rewards = rewards * mask
+    returns = rewards.flip(1).cumsum(1).flip(1)
+    return (returns - rloo_baseline(returns[:, 0], k)[:, None]) * mask
+
+
+def normalize_scores(scores: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """(scores - mean) / std over the batch, then clipped to [-clip_range, clip_range]."""
+    return ((scores - scores.mean()) / (scores.std() + 1e-8)).clamp(-clip_range, clip_range)
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
+    """PPO's clipped surrogate, -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged over the actions.
+
+    new/old_logprobs [B, R] of the response tokens, mask [B, R]. With advantages [B] an action is a whole
+    completion (ratio = exp of the summed log-ratio); with advantages [B, R] it is a token.
+    Returns (loss, ratio of each action, clip fraction, approximate KL 0.5 * E[log-ratio^2])."""
+    log_ratio = (new_logprobs - old_logprobs) * mask
+    weights = mask.float()
+    if advantages.dim() == 1:
+        log_ratio, weights = log_ratio.sum(1), torch.ones_like(advantages)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    per_action = torch.max(unclipped, clipped)
+    loss = utils.masked_mean(per_action, weights)
+    with torch.no_grad():
+        clipfrac = utils.masked_mean((clipped > unclipped).float(), weights)
+        approxkl = utils.masked_mean(0.5 * log_ratio**2, weights)
+    return loss, ratio.detach()[weights.bool()], clipfrac, approxkl
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------
+def query_response_rows(queries, query_mask, responses, response_mask, idx):
+    """Rows `idx` of the completion-major batch, built at forward time from the prompts stored once: completion
+    row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
+    prompt = idx % queries.size(0)
+    return (
+        torch.cat([queries[prompt], responses[idx]], 1),
+        torch.cat([query_mask[prompt], response_mask[idx]], 1),
+    )
+
+
+def prompt_batches(num_prompts: int, per_process: int, world_size: int, rank: int, seed: int):
+    """Endless batches of prompt indices for this process: a fresh seeded shuffle every pass, the same on
+    every process, each process taking its own slice; the last incomplete batch of a pass is dropped."""
+    per_update, epoch = per_process * world_size, 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, num_prompts - per_update + 1, per_update):
+            yield order[start + rank * per_process : start + (rank + 1) * per_process].tolist()
+        epoch += 1
+
+
+@contextlib.contextmanager
+def generation_model(model, accelerator):
+    """The bare policy for sampling; under DeepSpeed ZeRO-3 its sharded weights are gathered meanwhile."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(model.parameters()):
+            yield accelerator.unwrap_model(model)
+    else:
+        yield accelerator.unwrap_model(model)
+
+
+def main(args: Args) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    # Everything that can be checked before loading a model.
+    precision = "bf16" if args.bf16 else "no"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision
+    )
+    fill_sizes(args, accelerator.num_processes)
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    dataset = utils.load_split(args.dataset_name, args.dataset_train_split)
+    utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    sample_prompts = None
+    if args.dataset_test_split and args.num_sample_generations:
+        sample_prompts = utils.load_split(args.dataset_name, args.dataset_test_split)
+        utils.check_columns(sample_prompts, ["prompt"], f"--dataset_test_split {args.dataset_test_split}")
+        sample_prompts = sample_prompts["prompt"][:4]  # tokenized once the tokenizer is loaded
+    fill_sizes(args, accelerator.num_processes, len(dataset))
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    set_seed(args.seed)
+    device, rank, k = accelerator.device, accelerator.process_index, args.rloo_k
+
+    # Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
+    # logprobs of the training forward pass equal those of sampling.
+    policy_path = args.sft_model_path or args.model_name_or_path
+    policy_flag = "--sft_model_path" if args.sft_model_path else "--model_name_or_path"
+    tokenizer_path = args.model_name_or_path or policy_path
+    tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, "--model_name_or_path")
+    if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
+    policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    ref_policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    reward_model = None
+    if args.reward_model_path:
+        reward_model = utils.from_pretrained(
+            AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
+        )
+        utils.score_head(reward_model)  # refuses a model with more than one label
+    for model in (policy, ref_policy, reward_model):
+        if model is not None:
+            utils.disable_dropout(model)
+            if model is not policy:
+                model.eval().requires_grad_(False).to(device)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if deepspeed_plugin is not None:  # there is no dataloader to read the micro-batch size from
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+
+    # Logging (main process): TensorBoard, metrics.jsonl beside it, W&B with --track.
+    run_dir = os.path.join(args.logging_dir, args.run_name)
+    if accelerator.is_main_process:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=asdict(args), sync_tensorboard=True)  # fmt: skip
+        writer = SummaryWriter(run_dir)
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+
+    chunk, R, T = args.local_rollout_forward_batch_size, args.response_length, args.temperature
+    B, P = args.local_batch_size, args.local_dataloader_batch_size
+
+    def left_pad(token_lists):
+        """Prompts as left-padded ids and mask [n, Q]."""
+        mask = utils.pad([[1] * len(ids) for ids in token_lists], 0, "left").bool()
+        return utils.pad(token_lists, pad_id, "left").to(device), mask.to(device)
+
+    def sample(queries, query_mask, prompt_of_row, generator):
+        """Sample a completion for each row (prompt index prompt_of_row[i]), repeating the prompts only chunk by
+        chunk; truncate after the stop token. Returns (responses, lengths, response mask, logprobs) [n, R]."""
+        responses, logprobs = [], []
+        policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
+        with torch.no_grad(), generation_model(policy, accelerator) as sampler:
+            for rows in prompt_of_row.split(chunk):
+                query_responses, chunk_logprobs = utils.generate(
+                    sampler, queries[rows], query_mask[rows], R, T, chunk, generator
+                )
+                responses.append(query_responses[:, queries.size(1) :])
+                logprobs.append(chunk_logprobs)
+        responses, lengths = utils.truncate_response(torch.cat(responses), stop_token_id, pad_id)
+        return responses, lengths, utils.lengths_to_mask(lengths, R), torch.cat(logprobs)
+
+    def global_whiten(values, mask, shift_mean=True):
+        """masked_whiten with the statistics of every process's completions; zero where mask is 0."""
+        all_values, all_masks = accelerator.gather(values), accelerator.gather(mask.long())
+        whitened = utils.masked_whiten(all_values, all_masks, shift_mean)
+        return whitened[rank * B : (rank + 1) * B] * mask
+
+    def gathered_mean(values):
+        return accelerator.gather(values.float()).mean().item()
+
+    prompt_ids = utils.tokenize_prompts(tokenizer, dataset["prompt"], args.max_prompt_length)
+    if sample_prompts is not None:
+        sample_prompts = utils.tokenize_prompts(tokenizer, sample_prompts, args.max_prompt_length)
+    batches = prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
+    # Each process samples its own completions; the prompt order is the same on all of them.
+    sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
+    shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
+    sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
+    start_time, metrics = time.time(), {}
+    for update in tqdm(range(1, args.num_total_batches + 1), disable=not accelerator.is_local_main_process):
+        decay = 1 - (update - 1) / args.num_total_batches if args.lr_scheduler_type == "linear" else 1.0
+        lr = args.learning_rate * decay
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # 1. Rollout: P prompts stored once [P, Q], k * P completions in completion-major order (row i <- prompt
+        # i % P). Reference logprobs and scores of the truncated rows, built chunk by chunk.
+        queries, query_mask = left_pad([prompt_ids[i] for i in next(batches)])
+        context_length = queries.size(1)
+        completion_rows = torch.arange(B, device=device)
+        responses, lengths, response_mask, sampled_logprobs = sample(
+            queries, query_mask, completion_rows % P, sampling_generator
+        )
+        rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+        ref_logprobs, scores = [], []
+        with torch.no_grad(), accelerator.autocast():  # the policy's precision, so the KL starts at 0 in bf16
+            for idx in completion_rows.split(chunk):
+                query_responses, mask = rows_at(idx)
+                ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask,
+                                                                    context_length, T, chunk))  # fmt: skip
+                scores.append(utils.compute_scores(query_responses, mask, context_length, tokenizer, chunk,
+                                                   reward_model, reward_fn))  # fmt: skip
+        ref_logprobs, scores = torch.cat(ref_logprobs), torch.cat(scores).float()
+        has_eos = ((responses == eos_id) & response_mask).any(1)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~has_eos).float()
+
+        # 2. Rewards and leave-one-out advantages; batch statistics over every process's completions.
+        kl = (sampled_logprobs - ref_logprobs) * response_mask  # k1 estimator per token
+        shaped_scores = scores
+        if args.normalize_reward:
+            all_scores = normalize_scores(accelerator.gather(scores), args.reward_clip_range)
+            shaped_scores = all_scores[rank * B : (rank + 1) * B]
+        non_score_reward = -args.kl_coef * kl.sum(1)
+        rlhf_reward = shaped_scores + non_score_reward
+        if args.token_level_kl:  # every token is an action
+            rewards = token_level_rewards(shaped_scores, kl, lengths, args.kl_coef)
+            action_mask = response_mask
+        else:  # the whole completion is one action
+            rewards = sequence_level_rewards(shaped_scores, kl, response_mask, args.kl_coef)
+            action_mask = torch.ones_like(rewards, dtype=torch.bool)
+        if args.whiten_rewards:
+            rewards = global_whiten(rewards, action_mask, shift_mean=False)
+        if args.token_level_kl:
+            advantages = token_level_advantages(rewards, response_mask, k)
+        else:
+            advantages = rloo_advantages(rewards, k)
+        if args.normalize_advantage:
+            advantages = global_whiten(advantages, action_mask)
+
+        # 3. Policy update: epochs over the shuffled batch; every gradient_accumulation_steps micro-batches make
+        # one mini-batch and one optimizer step (accelerate counts them), num_mini_batches steps per epoch.
+        policy.train()
+        stats = torch.zeros(4, device=device)  # sums over micro-batches: loss, approxkl, clipfrac, entropy
+        ratio_sums = torch.zeros(3, device=device)  # sums of ratio - 1, (ratio - 1)^2 (exact near 1), count
+        num_micro_batches = 0
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(B, generator=shuffle_generator).to(device)
+            for idx in order.split(args.per_device_train_batch_size):
+                with accelerator.accumulate(policy):
+                    query_responses, attention_mask = rows_at(idx)
+                    logits = utils.response_logits(policy, query_responses, attention_mask, context_length, T)
+                    new_logprobs = utils.logprobs_from_logits(logits, responses[idx])
+                    old_logprobs, mask = sampled_logprobs[idx], response_mask[idx]
+                    loss, ratio, clipfrac, approxkl = policy_loss(
+                        new_logprobs, old_logprobs, advantages[idx], mask, args.cliprange
+                    )
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    entropy = utils.masked_mean(utils.entropy_from_logits(logits), mask)
+                    stats += torch.stack([loss.detach(), approxkl, clipfrac, entropy])
+                    shift = ratio - 1
+                    ratio_sums += torch.stack([shift.sum(), (shift**2).sum(), shift.new_tensor(len(shift))])
+                num_micro_batches += 1
+
+        # 4. Metrics, gathered over processes.
+        with torch.no_grad():
+            stats = accelerator.reduce(stats / num_micro_batches, reduction="mean")
+            ratio_sums = accelerator.reduce(ratio_sums, reduction="sum")
+            ratio_shift = ratio_sums[0] / ratio_sums[2]
+            episode = update * args.batch_size
+            metrics = {
+                "eps": int(episode / (time.time() - start_time)),
+                "objective/kl": gathered_mean(kl.sum(1)),
+                "objective/entropy": gathered_mean((-sampled_logprobs * response_mask).sum(1)),
+                "objective/non_score_reward": gathered_mean(non_score_reward),
+                "objective/rlhf_reward": gathered_mean(rlhf_reward),
+                "objective/scores": gathered_mean(scores),
+                "policy/approxkl_avg": stats[1].item(),
+                "policy/clipfrac_avg": stats[2].item(),
+                "loss/policy_avg": stats[0].item(),
+                "policy/entropy_avg": stats[3].item(),
+                "val/ratio": 1 + ratio_shift.item(),
+                "val/ratio_var": (ratio_sums[1] / ratio_sums[2] - ratio_shift**2).clamp(min=0).item(),
+                "val/num_eos_tokens": accelerator.reduce(has_eos.sum(), reduction="sum").item(),
+                "lr": lr,
+                "episode": episode,
+            }
+        if accelerator.is_main_process:
+            for name, value in metrics.items():
+                writer.add_scalar(name, value, update)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+        # Sample table: completions of held-out prompts (--dataset_test_split; the same noise every time), or
+        # else the first completions of this rollout. Every process samples (ZeRO-3 gathers), the main one prints.
+        if args.num_sample_generations and (update % sample_every == 0 or update == 1):
+            shown = torch.arange(min(P, 4), device=device)
+            if sample_prompts is not None:
+                queries, query_mask = left_pad(sample_prompts)
+                shown = torch.arange(queries.size(0), device=device)
+                noise = torch.Generator(device=device).manual_seed(args.seed)
+                responses, _, response_mask, _ = sample(queries, query_mask, shown, noise)
+                query_responses, mask = query_response_rows(
+                    queries, query_mask, responses, response_mask, shown
+                )
+                scores = utils.compute_scores(query_responses, mask, queries.size(1), tokenizer, chunk,
+                                              reward_model, reward_fn)  # fmt: skip
+            if accelerator.is_main_process:
+                utils.print_samples({
+                    "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
+                    "response": [tokenizer.decode(r[m], skip_special_tokens=True)
+                                 for r, m in zip(responses[shown], response_mask[shown])],
+                    "score": scores[shown].tolist(),
+                }, title=f"update {update}")  # fmt: skip
+
+    # Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    accelerator.wait_for_everyone()
+    os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.unwrap_model(policy).save_pretrained(
+        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(policy),
+    )  # fmt: skip
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
+        utils.write_model_card(args.output_dir, "RLOO", policy_path, args.dataset_name, metrics)
+        writer.close()
+        if args.push_to_hub:
+            from huggingface_hub import HfApi
+
+            repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
+            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    cli_args = tyro.cli(Args, use_underscores=True)
+    try:
+        main(cli_args)
+    except ValueError as error:
+        raise SystemExit(f"rloo.py: error: {error}") from None
