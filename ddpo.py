@@ -1,0 +1,740 @@
+# DDPO: Black, Janner, Du, Kostrikov, Levine, "Training Diffusion Models with Reinforcement Learning" (2023)
+"""Denoising Diffusion Policy Optimization (DDPO) for Stable-Diffusion text-to-image models.
+
+https://arxiv.org/abs/2305.13301. Denoising is a multi-step decision process: with DDIM sampling at
+eta > 0 each step x_t -> x_{t-1} is a Gaussian with a known density, so a reward on the final image can
+be maximised with a policy gradient. Every epoch samples images keeping each latent, timestep and step
+log-probability; scores them; turns rewards into advantages normalised per prompt; then runs PPO-style
+clipped updates on the denoising steps, recomputing each step's log-probability under the current UNet
+(LoRA adapters by default).
+
+Offline example on CPU (a tiny random pipeline, a few minutes):
+    python benchmark/tiny_diffusion.py --output_dir /tmp/tiny-sd
+    python ddpo.py --pretrained_model /tmp/tiny-sd --sample_num_steps 10 --sample_batch_size 8 \
+        --train_batch_size 4 --num_epochs 5 --output_dir /tmp/ddpo-tiny
+Stable Diffusion v1.5 on GPUs:
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml ddpo.py \
+        --pretrained_model runwayml/stable-diffusion-v1-5 --reward_fn jpeg_compressibility --num_epochs 50
+"""
+
+import collections
+import importlib.util
+import io
+import os
+import random
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from PIL import Image, ImageDraw
+
+# Built-in prompts: the "simple animals" setting of the paper.
+ANIMALS = (
+    "cat dog horse cow pig sheep goat rabbit fox wolf bear lion tiger zebra giraffe elephant monkey panda "
+    "koala kangaroo deer owl eagle duck swan penguin frog turtle snake whale dolphin shark octopus crab "
+    "butterfly squirrel hedgehog camel llama raccoon"
+).split()
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the UNet's attention projections
+STD_EPS = 1e-6  # added to a standard deviation before dividing by it
+TRAJECTORY_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (B, T, ...) tensors, one per step
+
+
+@dataclass
+class Args:
+    # --- experiment ---
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run name starts with it)"""
+    seed: int = 0
+    """seed of the experiment; with it a CPU run is reproducible"""
+    run_name: str | None = None
+    """names the run and its TensorBoard directory runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""
+    track: bool = False
+    """also log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    wandb_project_name: str = "ddpo"
+    """W&B project name"""
+    wandb_entity: str | None = None
+    """W&B entity (team); None uses the default one"""
+    output_dir: str = "models/ddpo"
+    """where the trained LoRA weights (or the whole pipeline), a model card and checkpoints/ are written"""
+    overwrite_output_dir: bool = False
+    """allow writing into an --output_dir that already has files (nothing in it is deleted)"""
+    push_to_hub: bool = False
+    """push --output_dir (without checkpoints/) to a hub repository named like it, at the end"""
+    num_epochs: int = 100
+    """number of epochs; each samples a batch of images and then trains on it"""
+    save_freq: int = 1
+    """save a checkpoint every this many epochs (in <output_dir>/checkpoints/checkpoint_<epoch>)"""
+    num_checkpoint_limit: int = 5
+    """keep only the newest this many checkpoints"""
+    resume_from: str | None = None
+    """a checkpoint directory, or a checkpoints/ directory (its latest checkpoint is used), to resume from"""
+    mixed_precision: Literal["no", "fp16", "bf16"] = "fp16"
+    """mixed precision of the frozen weights and the forward passes; fp16 falls back to "no" without a GPU"""
+    allow_tf32: bool = True
+    """allow TF32 matrix multiplications on Ampere or newer GPUs"""
+    num_logged_images: int = 8
+    """how many sampled images, with prompt and reward, go into each epoch's logged grid"""
+
+    # --- model ---
+    pretrained_model: str = "runwayml/stable-diffusion-v1-5"
+    """Stable-Diffusion pipeline: a hub id or a local directory saved with save_pretrained"""
+    pretrained_revision: str = "main"
+    """revision of --pretrained_model on the hub"""
+    use_lora: bool = True
+    """train LoRA adapters on the UNet's attention projections; --no_use_lora trains the whole UNet"""
+    lora_rank: int = 4
+    """rank (and alpha) of the LoRA adapters"""
+
+    # --- prompts and reward ---
+    prompt_file: str | None = None
+    """text file with one prompt per line; None uses the built-in list of simple animal names"""
+    negative_prompts: str = ""
+    """prompt of the unconditional branch of classifier-free guidance (the empty prompt by default)"""
+    reward_fn: str = "jpeg_compressibility"
+    """jpeg_compressibility, jpeg_incompressibility, aesthetic, or file.py:function(pil_images, prompts)"""
+    aesthetic_clip_model: str = "openai/clip-vit-large-patch14"
+    """CLIP model (hub id or local directory) whose image features the aesthetic head scores"""
+    aesthetic_head_path: str | None = None
+    """local .pth state dict of the LAION aesthetic MLP head; required by --reward_fn aesthetic"""
+    async_reward_computation: bool = False
+    """compute rewards in a thread pool while the next batch is being sampled"""
+    max_workers: int = 2
+    """threads of the reward pool when --async_reward_computation"""
+
+    # --- sampling ---
+    sample_num_steps: int = 50
+    """number of DDIM denoising steps"""
+    sample_eta: float = 1.0
+    """DDIM eta; must be > 0 so that every step is stochastic and has a log-probability"""
+    sample_guidance_scale: float = 5.0
+    """classifier-free guidance scale (no guidance at 1.0 or below)"""
+    sample_batch_size: int = 1
+    """images sampled at once, per process"""
+    sample_num_batches_per_epoch: int = 2
+    """sampling batches per epoch, per process"""
+
+    # --- training ---
+    train_batch_size: int = 1
+    """samples per training forward pass, per process"""
+    train_use_8bit_adam: bool = False
+    """use bitsandbytes' 8-bit AdamW"""
+    train_learning_rate: float = 3e-4
+    """learning rate"""
+    train_adam_beta1: float = 0.9
+    """Adam beta1"""
+    train_adam_beta2: float = 0.999
+    """Adam beta2"""
+    train_adam_weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    train_adam_epsilon: float = 1e-8
+    """Adam epsilon"""
+    train_gradient_accumulation_steps: int = 1
+    """training batches summed into one optimizer step (each batch over all its trained steps)"""
+    train_max_grad_norm: float = 1.0
+    """gradients are clipped to this global norm"""
+    train_num_inner_epochs: int = 1
+    """passes over each epoch's samples"""
+    train_cfg: bool = True
+    """use classifier-free guidance in training as in sampling (else the recomputed log-probs differ)"""
+    train_adv_clip_max: float = 5.0
+    """advantages are clipped to [-train_adv_clip_max, train_adv_clip_max]"""
+    train_clip_range: float = 1e-4
+    """PPO clip range of the probability ratio (tiny: log-probs are per-element means)"""
+    train_timestep_fraction: float = 1.0
+    """fraction of each trajectory's denoising steps trained on, drawn at random per sample"""
+    per_prompt_stat_tracking: bool = True
+    """normalise rewards by a running mean/std per prompt (else by the statistics of the whole batch)"""
+    per_prompt_stat_tracking_buffer_size: int = 16
+    """rewards kept per prompt for its running statistics"""
+    per_prompt_stat_tracking_min_count: int = 16
+    """a prompt with fewer rewards than this is normalised by the statistics of the whole batch"""
+
+    # --- filled in at runtime ---
+    world_size: int = 0
+    """number of processes (filled in at runtime)"""
+    samples_per_epoch: int = 0
+    """images sampled per epoch over all processes (filled in at runtime)"""
+    num_train_timesteps: int = 0
+    """denoising steps trained per sample: int(sample_num_steps * train_timestep_fraction) (runtime)"""
+
+
+# ---------------------------------------------------------------- the math
+
+
+def ddim_step_coefficients(scheduler, timestep: torch.Tensor):
+    """alpha_bar_t, alpha_bar_prev and the DDIM variance sigma_t^2 / eta^2 (Song et al. 2021, eq. 16).
+
+    `timestep` (B,) holds each sample's own timestep; the previous one is t - num_train_timesteps // steps.
+    Returns three (B,) tensors.
+    """
+    alphas_cumprod = scheduler.alphas_cumprod.to(timestep.device)
+    prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+    alpha_t = alphas_cumprod[timestep]
+    final_alpha = scheduler.final_alpha_cumprod.to(timestep.device)
+    alpha_prev = torch.where(prev_timestep >= 0, alphas_cumprod[prev_timestep.clamp(min=0)], final_alpha)
+    variance = (1 - alpha_prev) / (1 - alpha_t) * (1 - alpha_t / alpha_prev)
+    return alpha_t, alpha_prev, variance
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Elementwise log N(x; mean, std^2) = -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi)."""
+    return -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * np.log(2 * np.pi)
+
+
+def ddim_step_with_logprob(scheduler, model_output, timestep, latents, eta: float, prev_latents=None):
+    """One DDIM step x_t -> x_{t-1} and the log-probability of x_{t-1} under the step's Gaussian.
+
+    x_{t-1} ~ N(sqrt(a_prev) x0_pred + sqrt(1 - a_prev - sigma^2) eps_pred, sigma^2), sigma = eta * sqrt(var),
+    with x0_pred and eps_pred from the UNet output (epsilon or v prediction). Draws x_{t-1} unless
+    `prev_latents` is given (training recomputes the density of a sampled step). latents (B, C, H, W),
+    timestep (B,). Returns (x_{t-1}, log_prob (B,)); log_prob is the MEAN over the C*H*W elements, as in
+    the reference implementations: it is what makes a clip range of 1e-4 sensible.
+    """
+    model_output, latents = model_output.float(), latents.float()
+    alpha_t, alpha_prev, variance = (c.view(-1, 1, 1, 1) for c in ddim_step_coefficients(scheduler, timestep))
+    if scheduler.config.prediction_type == "v_prediction":
+        x0_pred = alpha_t.sqrt() * latents - (1 - alpha_t).sqrt() * model_output
+        eps_pred = alpha_t.sqrt() * model_output + (1 - alpha_t).sqrt() * latents
+    else:
+        x0_pred, eps_pred = (latents - (1 - alpha_t).sqrt() * model_output) / alpha_t.sqrt(), model_output
+    if scheduler.config.clip_sample:
+        x0_pred = x0_pred.clamp(-scheduler.config.clip_sample_range, scheduler.config.clip_sample_range)
+    std = eta * variance.sqrt()
+    mean = alpha_prev.sqrt() * x0_pred + (1 - alpha_prev - std**2).sqrt() * eps_pred
+    if prev_latents is None:
+        prev_latents = mean + std * torch.randn_like(mean)
+    # the sample is a constant: the gradient flows through the mean, i.e. through the UNet
+    log_prob = gaussian_log_prob(prev_latents.detach().float(), mean, std)
+    return prev_latents, log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+class PerPromptStatTracker:
+    """Advantages (r - mean) / (std + STD_EPS) from a running mean/std of each prompt's last rewards.
+
+    Each prompt keeps its last `buffer_size` rewards; while it has fewer than `min_count`, the mean and
+    (population) std of the whole batch passed to `update` are used instead.
+    """
+
+    def __init__(self, buffer_size: int, min_count: int):
+        self.buffer_size, self.min_count = buffer_size, min_count
+        self.stats: dict[str, collections.deque] = {}
+
+    def update(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
+        rewards, prompt_array = np.asarray(rewards, dtype=np.float64), np.array(prompts, dtype=object)
+        advantages = np.empty_like(rewards)
+        for prompt in dict.fromkeys(prompts):  # unique prompts, in order of first appearance
+            mask = prompt_array == prompt
+            buffer = self.stats.setdefault(prompt, collections.deque(maxlen=self.buffer_size))
+            buffer.extend(rewards[mask].tolist())
+            reference = np.array(buffer) if len(buffer) >= self.min_count else rewards
+            advantages[mask] = (rewards[mask] - reference.mean()) / (reference.std() + STD_EPS)
+        return advantages
+
+    def state_dict(self) -> dict:
+        return {prompt: list(buffer) for prompt, buffer in self.stats.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats = {p: collections.deque(r, maxlen=self.buffer_size) for p, r in state.items()}
+
+
+def batch_advantages(rewards: np.ndarray) -> np.ndarray:
+    """Advantages normalised by the statistics of the whole batch: (r - mean) / (std + STD_EPS)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    return (rewards - rewards.mean()) / (rewards.std() + STD_EPS)
+
+
+def ddpo_loss(log_probs, old_log_probs, advantages, clip_range: float, adv_clip_max: float):
+    """PPO clipped surrogate for one denoising step of a batch (all (B,) tensors).
+
+    A = clip(advantages, -adv_clip_max, adv_clip_max), ratio = exp(log_probs - old_log_probs),
+    loss = mean(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_range))).
+    Also returns approx_kl = mean((log_probs - old_log_probs)^2) / 2 and the fraction of clipped ratios.
+    """
+    advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
+    ratio = torch.exp(log_probs - old_log_probs)
+    clipped_ratio = ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
+    approx_kl = 0.5 * ((log_probs - old_log_probs) ** 2).mean()
+    clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
+    return loss, approx_kl, clipfrac
+
+
+# ---------------------------------------------------------------- rewards: f(PIL images, prompts) -> floats
+
+
+def jpeg_size_kb(image: Image.Image) -> float:
+    """Size of the image saved as JPEG at quality 95, in kilobytes."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=95)
+    return len(buffer.getvalue()) / 1000
+
+
+def jpeg_compressibility(images: list[Image.Image], prompts: list[str]) -> list[float]:
+    """Minus the JPEG size in kB: smaller files, i.e. simpler images, are better."""
+    return [-jpeg_size_kb(image) for image in images]
+
+
+def jpeg_incompressibility(images: list[Image.Image], prompts: list[str]) -> list[float]:
+    """The JPEG size in kB: more detailed images are better."""
+    return [jpeg_size_kb(image) for image in images]
+
+
+class AestheticScorer:
+    """The LAION aesthetic score (about 1-10): an MLP on the L2-normalised CLIP image embedding."""
+
+    def __init__(self, clip_model: str, head_path: str, device: torch.device):
+        from transformers import AutoImageProcessor, CLIPModel
+
+        try:
+            self.clip = CLIPModel.from_pretrained(clip_model).eval().to(device)
+            self.processor = AutoImageProcessor.from_pretrained(clip_model)
+        except OSError as error:
+            raise SystemExit(
+                f"Could not load the CLIP model '{clip_model}' ({type(error).__name__}); pass "
+                "--aesthetic_clip_model a local directory holding a CLIPModel and its image processor."
+            ) from None
+        linear, dropout = torch.nn.Linear, torch.nn.Dropout
+        self.head = torch.nn.Sequential(
+            linear(self.clip.config.projection_dim, 1024), dropout(0.2), linear(1024, 128), dropout(0.2),
+            linear(128, 64), dropout(0.1), linear(64, 16), linear(16, 1),
+        )  # fmt: skip
+        state = torch.load(head_path, map_location="cpu", weights_only=True)  # keys layers.<i>.weight/bias
+        self.head.load_state_dict({key.removeprefix("layers."): value for key, value in state.items()})
+        self.head.eval().to(device)
+
+    @torch.no_grad()
+    def __call__(self, images: list[Image.Image], prompts: list[str]) -> list[float]:
+        pixels = self.processor(images=images, return_tensors="pt")["pixel_values"].to(self.clip.device)
+        embeddings = self.clip.visual_projection(self.clip.vision_model(pixel_values=pixels).pooler_output)
+        return self.head(embeddings / embeddings.norm(dim=-1, keepdim=True)).squeeze(-1).tolist()
+
+
+def make_reward_fn(args: Args, device: torch.device):
+    """The reward function named by --reward_fn."""
+    if args.reward_fn in ("jpeg_compressibility", "jpeg_incompressibility"):
+        return globals()[args.reward_fn]
+    if args.reward_fn == "aesthetic":
+        return AestheticScorer(args.aesthetic_clip_model, args.aesthetic_head_path, device)
+    path, _, name = args.reward_fn.rpartition(":")
+    spec = importlib.util.spec_from_file_location("ddpo_user_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"--reward_fn: {path} defines no function named '{name}'.")
+    return getattr(module, name)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def encode_prompts(tokenizer, text_encoder, prompts: list[str]) -> torch.Tensor:
+    """CLIP text embeddings (B, max_length, D) of prompts padded to the tokenizer's maximum length."""
+    ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True)
+    return text_encoder(torch.tensor(ids.input_ids, device=text_encoder.device))[0]
+
+
+def predict_noise(unet, latents, timesteps, prompt_embeds, negative_embeds, guidance_scale: float, cfg: bool):
+    """UNet output; with `cfg`, classifier-free guidance uncond + guidance_scale * (cond - uncond)."""
+    if not cfg:
+        return unet(latents, timesteps, encoder_hidden_states=prompt_embeds).sample
+    embeds = torch.cat([negative_embeds.expand(len(latents), -1, -1), prompt_embeds])
+    output = unet(latents.repeat(2, 1, 1, 1), timesteps.repeat(2), encoder_hidden_states=embeds).sample
+    uncond, cond = output.chunk(2)
+    return uncond + guidance_scale * (cond - uncond)
+
+
+@torch.no_grad()
+def sample_trajectories(unet, vae, scheduler, prompt_embeds, negative_embeds, args: Args) -> dict:
+    """Sample images with DDIM keeping every step: the trajectories DDPO trains on.
+
+    Returns timesteps (B, T), latents x_t and next_latents x_{t-1} (B, T, C, H, W), log_probs (B, T)
+    and images (B, 3, H', W') in [0, 1].
+    """
+    config = (unet.module if hasattr(unet, "module") else unet).config
+    shape = (len(prompt_embeds), config.in_channels, config.sample_size, config.sample_size)
+    latents = torch.randn(shape, device=prompt_embeds.device)
+    guidance, eta, steps = args.sample_guidance_scale, args.sample_eta, []
+    cfg = guidance > 1.0
+    for t in scheduler.timesteps:
+        timesteps = t.repeat(len(latents))
+        noise_pred = predict_noise(unet, latents, timesteps, prompt_embeds, negative_embeds, guidance, cfg)
+        next_latents, log_prob = ddim_step_with_logprob(scheduler, noise_pred, timesteps, latents, eta)
+        steps.append((timesteps, latents, next_latents, log_prob))
+        latents = next_latents
+    images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor).sample
+    trajectories = {key: torch.stack(values, dim=1) for key, values in zip(TRAJECTORY_KEYS, zip(*steps))}
+    return trajectories | {"images": (images.float() / 2 + 0.5).clamp(0, 1)}
+
+
+def step_log_prob(unet, scheduler, batch: dict, step: int, negative_embeds, args: Args) -> torch.Tensor:
+    """Log-probability (B,) under the current UNet of each sample's step number `step` of its trajectory."""
+    latents, timesteps = batch["latents"][:, step], batch["timesteps"][:, step]
+    guidance, prompt_embeds = args.sample_guidance_scale, batch["prompt_embeds"]
+    cfg = args.train_cfg and guidance > 1.0
+    noise_pred = predict_noise(unet, latents, timesteps, prompt_embeds, negative_embeds, guidance, cfg)
+    next_latents = batch["next_latents"][:, step]
+    return ddim_step_with_logprob(scheduler, noise_pred, timesteps, latents, args.sample_eta, next_latents)[1]
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """(B, 3, H, W) floats in [0, 1] -> PIL RGB images."""
+    array = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    return [Image.fromarray(a) for a in array]
+
+
+def image_grid(images: list[Image.Image], captions: list[str], tile: int = 128, columns: int = 4):
+    """A PIL grid of images (resized to `tile` pixels), each with a caption strip below it."""
+    rows, caption_height = (len(images) + columns - 1) // columns, 14
+    grid = Image.new("RGB", (columns * tile, rows * (tile + caption_height)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        x, y = (i % columns) * tile, (i // columns) * (tile + caption_height)
+        grid.paste(image.resize((tile, tile), Image.NEAREST), (x, y))
+        draw.text((x + 2, y + tile + 1), caption, fill="black")
+    return grid
+
+
+# ---------------------------------------------------------------- checks, checkpoints, output
+
+
+def read_prompts(args: Args) -> list[str]:
+    if args.prompt_file is None:
+        return list(ANIMALS)
+    if not os.path.isfile(args.prompt_file):
+        raise ValueError(f"--prompt_file {args.prompt_file} does not exist.")
+    with open(args.prompt_file, encoding="utf-8") as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompt_file {args.prompt_file} has no prompts (expected one prompt per line).")
+    return prompts
+
+
+def find_checkpoint(path: str) -> str:
+    """`path` itself if it is a checkpoint, else the newest checkpoint_<epoch> inside it."""
+    if os.path.isfile(os.path.join(path, "checkpoint.pt")):
+        return path
+    names = [n for n in os.listdir(path) if n.startswith("checkpoint_")] if os.path.isdir(path) else []
+    if not names:
+        raise ValueError(f"--resume_from {path} is neither a checkpoint nor a folder of checkpoint_<epoch>.")
+    return os.path.join(path, max(names, key=lambda n: int(n.split("_")[-1])))
+
+
+def check_args(args: Args) -> list[str]:
+    """Reject impossible flag values and missing files before any model is loaded; returns the prompts."""
+    if args.sample_eta <= 0:
+        raise ValueError(f"--sample_eta must be > 0 (got {args.sample_eta}): an eta-0 step has no log-prob.")
+    args.num_train_timesteps = int(args.sample_num_steps * args.train_timestep_fraction)
+    if not (args.train_timestep_fraction <= 1 and args.num_train_timesteps >= 1):
+        raise ValueError("--train_timestep_fraction must be <= 1 and keep at least one denoising step.")
+    samples = args.sample_batch_size * args.sample_num_batches_per_epoch
+    if samples % args.train_batch_size:
+        raise ValueError(f"the {samples} samples per epoch must be divisible by --train_batch_size.")
+    if (samples // args.train_batch_size) % args.train_gradient_accumulation_steps:
+        msg = f"the {samples // args.train_batch_size} training batches per epoch must be divisible by"
+        raise ValueError(f"{msg} --train_gradient_accumulation_steps.")
+    if args.per_prompt_stat_tracking_min_count > args.per_prompt_stat_tracking_buffer_size:
+        raise ValueError("--per_prompt_stat_tracking_min_count must not exceed its buffer size.")
+    if min(args.save_freq, args.num_checkpoint_limit, args.max_workers, args.lora_rank) < 1:
+        raise ValueError("--save_freq, --num_checkpoint_limit, --max_workers and --lora_rank must be >= 1.")
+    head = args.aesthetic_head_path
+    if args.reward_fn == "aesthetic" and not (head and os.path.isfile(head)):
+        raise ValueError(f"--reward_fn aesthetic needs --aesthetic_head_path, a .pth file (got {head}).")
+    path, _, name = args.reward_fn.rpartition(":")
+    builtin = args.reward_fn in ("jpeg_compressibility", "jpeg_incompressibility", "aesthetic")
+    if not builtin and not (path.endswith(".py") and name and os.path.isfile(path)):
+        raise ValueError(f"--reward_fn {args.reward_fn} is no built-in reward nor existing file.py:function.")
+    if args.pretrained_model.startswith(("/", ".", "~")) and not os.path.isdir(args.pretrained_model):
+        raise ValueError(f"--pretrained_model {args.pretrained_model} does not exist.")
+    if args.train_use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("--train_use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes).")
+    if args.resume_from is not None:
+        args.resume_from = find_checkpoint(args.resume_from)
+    elif os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
+        raise ValueError(f"--output_dir {args.output_dir} is not empty: pass --overwrite_output_dir.")
+    return read_prompts(args)
+
+
+def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Args, epoch: int, step: int):
+    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states: an exact restart."""
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    directory = os.path.join(checkpoints, f"checkpoint_{epoch}")
+    if accelerator.is_main_process:
+        os.makedirs(directory, exist_ok=True)
+        params = accelerator.unwrap_model(unet).named_parameters()
+        state = {"trained": {n: p.detach().cpu() for n, p in params if p.requires_grad}, "epoch": epoch}
+        tracker_state = tracker.state_dict() if tracker else None
+        state.update(optimizer=optimizer.state_dict(), global_step=step, tracker=tracker_state)
+        torch.save(state, os.path.join(directory, "checkpoint.pt"))
+    accelerator.wait_for_everyone()
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    rng["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    rng["prompts"] = prompt_rng.getstate()
+    torch.save(rng, os.path.join(directory, f"rng_state_{accelerator.process_index}.pt"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        names = [n for n in os.listdir(checkpoints) if n.startswith("checkpoint_")]
+        names.sort(key=lambda n: int(n.split("_")[-1]))
+        for name in names[: -args.num_checkpoint_limit]:
+            shutil.rmtree(os.path.join(checkpoints, name))
+
+
+def load_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, directory: str) -> tuple[int, int]:
+    """Restore what save_checkpoint wrote; returns (first epoch to run, global step)."""
+    rng_path = os.path.join(directory, f"rng_state_{accelerator.process_index}.pt")
+    if not os.path.isfile(rng_path):
+        raise ValueError(f"{directory} lacks {rng_path}: resume with as many processes.")
+    state = torch.load(os.path.join(directory, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    params = dict(accelerator.unwrap_model(unet).named_parameters())
+    if set(state["trained"]) != {n for n, p in params.items() if p.requires_grad}:
+        raise ValueError(f"{directory} holds other weights than those trained here (see --use_lora).")
+    with torch.no_grad():
+        for name, value in state["trained"].items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(state["optimizer"])
+    if tracker is not None:
+        tracker.load_state_dict(state["tracker"] or {})
+    rng = torch.load(
+        rng_path, weights_only=False
+    )  # our own file; python and numpy RNG states are not tensors
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    prompt_rng.setstate(rng["prompts"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["epoch"] + 1, state["global_step"]
+
+
+def write_model_card(args: Args, metrics: dict) -> None:
+    load = "StableDiffusionPipeline.from_pretrained"
+    load = "pipe.load_lora_weights(this_directory)" if args.use_lora else load
+    trained = f"LoRA rank {args.lora_rank}" if args.use_lora else "the full UNet"
+    card = f"""# DDPO fine-tuned `{args.pretrained_model}`
+
+Trained by `ddpo.py` with Denoising Diffusion Policy Optimization (Black et al. 2023, arXiv:2305.13301):
+reward `{args.reward_fn}`, prompts `{args.prompt_file or "built-in simple animals"}`, {args.num_epochs} epochs
+of {args.samples_per_epoch} images, {trained}. Load with `{load}`.
+
+Command: `python {" ".join(sys.argv)}`
+
+Final metrics:
+"""
+    with open(os.path.join(args.output_dir, "README.md"), "w") as f:
+        f.write(card + "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items()))
+
+
+# ---------------------------------------------------------------- training
+
+
+def main(args: Args) -> None:
+    prompts = check_args(args)  # before the heavy imports: bad input fails at once
+    from accelerate import Accelerator
+    from accelerate.utils import broadcast_object_list, gather_object, set_seed
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm.auto import tqdm
+
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        print("fp16 needs a GPU: running in float32 (--mixed_precision no).")
+        args.mixed_precision = "no"
+    # one optimizer step per train_gradient_accumulation_steps batches, each over all its trained timesteps
+    accumulation = args.train_gradient_accumulation_steps * args.num_train_timesteps
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=accumulation)
+    device, args.world_size = accelerator.device, accelerator.num_processes
+    args.samples_per_epoch = args.sample_batch_size * args.sample_num_batches_per_epoch * args.world_size
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
+    set_seed(args.seed, device_specific=True)  # each process draws its own noise
+    prompt_rng = random.Random(args.seed + accelerator.process_index)
+    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
+    reward_fn = make_reward_fn(args, device)
+
+    # the pipeline, in the dtype of the forward passes
+    dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
+    try:
+        pipeline = StableDiffusionPipeline.from_pretrained(
+            args.pretrained_model, revision=args.pretrained_revision, dtype=dtype, safety_checker=None
+        )
+    except OSError as error:
+        raise SystemExit(
+            f"Could not load the pipeline {args.pretrained_model} ({type(error).__name__}): pass "
+            "--pretrained_model a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py)."
+        ) from None
+    scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
+    scheduler.set_timesteps(args.sample_num_steps, device=device)
+    config = scheduler.config
+    if config.thresholding or config.prediction_type not in ("epsilon", "v_prediction"):
+        raise ValueError("ddpo.py supports DDIM with epsilon or v prediction and without thresholding.")
+    if (ddim_step_coefficients(scheduler, scheduler.timesteps)[2] <= 0).any():
+        raise ValueError("a DDIM step of this scheduler has zero variance: set set_alpha_to_one to False.")
+
+    run_dir = os.path.join("runs", args.run_name)  # TensorBoard, and a PNG grid of samples per epoch
+    if accelerator.is_main_process:
+        if args.track:
+            import wandb
+
+            run = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name)
+            wandb.init(**run, config=vars(args), sync_tensorboard=True, save_code=True)
+        writer = SummaryWriter(run_dir)
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        os.makedirs(os.path.join(run_dir, "images"), exist_ok=True)
+
+    # frozen VAE and text encoder; LoRA adapters (float32) or the whole UNet are trained
+    vae, text_encoder = pipeline.vae, pipeline.text_encoder
+    tokenizer, unet = pipeline.tokenizer, pipeline.unet
+    for module in (vae, text_encoder, unet):  # eval: no dropout, so training recomputes the sampling logps
+        module.requires_grad_(False).eval().to(device)
+    if args.use_lora:
+        from peft import LoraConfig
+
+        # "gaussian" initialises B to zero: the adapted UNet starts equal to the base one
+        lora = dict(r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=LORA_TARGETS)
+        unet.add_adapter(LoraConfig(**lora, init_lora_weights="gaussian"))
+        for param in unet.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+    else:
+        unet.requires_grad_(True).float()
+    trainable = [p for p in unet.parameters() if p.requires_grad]
+    optimizer_class = torch.optim.AdamW
+    if args.train_use_8bit_adam:
+        import bitsandbytes
+
+        optimizer_class = bitsandbytes.optim.AdamW8bit
+    adam = dict(lr=args.train_learning_rate, betas=(args.train_adam_beta1, args.train_adam_beta2))
+    adam.update(weight_decay=args.train_adam_weight_decay, eps=args.train_adam_epsilon)
+    optimizer = optimizer_class(trainable, **adam)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    with torch.no_grad():
+        negative_embeds = encode_prompts(tokenizer, text_encoder, [args.negative_prompts])
+    tracker = None
+    if args.per_prompt_stat_tracking:
+        buffer_size = args.per_prompt_stat_tracking_buffer_size
+        tracker = PerPromptStatTracker(buffer_size, args.per_prompt_stat_tracking_min_count)
+    first_epoch, global_step = 0, 0
+    if args.resume_from is not None:
+        resumable = (accelerator, unet, optimizer, tracker, prompt_rng)
+        first_epoch, global_step = load_checkpoint(*resumable, args.resume_from)
+    executor = ThreadPoolExecutor(args.max_workers) if args.async_reward_computation else None
+    final_metrics, clipping = {}, (args.train_clip_range, args.train_adv_clip_max)
+    train_names = ("loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "epoch", "inner_epoch")
+
+    for epoch in tqdm(range(first_epoch, args.num_epochs), disable=not accelerator.is_main_process):
+        start_time = time.time()
+        # 1. sample trajectories; with --async_reward_computation the rewards are computed meanwhile
+        unet.eval()
+        batches, rewards = [], []
+        for _ in range(args.sample_num_batches_per_epoch):
+            batch_prompts = [prompt_rng.choice(prompts) for _ in range(args.sample_batch_size)]
+            with torch.no_grad(), accelerator.autocast():
+                prompt_embeds = encode_prompts(tokenizer, text_encoder, batch_prompts)
+                batch = sample_trajectories(unet, vae, scheduler, prompt_embeds, negative_embeds, args)
+            batches.append(batch | {"prompt_embeds": prompt_embeds, "prompts": batch_prompts})
+            images = to_pil(batch["images"])
+            if executor is not None:
+                rewards.append(executor.submit(reward_fn, images, batch_prompts))
+            else:
+                rewards.append(reward_fn(images, batch_prompts))
+        rewards = [np.asarray(r.result() if executor else r, dtype=np.float64).reshape(-1) for r in rewards]
+        local_rewards, local_prompts = np.concatenate(rewards), [p for b in batches for p in b["prompts"]]
+        if len(local_rewards) != len(local_prompts):
+            raise ValueError(f"--reward_fn {args.reward_fn} must return one number per image.")
+
+        # 2. advantages, from the rewards of all processes
+        all_rewards = accelerator.gather(torch.tensor(local_rewards, device=device)).cpu().numpy()
+        all_prompts = gather_object(local_prompts)
+        if tracker is not None:
+            all_advantages = tracker.update(all_prompts, all_rewards)
+        else:
+            all_advantages = batch_advantages(all_rewards)
+        local_advantages = all_advantages.reshape(args.world_size, -1)[accelerator.process_index]
+        metrics = {"objective/reward_mean": all_rewards.mean(), "objective/reward_std": all_rewards.std()}
+        final_metrics.update(metrics)
+        if accelerator.is_main_process:
+            for name, value in metrics.items():
+                writer.add_scalar(name, value, global_step)
+            shown = min(args.num_logged_images, len(local_prompts))
+            images = to_pil(torch.cat([b["images"] for b in batches])[:shown])
+            captions = [f"{prompt[:12]} {reward:.3g}" for prompt, reward in zip(local_prompts, local_rewards)]
+            grid = image_grid(images, captions[:shown])
+            grid.save(os.path.join(run_dir, "images", f"epoch_{epoch:04d}.png"))
+            writer.add_image("images/samples", np.asarray(grid), global_step, dataformats="HWC")
+
+        # 3. PPO updates on the denoising steps
+        samples = {key: torch.cat([b[key] for b in batches]) for key in TRAJECTORY_KEYS + ("prompt_embeds",)}
+        samples["advantages"] = torch.tensor(local_advantages, dtype=torch.float32, device=device)
+        num_samples = len(local_advantages)
+        unet.train()
+        for inner_epoch in range(args.train_num_inner_epochs):
+            perm = torch.randperm(num_samples, device=device)
+            samples = {key: value[perm] for key, value in samples.items()}
+            # each sample trains on its own random subset (train_timestep_fraction) of steps, in random order
+            order = torch.rand(num_samples, args.sample_num_steps, device=device).argsort(dim=1)
+            rows = torch.arange(num_samples, device=device)[:, None]
+            samples.update({key: samples[key][rows, order] for key in TRAJECTORY_KEYS})
+            step_stats = []
+            for start in range(0, num_samples, args.train_batch_size):
+                batch = {key: value[start : start + args.train_batch_size] for key, value in samples.items()}
+                for step in range(args.num_train_timesteps):
+                    with accelerator.accumulate(unet):
+                        with accelerator.autocast():
+                            log_prob = step_log_prob(unet, scheduler, batch, step, negative_embeds, args)
+                        old_log_prob, advantages = batch["log_probs"][:, step], batch["advantages"]
+                        loss, approx_kl, clipfrac = ddpo_loss(log_prob, old_log_prob, advantages, *clipping)
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            accelerator.clip_grad_norm_(trainable, args.train_max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    step_stats.append(torch.stack([loss, approx_kl, clipfrac]).detach())
+                    if accelerator.sync_gradients:  # an optimizer step was taken: log its averages
+                        means = accelerator.reduce(torch.stack(step_stats).mean(0), reduction="mean").tolist()
+                        step_stats, global_step = [], global_step + 1
+                        final_metrics.update(zip(train_names, means + [epoch, inner_epoch]))
+                        if accelerator.is_main_process:
+                            for name in train_names:
+                                writer.add_scalar(name, final_metrics[name], global_step)
+        if accelerator.is_main_process:
+            speed = args.samples_per_epoch / (time.time() - start_time)
+            writer.add_scalar("time/samples_per_second", speed, global_step)
+        if (epoch + 1) % args.save_freq == 0:
+            save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args, epoch, global_step)
+
+    # 4. the trained weights, loadable into the pipeline, and a model card
+    if executor is not None:
+        executor.shutdown()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(unet)
+        os.makedirs(args.output_dir, exist_ok=True)
+        if args.use_lora:
+            from diffusers.utils import convert_state_dict_to_diffusers
+            from peft.utils import get_peft_model_state_dict
+
+            lora_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))
+            StableDiffusionPipeline.save_lora_weights(args.output_dir, unet_lora_layers=lora_layers)
+        else:
+            pipeline.unet = unwrapped
+            pipeline.save_pretrained(args.output_dir)
+        write_model_card(args, {name: float(value) for name, value in final_metrics.items()})
+        if args.push_to_hub:
+            from huggingface_hub import HfApi
+
+            api, name = HfApi(), os.path.basename(os.path.abspath(args.output_dir))
+            repo_id = api.create_repo(name, exist_ok=True).repo_id
+            api.upload_folder(repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoints/*"])
+        writer.close()
+        if args.track:
+            wandb.finish()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))
