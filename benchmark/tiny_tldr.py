@@ -41,6 +41,8 @@ class Args:
     """where the json summary and the plots go"""
     jobs: int = 2
     """stages run at once where they do not depend on each other (PPO, RLOO, DPO; the evaluations)"""
+    parallel_seeds: int = 1
+    """seeds run at once (each seed's SFT and reward model use one core, so 2-3 keep a 2-core machine busy)"""
     threads_per_job: int = 1
     """torch threads per stage process"""
     overwrite: bool = True
@@ -53,14 +55,17 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     """The command line of every stage for one seed. Full runs use the settings reported in the README."""
     data = f"{world}/dataset"
     logs = ["--logging_dir", f"{work}/runs", "--seed", str(seed), "--overwrite_output_dir"]
-    sft_steps, rm_epochs, rl_episodes, dpo_epochs = (40, 0.05, 256, 0.02) if quick else (1200, 1, 24576, 1)
+    sft_steps, rl_episodes = (40, 128) if quick else (1500, 2048)
+    # the reward model and DPO see the preference split once; the quick check stops them after a few steps
+    rm_length = ["--total_steps", "10"] if quick else ["--num_train_epochs", "1"]
+    dpo_length = ["--max_steps", "10"] if quick else ["--num_train_epochs", "1"]
     rl_common = [
         "--sft_model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
         "--dataset_name", data, "--dataset_train_split", "sft", "--dataset_test_split", "validation",
         "--response_length", "8", "--temperature", "0.7", "--stop_token", "eos", "--missing_eos_penalty", "1.0",
-        "--per_device_train_batch_size", "32" if not quick else "16", "--gradient_accumulation_steps", "1",
+        "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "1", "--num_mini_batches", "2",
         "--local_rollout_forward_batch_size", "64", "--total_episodes", str(rl_episodes),
-        "--num_sample_generations", "4",
+        "--learning_rate", "3e-4", "--kl_coef", "0.2", "--num_sample_generations", "4",
     ]  # fmt: skip
     return {
         "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed)],
@@ -76,16 +81,22 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "validation",
             "--output_dir",
             f"{work}/sft",
+            "--max_length",
+            "128",
+            "--response_length",
+            "8",
             "--learning_rate",
-            "2e-3",
+            "3e-3",
+            "--lr_scheduler_type",
+            "cosine",
+            "--warmup_ratio",
+            "0.05",
             "--per_device_train_batch_size",
             "32",
             "--total_steps",
             str(sft_steps),
-            "--warmup_ratio",
-            "0.05",
             "--eval_steps",
-            "400",
+            "500",
             *logs,
         ],
         "reward": [
@@ -101,45 +112,22 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "--output_dir",
             f"{work}/reward",
             "--learning_rate",
-            "1e-3",
+            "5e-4",
             "--per_device_train_batch_size",
             "32",
-            "--num_train_epochs",
-            str(rm_epochs),
-            "--normalize_split",
-            "sft",
+            *rm_length,
             *logs,
         ],
-        "ppo": [
-            "ppo.py",
-            *rl_common,
-            "--output_dir",
-            f"{work}/ppo",
-            "--learning_rate",
-            "3e-4",
-            "--num_ppo_epochs",
-            "4",
-            "--num_mini_batches",
-            "2",
-            "--kl_coef",
-            "0.2",
-            *logs,
-        ],
+        "ppo": ["ppo.py", *rl_common, "--output_dir", f"{work}/ppo", "--num_ppo_epochs", "4", *logs],
         "rloo": [
             "rloo.py",
             *rl_common,
             "--output_dir",
             f"{work}/rloo",
-            "--learning_rate",
-            "3e-4",
             "--rloo_k",
             "4",
             "--num_ppo_epochs",
             "2",
-            "--num_mini_batches",
-            "2",
-            "--kl_coef",
-            "0.2",
             *logs,
         ],
         "dpo": [
@@ -158,8 +146,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "1e-4",
             "--per_device_train_batch_size",
             "32",
-            "--num_train_epochs",
-            str(dpo_epochs),
+            *dpo_length,
             "--beta",
             "0.1",
             *logs,
@@ -228,6 +215,7 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
         command = [
             "benchmark/evaluate_tldr.py", "--model_path", model, "--dataset_name", f"{world}/dataset",
             "--split", "test", "--response_length", "8", "--output_jsonl", f"{work}/eval/{method}.jsonl",
+            *(["--max_samples", "32"] if args.quick else []),
         ]  # fmt: skip
         stages[f"eval_{method}"] = run_stage(f"eval_{method}", command, logs, args.threads_per_job)
         with open(f"{work}/eval/{method}_result.json") as f:
@@ -313,11 +301,10 @@ def main(args: Args) -> dict:
     from rich.table import Table
 
     start = time.time()
-    per_seed = []
     with Progress() as progress:
         task = progress.add_task("tiny TL;DR", total=args.seeds * 7)
-        for seed in range(args.seeds):
-            per_seed.append(run_seed(args, seed, progress, task))
+        with ThreadPoolExecutor(args.parallel_seeds) as pool:
+            per_seed = list(pool.map(lambda seed: run_seed(args, seed, progress, task), range(args.seeds)))
     summary = summarize(per_seed)
     result = {
         "summary": summary,
