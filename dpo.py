@@ -1,0 +1,559 @@
+# DPO: Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a Reward Model" 2023
+"""Direct Preference Optimization and its main variants, trained offline on preference pairs.
+
+https://arxiv.org/abs/2305.18290. A policy pi and a frozen reference pi_ref define the implicit reward of a
+completion y of a prompt x, r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)); DPO fits the Bradley-Terry model of
+the preferences with it, -log sigmoid(r(x, y_chosen) - r(x, y_rejected)), so no reward model and no sampling
+are needed. `--loss_type` picks the variant (IPO, SLiC hinge, robust DPO, SimPO); `--label_smoothing` gives
+conservative DPO. The logprob of a completion is the sum over its tokens (ipo and simpo average it); the
+prompt tokens are never in the loss.
+
+Offline example (the tiny world on 2 CPU cores, about 3 CPU-minutes per epoch of its 8000 pairs):
+    python benchmark/tiny_world.py --output_dir tiny_world
+    python dpo.py --model_name_or_path tiny_world/policy --dataset_name tiny_world/dataset \
+        --dataset_train_split preference --dataset_test_split preference_validation --learning_rate 1e-3 \
+        --per_device_train_batch_size 32 --warmup_ratio 0.1 --eval_steps 50 --output_dir models/dpo-tiny
+TL;DR at Pythia-1B scale (8 GPUs, starting from the SFT model of sft.py; 64 pairs per step):
+    accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml dpo.py \
+        --model_name_or_path models/sft_tldr --dataset_name trl-lib/tldr-preference --learning_rate 1e-6 \
+        --beta 0.1 --per_device_train_batch_size 8 --warmup_ratio 0.1 --max_length 640 \
+        --max_prompt_length 512 --max_completion_length 128 --bf16 --gradient_checkpointing \
+        --eval_steps 200 --output_dir models/dpo_tldr
+"""
+
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+import utils
+
+
+@dataclass
+class Args:
+    # --- run ---
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run name starts with it)"""
+    seed: int = 1
+    """seed of the run; with it a CPU run is reproducible"""
+    run_name: str | None = None
+    """TensorBoard/W&B run name; None gives {exp_name}__{seed}__{unix time}"""
+    track: bool = False
+    """also log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    wandb_project_name: str = "rlhf-reference"
+    """W&B project name"""
+    wandb_entity: str | None = None
+    """W&B entity (team); None uses the default one"""
+    logging_dir: str = "runs"
+    """TensorBoard logs go to {logging_dir}/{run_name}"""
+    output_dir: str = "models/dpo"
+    """where the trained policy (a plain causal-LM directory), its tokenizer and a model card are written"""
+    overwrite_output_dir: bool = False
+    """allow a non-empty --output_dir (its files are replaced only once training has finished)"""
+    push_to_hub: bool = False
+    """push --output_dir to the Hugging Face hub at the end (repository named after --output_dir)"""
+
+    # --- model and data ---
+    model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
+    """policy to start from (usually the SFT model), hub id or local directory; also the reference model"""
+    dataset_name: str = "trl-lib/tldr-preference"
+    """dataset with prompt/chosen/rejected text columns (hub id, save_to_disk dir, jsonl/parquet files)"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_test_split: str = "validation"
+    """split for evaluation (implicit-reward accuracy, sample completions)"""
+    max_length: int = 1024
+    """most tokens of prompt + completion: completions are cut to fit; rows with no room left are dropped"""
+    max_prompt_length: int | None = 512
+    """most prompt tokens (see --truncation_mode); None keeps whole prompts"""
+    max_completion_length: int | None = None
+    """most completion tokens kept (None: only --max_length limits them); also the eval sample length"""
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    """which end of a prompt longer than --max_prompt_length is kept (keep_end keeps a final instruction)"""
+
+    # --- DPO ---
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, hinge (SLiC), robust (robust DPO), simpo (reference-free, length-normalized)"""
+    beta: float = 0.1
+    """inverse temperature of the implicit reward (DPO beta, IPO tau, SLiC 1/delta, SimPO beta)"""
+    label_smoothing: float = 0.0
+    """assumed probability that a label is flipped (conservative DPO with sigmoid/simpo; robust needs it)"""
+    reference_free: bool = False
+    """ignore the reference model (a uniform reference: log pi_ref = 0)"""
+    simpo_gamma: float = 0.5
+    """SimPO target reward margin gamma"""
+    precompute_ref_log_probs: Annotated[bool, tyro.conf.arg(aliases=("--precompute_ref_logps",))] = False
+    """compute the reference logprobs in one pass before training: no reference model is held in training"""
+
+    # --- optimization ---
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    per_device_train_batch_size: int = 8
+    """preference pairs per process per forward pass (each pass holds 2x this many sequences)"""
+    per_device_eval_batch_size: int = 8
+    """pairs per process per evaluation forward pass; also the number of prompts in the sample table"""
+    gradient_accumulation_steps: int = 1
+    """forward passes whose gradients are summed into one optimizer step"""
+    num_train_epochs: float = 1.0
+    """passes over the training split (ignored when --max_steps > 0)"""
+    max_steps: int = -1
+    """optimizer steps to train for; -1 uses --num_train_epochs"""
+    warmup_ratio: float = 0.0
+    """fraction of the optimizer steps spent warming the learning rate up from 0"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """learning-rate schedule after warmup"""
+    max_grad_norm: float = 1.0
+    """gradients are clipped to this global norm (0 disables clipping)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 mixed precision"""
+
+    # --- LoRA ---
+    use_peft: bool = False
+    """train LoRA adapters; the reference is then the base model with the adapter disabled (no second copy)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling alpha"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA adapters' inputs"""
+    lora_target_modules: list[str] | None = None
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model"""
+
+    # --- logging and evaluation ---
+    logging_steps: int = 10
+    """log training metrics every this many optimizer steps"""
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (0: only at the end, which always happens)"""
+    generate_during_eval: bool = True
+    """at each evaluation, print a table of greedy completions for a few test prompts"""
+
+    # --- filled in at runtime ---
+    batch_size: int = 0
+    """pairs per optimizer step over all processes (filled in at runtime)"""
+    num_training_steps: int = 0
+    """optimizer steps of the run (filled in at runtime)"""
+
+
+METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
+METRICS += ["logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"]
+COLUMNS = ("prompt", "chosen", "rejected")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Losses: pure functions of the summed completion logprobs [B] of the policy (pi_c, pi_r) and the reference
+# (ref_c, ref_r), for the chosen (c) and rejected (r) completions; len_c, len_r count their tokens.
+# ----------------------------------------------------------------------------------------------------------------
+def sigmoid_loss(pi_c, pi_r, ref_c, ref_r, beta, label_smoothing=0.0):
+    """DPO (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * h) with h = (pi_c - ref_c) - (pi_r - ref_r).
+
+    With label smoothing e > 0, conservative DPO (cDPO; Mitchell 2023, "A note on DPO with noisy preferences
+    & relationship to IPO"): the expected loss when each label is flipped with probability e,
+    -(1-e) log sig(beta h) - e log sig(-beta h)."""
+    h = (pi_c - ref_c) - (pi_r - ref_r)
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def robust_loss(pi_c, pi_r, ref_c, ref_r, beta, label_smoothing):
+    """Robust DPO (Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models with Noisy
+    Feedback"): when labels are flipped with probability e, [-(1-e) log sig(beta h) + e log sig(-beta h)] /
+    (1 - 2e) is an unbiased estimate of the DPO loss on clean labels."""
+    h = (pi_c - ref_c) - (pi_r - ref_r)
+    noisy = -(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)
+    return noisy / (1 - 2 * label_smoothing)
+
+
+def hinge_loss(pi_c, pi_r, ref_c, ref_r, beta):
+    """SLiC-HF (Zhao et al. 2023, "SLiC-HF: Sequence Likelihood Calibration with Human Feedback"): the
+    calibration hinge loss relu(1 - beta * h), margin 1/beta, here on reference-corrected log-ratios (SLiC's
+    own loss compares the policy's logprobs alone: --reference_free)."""
+    return torch.relu(1 - beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+
+
+def ipo_loss(pi_c, pi_r, ref_c, ref_r, len_c, len_r, beta):
+    """IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences"):
+    (h - 1/(2 tau))^2 with tau = beta. Here each log-ratio is AVERAGED over its completion's tokens
+    (summed logprob / number of tokens), not summed, as TRL does and the IPO authors confirmed."""
+    h = (pi_c - ref_c) / len_c - (pi_r - ref_r) / len_r
+    return (h - 1 / (2 * beta)) ** 2
+
+
+def simpo_loss(pi_c, pi_r, len_c, len_r, beta, gamma, label_smoothing=0.0):
+    """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward"):
+    -log sig(beta * (pi_c/len_c - pi_r/len_r) - gamma), no reference, length-normalized, target margin gamma;
+    label smoothing e as in conservative DPO."""
+    z = beta * (pi_c / len_c - pi_r / len_r) - gamma
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def preference_loss(args: Args, pi_c, pi_r, ref_c, ref_r, len_c, len_r):
+    """Per-pair losses [B] of --loss_type and the implicit rewards [B] of the chosen and rejected completions:
+    beta * log(pi / pi_ref); per-token averages for ipo and simpo (simpo has no reference: log pi_ref = 0)."""
+    if args.reference_free or args.loss_type == "simpo":
+        ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)
+    beta, e = args.beta, args.label_smoothing
+    if args.loss_type == "sigmoid":
+        losses = sigmoid_loss(pi_c, pi_r, ref_c, ref_r, beta, e)
+    elif args.loss_type == "robust":
+        losses = robust_loss(pi_c, pi_r, ref_c, ref_r, beta, e)
+    elif args.loss_type == "hinge":
+        losses = hinge_loss(pi_c, pi_r, ref_c, ref_r, beta)
+    elif args.loss_type == "ipo":
+        losses = ipo_loss(pi_c, pi_r, ref_c, ref_r, len_c, len_r, beta)
+    else:
+        losses = simpo_loss(pi_c, pi_r, len_c, len_r, beta, args.simpo_gamma, e)
+    ratio_c, ratio_r = (pi_c - ref_c).detach(), (pi_r - ref_r).detach()
+    if args.loss_type in ("ipo", "simpo"):
+        ratio_c, ratio_r = ratio_c / len_c, ratio_r / len_r
+    return losses, beta * ratio_c, beta * ratio_r
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: tokenize, truncate, put chosen and rejected in one batch
+# ----------------------------------------------------------------------------------------------------------------
+def truncate_pair(prompt, chosen, rejected, args: Args):
+    """Fit one pair of token lists under the length flags, or None when the prompt leaves no room under
+    --max_length for one completion token. A prompt longer than --max_prompt_length keeps its last (keep_end)
+    or first (keep_start) tokens; each completion then keeps its first tokens that fit."""
+    if args.max_prompt_length is not None and len(prompt) > args.max_prompt_length:
+        keep_end = args.truncation_mode == "keep_end"
+        prompt = prompt[-args.max_prompt_length :] if keep_end else prompt[: args.max_prompt_length]
+    room = min(args.max_length - len(prompt), args.max_completion_length or args.max_length)
+    return (prompt, chosen[:room], rejected[:room]) if args.max_length - len(prompt) >= 1 else None
+
+
+def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
+    """Token rows {index, prompt, chosen, rejected} and counts of the rows truncated and dropped. Each
+    completion ends with EOS (added unless it is already there) so that the policy learns to stop."""
+    utils.check_columns(dataset, COLUMNS, where)
+    if not all(isinstance(dataset[0][c], str) for c in COLUMNS):
+        raise ValueError(f"{where}: prompt, chosen and rejected must be text; apply the chat template first.")
+    ids = [tokenizer(list(dataset[c]), add_special_tokens=False)["input_ids"] for c in COLUMNS]
+    eos, rows = tokenizer.eos_token_id, []
+    counts = {"pairs": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
+    for prompt, chosen, rejected in zip(*ids):
+        chosen, rejected = [t if t[-1:] == [eos] else t + [eos] for t in (chosen, rejected)]
+        fitted = truncate_pair(prompt, chosen, rejected, args)
+        if fitted is None:
+            counts["dropped"] += 1
+            continue
+        counts["prompts_truncated"] += len(fitted[0]) < len(prompt)
+        counts["completions_truncated"] += len(fitted[1]) + len(fitted[2]) < len(chosen) + len(rejected)
+        rows.append({"index": len(rows), "prompt": fitted[0], "chosen": fitted[1], "rejected": fitted[2]})
+    if not rows:
+        raise ValueError(
+            f"{where}: no prompt leaves room for a completion under --max_length {args.max_length}; "
+            "raise --max_length or set a smaller --max_prompt_length."
+        )
+    return rows, counts
+
+
+def concatenated_inputs(prompts, chosens, rejecteds, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One right-padded batch [2B, T]: prompt+chosen of every pair, then prompt+rejected, so that both go
+    through the model in one forward pass. completion_mask marks the completion tokens (the only ones in the
+    loss).
+    Padding is read from attention_mask, never from the pad id, so pad == eos is safe."""
+    pairs = list(zip(list(prompts) * 2, list(chosens) + list(rejecteds)))
+    return {
+        "input_ids": utils.pad([p + c for p, c in pairs], pad_token_id),
+        "attention_mask": utils.pad([[1] * (len(p) + len(c)) for p, c in pairs], 0),
+        "completion_mask": utils.pad([[0] * len(p) + [1] * len(c) for p, c in pairs], 0).bool(),
+    }
+
+
+def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    batch = concatenated_inputs(*[[r[c] for r in rows] for c in COLUMNS], pad_token_id)
+    return {**batch, "index": torch.tensor([r["index"] for r in rows])}
+
+
+def completion_logps(model, batch: dict[str, torch.Tensor]):
+    """Summed logprob [N] of each row's completion tokens, their number [N], and their mean logit [N]."""
+    input_ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].float()  # position t predicts t+1
+    logits = utils.forward(model, input_ids, batch["attention_mask"]).logits[:, :-1]
+    token_logps, lengths = utils.logprobs_from_logits(logits, input_ids[:, 1:]), mask.sum(-1)
+    return (token_logps * mask).sum(-1), lengths, (logits.float().mean(-1) * mask).sum(-1) / lengths
+
+
+@torch.no_grad()
+def sample_table(model, rows: list[dict], tokenizer, length: int) -> dict[str, list[str]]:
+    """Greedy completions (`length` tokens, cut after EOS) of the rows' prompts, left-padded for generation,
+    beside the end of each prompt and its chosen completion."""
+    device = next(model.parameters()).device
+    queries = utils.pad([r["prompt"] for r in rows], tokenizer.pad_token_id, side="left").to(device)
+    query_mask = utils.pad([[1] * len(r["prompt"]) for r in rows], 0, side="left").to(device)
+    query_responses, _ = utils.generate(model, queries, query_mask, length, 0.0, len(rows))
+    responses, _ = utils.truncate_response(
+        query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    decode = partial(tokenizer.batch_decode, skip_special_tokens=True)
+    prompts = [p[-60:] for p in decode([r["prompt"] for r in rows])]
+    return {
+        "prompt (end)": prompts,
+        "greedy": decode(responses),
+        "chosen": decode([r["chosen"] for r in rows]),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------
+def check_args(args: Args) -> None:
+    """Reject impossible flag values with one sentence, before anything is loaded."""
+    if args.beta <= 0:
+        raise ValueError(f"--beta must be positive, got {args.beta}.")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ValueError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
+    if args.label_smoothing > 0 and args.loss_type in ("ipo", "hinge"):
+        raise ValueError(f"--label_smoothing has no effect with --loss_type {args.loss_type}; leave it at 0.")
+    if args.max_prompt_length is not None and not 0 < args.max_prompt_length < args.max_length:
+        raise ValueError(f"--max_prompt_length must be in [1, --max_length - 1 = {args.max_length - 1}].")
+    sizes = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+    for flag in (*sizes, "logging_steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        raise ValueError("set --max_steps > 0 or --num_train_epochs > 0.")
+
+
+def main(args: Args) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import broadcast_object_list, set_seed
+    from torch.utils.data import DataLoader
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    check_args(args)
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    precision = "bf16" if args.bf16 else "no"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision
+    )
+    is_main, device = accelerator.is_main_process, accelerator.device
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = broadcast_object_list([run_name])[0]  # the same name on every process
+    set_seed(args.seed)
+
+    # Data first: missing columns and impossible lengths fail before any model is loaded.
+    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: padding is read from attention masks only
+    (train_rows, train_counts), (eval_rows, eval_counts) = [
+        tokenize_dataset(utils.load_split(args.dataset_name, split), tokenizer, args, f"split {split!r}")
+        for split in (args.dataset_train_split, args.dataset_test_split)
+    ]
+    if is_main:
+        print(f"train split: {train_counts}\ntest split: {eval_counts}")
+    collate_fn = partial(collate, pad_token_id=tokenizer.pad_token_id)
+    shuffle = torch.Generator().manual_seed(args.seed)
+    train_loader = DataLoader(
+        train_rows, args.per_device_train_batch_size, True, collate_fn=collate_fn, generator=shuffle
+    )
+    eval_loader = DataLoader(eval_rows, args.per_device_eval_batch_size, collate_fn=collate_fn)
+
+    load_model = partial(
+        utils.from_pretrained, AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
+    )
+    model = load_model()
+    utils.disable_dropout(model)  # the implicit reward must be a deterministic function of the weights
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
+        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
+        model = get_peft_model(model, lora)
+    needs_reference = not args.reference_free and args.loss_type != "simpo"
+    ref_model = None  # with LoRA or precomputed logprobs no second copy of the model is held
+    if needs_reference and not args.use_peft and not args.precompute_ref_log_probs:
+        ref_model = load_model()
+        utils.disable_dropout(ref_model)
+        ref_model = ref_model.eval().requires_grad_(False).to(device)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader
+    )
+
+    args.batch_size = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+    )
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    epoch_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+    args.num_training_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    # Stepped by hand once per optimizer step (a prepared scheduler would step once per process).
+    warmup_steps = math.ceil(args.warmup_ratio * args.num_training_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.num_training_steps)
+
+    @torch.no_grad()
+    def live_reference_logps(batch) -> torch.Tensor:
+        """Reference logprobs [2B]: the frozen copy, or the policy itself (before training, to precompute
+        them; with LoRA, with its adapter disabled, which is exactly the base model)."""
+        module = ref_model if ref_model is not None else accelerator.unwrap_model(model)
+        with module.disable_adapter() if args.use_peft else nullcontext(), accelerator.autocast():
+            return completion_logps(module, batch)[0]
+
+    ref_tables = {}  # split -> [rows, (chosen, rejected)], filled by one pass before training
+    if needs_reference and args.precompute_ref_log_probs:
+        model.eval()
+        # In dataset order: going through the shuffled train loader would change the training order.
+        sequential = accelerator.prepare(
+            DataLoader(train_rows, args.per_device_eval_batch_size, collate_fn=collate_fn)
+        )
+        for split, loader, rows in (("train", sequential, train_rows), ("test", eval_loader, eval_rows)):
+            ref_tables[split] = torch.zeros(len(rows), 2, device=device)
+            for batch in tqdm(loader, desc=f"reference logprobs ({split})", disable=not is_main):
+                logps = live_reference_logps(batch).view(2, -1).T  # [B, (chosen, rejected)]
+                index, logps = accelerator.gather_for_metrics((batch["index"], logps))
+                ref_tables[split][index] = logps.float()
+
+    def batch_metrics(batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean loss of a batch and its per-pair metrics [B, len(METRICS)]."""
+        logps, lengths, mean_logits = completion_logps(model, batch)  # chosen rows first, then rejected
+        if not needs_reference:
+            ref = torch.zeros_like(logps)
+        elif ref_tables:
+            ref = ref_tables[split][batch["index"]].T.reshape(-1)
+        else:
+            ref = live_reference_logps(batch)
+        n = logps.size(0) // 2
+        losses, reward_c, reward_r = preference_loss(
+            args, logps[:n], logps[n:], ref[:n], ref[n:], lengths[:n], lengths[n:]
+        )
+        metrics = [losses, reward_c, reward_r, reward_c - reward_r, (reward_c > reward_r).float()]
+        metrics += [logps[:n], logps[n:], mean_logits[:n], mean_logits[n:]]
+        return losses.mean(), torch.stack([m.detach().float() for m in metrics], 1)
+
+    writer = None
+    if is_main:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), sync_tensorboard=True, save_code=True)  # fmt: skip
+        writer = SummaryWriter(os.path.join(args.logging_dir, args.run_name))
+        table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    def evaluate(step: int) -> dict:
+        """Metrics over the whole test split (gathered from every process) and a table of greedy samples."""
+        model.eval()
+        with torch.no_grad():
+            metrics = torch.cat(
+                [accelerator.gather_for_metrics(batch_metrics(b, "test")[1]) for b in eval_loader]
+            )
+        result = {f"eval/{name}": value for name, value in zip(METRICS, metrics.mean(0).tolist())}
+        if args.generate_during_eval:  # on every process: ZeRO-3 gathers the weights collectively
+            rows = eval_rows[: args.per_device_eval_batch_size]
+            length = args.max_completion_length or max(len(r["chosen"]) for r in rows)
+            with accelerator.autocast():
+                samples = sample_table(accelerator.unwrap_model(model), rows, tokenizer, length)
+        if is_main:
+            for key, value in result.items():
+                writer.add_scalar(key, value, step)
+            if args.generate_during_eval:
+                utils.print_samples(samples, f"step {step}: accuracy {result['eval/rewards/accuracies']:.3f}")
+                writer.add_text("eval/samples", "\n\n".join(map(repr, samples["greedy"])), step)
+        model.train()
+        return result
+
+    if is_main:
+        print(
+            f"{args.num_training_steps} steps of {args.batch_size} pairs on {accelerator.num_processes} process(es)"
+        )
+    progress = tqdm(total=args.num_training_steps, disable=not is_main)
+    sums, micro_batches, tokens = torch.zeros(len(METRICS), device=device), 0, torch.zeros((), device=device)
+    global_step, train_start, log_start, train_metrics = 0, time.time(), time.time(), {}
+    model.train()
+    while global_step < args.num_training_steps:
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                loss, metrics = batch_metrics(batch, "train")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            sums, micro_batches = sums + metrics.mean(0), micro_batches + 1
+            tokens = tokens + batch["attention_mask"].sum()  # policy tokens: prompts and both completions
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            global_step += 1
+            progress.update(1)
+            if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
+                means = accelerator.reduce(sums / micro_batches, reduction="mean").tolist()
+                tokens_per_second = accelerator.reduce(tokens, reduction="sum").item() / (
+                    time.time() - log_start
+                )
+                train_metrics = dict(
+                    zip(METRICS, means), lr=scheduler.get_last_lr()[0], epoch=global_step / steps_per_epoch
+                )
+                train_metrics["perf/tokens_per_second"] = tokens_per_second
+                if is_main:
+                    for key, value in train_metrics.items():
+                        writer.add_scalar(key, value, global_step)
+                    progress.set_postfix(loss=f"{means[0]:.4f}", accuracy=f"{means[4]:.3f}")
+                sums, micro_batches, tokens, log_start = sums * 0, 0, tokens * 0, time.time()
+            if global_step >= args.num_training_steps:
+                break
+            if args.eval_steps > 0 and global_step % args.eval_steps == 0:
+                evaluate(global_step)
+    progress.close()
+    final = {f"train/{k}": v for k, v in train_metrics.items()} | {"train_seconds": time.time() - train_start}
+    final |= evaluate(global_step) | {f"data/train_{k}": v for k, v in train_counts.items()}
+    final |= {f"data/test_{k}": v for k, v in eval_counts.items()}
+
+    # Saved into a temporary directory, moved in at the end: a failed run leaves --output_dir as it was.
+    accelerator.wait_for_everyone()
+    parent, name = os.path.split(os.path.abspath(args.output_dir))
+    tmp_dir = os.path.join(parent, f".{name}.{args.run_name}.partial")
+    unwrapped = accelerator.unwrap_model(model)
+    if args.use_peft:  # a plain causal-LM directory: the adapter is merged into the weights
+        unwrapped, state_dict = unwrapped.merge_and_unload(), None
+    else:
+        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    unwrapped.save_pretrained(
+        tmp_dir, is_main_process=is_main, save_function=accelerator.save, state_dict=state_dict
+    )
+    if is_main:
+        tokenizer.save_pretrained(tmp_dir)
+        algorithm, dataset = f"DPO (loss_type={args.loss_type}, beta={args.beta})", args.dataset_name
+        utils.write_model_card(
+            tmp_dir, algorithm, args.model_name_or_path, f"{dataset} ({args.dataset_train_split})", final
+        )
+        os.makedirs(args.output_dir, exist_ok=True)
+        for file in os.listdir(tmp_dir):
+            os.replace(os.path.join(tmp_dir, file), os.path.join(args.output_dir, file))
+        shutil.rmtree(tmp_dir)
+        print(f"saved to {args.output_dir}; test accuracy {final['eval/rewards/accuracies']:.4f}")
+        if args.push_to_hub:
+            from huggingface_hub import HfApi
+
+            repo_id = HfApi().create_repo(name, exist_ok=True).repo_id
+            HfApi().upload_folder(repo_id=repo_id, folder_path=args.output_dir)
+        writer.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))
