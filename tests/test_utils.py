@@ -328,3 +328,17 @@ def test_write_model_card(tmp_path):
     assert (
         "RLOO" in text and "base/model" in text and "| objective/scores | 0.5 |" in text and "python" in text
     )
+
+
+def test_scores_include_the_stored_normalization_shift(tiny_models):
+    tok, _, reward = tiny_models
+    seq = torch.tensor([utils.tokenize_prompts(tok, ["POST: dog vet\n\nTL;DR: dog"])[0] + [tok.eos_token_id]])
+    mask = torch.ones_like(seq)
+    with torch.no_grad():
+        plain = utils.get_score(reward, seq, mask)
+        reward.config.score_bias = -0.25
+        try:
+            shifted = utils.get_score(reward, seq, mask)
+        finally:
+            reward.config.score_bias = None
+    torch.testing.assert_close(shifted, plain - 0.25)

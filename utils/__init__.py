@@ -253,7 +253,10 @@ def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def per_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score head applied to the last hidden state at every position: [B, T] (a critic's values)."""
+    """The score head applied to the last hidden state at every position: [B, T] (a critic's values).
+
+    A head made without bias (Llama's, GPT-NeoX's) gets `config.score_bias`, the shift reward.py stores when it
+    normalizes a reward model, so every script that scores through here sees normalized scores."""
     backbone, head = score_head(model)
     hidden = backbone(
         input_ids=input_ids,
@@ -261,7 +264,10 @@ def per_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
-    return head(hidden).squeeze(-1)
+    scores = head(hidden).squeeze(-1)
+    if getattr(head, "bias", None) is None:
+        scores = scores + (getattr(model.config, "score_bias", None) or 0.0)
+    return scores
 
 
 def last_token_indices(attention_mask: torch.Tensor) -> torch.Tensor:
