@@ -22,7 +22,6 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -417,27 +416,6 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     return deepspeed.initialize(model=model, config=config)[0].eval()
 
 
-@contextmanager
-def policy_for_generation(model, accelerator):
-    """The unwrapped policy; under ZeRO-3 its parameters are gathered for the many small generation forwards."""
-    unwrapped = accelerator.unwrap_model(model)
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield unwrapped.policy
-        return
-    import deepspeed  # GPU-only path (untested on CPU)
-
-    with deepspeed.zero.GatheredParameters(list(unwrapped.policy.parameters())):
-        yield unwrapped.policy
-
-
-def left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded token ids [B, Q] and their attention mask [B, Q] (generation needs prompts flush right)."""
-    ids = utils.pad(rows, pad_token_id, side="left")
-    mask = utils.pad([[1] * len(r) for r in rows], 0, side="left").bool()
-    return ids.to(device), mask.to(device)
-
-
 def prompt_batches(num_prompts: int, batch_size: int, local_batch_size: int, rank: int, seed: int):
     """Indices of this process's prompts for each update, forever: every pass is a new shuffle (the same on
     every process) cut into global batches; process `rank` takes its slice of each. Incomplete batches dropped."""
@@ -472,7 +450,7 @@ def rollout(
 ):
     """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs."""
     Q, chunk = queries.size(1), args.local_rollout_forward_batch_size
-    with policy_for_generation(model, accelerator) as policy:
+    with utils.unwrapped_for_generation(model, accelerator, "policy") as policy:
         query_responses, logprobs = utils.generate(
             policy, queries, query_mask, args.response_length, args.temperature, chunk, generator
         )
@@ -503,8 +481,8 @@ def rollout(
 def sample_table(args, accelerator, model, reward_model, reward_fn, tokenizer, test_rows, test_prompts):
     """Greedy completions of this process's share of the test prompts: (mean score over processes, table)."""
     rank, world = accelerator.process_index, accelerator.num_processes
-    queries, query_mask = left_pad(test_rows[rank::world], tokenizer.pad_token_id, accelerator.device)
-    with policy_for_generation(model, accelerator) as policy:
+    queries, query_mask = utils.left_pad(test_rows[rank::world], tokenizer.pad_token_id, accelerator.device)
+    with utils.unwrapped_for_generation(model, accelerator, "policy") as policy:
         query_responses, _ = utils.generate(
             policy, queries, query_mask, args.response_length, 0.0, args.local_rollout_forward_batch_size
         )
@@ -534,7 +512,7 @@ def main(args: Args) -> dict:
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
         ),
-        mixed_precision="bf16" if args.bf16 else "no",
+        mixed_precision="bf16" if args.bf16 else None,  # None: the launch config decides
     )
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("models", args.run_name)
@@ -646,7 +624,9 @@ def main(args: Args) -> dict:
 
         # 1. Rollout: sample, truncate, score; logprobs of the policy and the reference; values of the critic.
         model.eval()
-        queries, query_mask = left_pad([train_rows[i] for i in next(batches)], tokenizer.pad_token_id, device)
+        queries, query_mask = utils.left_pad(
+            [train_rows[i] for i in next(batches)], tokenizer.pad_token_id, device
+        )
         Q = queries.size(1)
         with accelerator.autocast():
             data = rollout(

@@ -20,7 +20,6 @@ p), i.e. `rewards.view(k, P)`. Prompts are stored once ([P, Q]); the rows are bu
         --stop_token eos --missing_eos_penalty 1.0 --local_rollout_forward_batch_size 16 --output_dir models/rloo
 """
 
-import contextlib
 import functools
 import json
 import math
@@ -278,19 +277,6 @@ def prompt_batches(num_prompts: int, per_process: int, world_size: int, rank: in
         epoch += 1
 
 
-@contextlib.contextmanager
-def generation_model(model, accelerator):
-    """The bare policy for sampling; under DeepSpeed ZeRO-3 its sharded weights are gathered meanwhile."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(model.parameters()):
-            yield accelerator.unwrap_model(model)
-    else:
-        yield accelerator.unwrap_model(model)
-
-
 def main(args: Args) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -299,7 +285,7 @@ def main(args: Args) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     # Everything that can be checked before loading a model.
-    precision = "bf16" if args.bf16 else "no"
+    precision = "bf16" if args.bf16 else None  # None: the launch config decides
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision
     )
@@ -364,17 +350,12 @@ def main(args: Args) -> None:
     chunk, R, T = args.local_rollout_forward_batch_size, args.response_length, args.temperature
     B, P = args.local_batch_size, args.local_dataloader_batch_size
 
-    def left_pad(token_lists):
-        """Prompts as left-padded ids and mask [n, Q]."""
-        mask = utils.pad([[1] * len(ids) for ids in token_lists], 0, "left").bool()
-        return utils.pad(token_lists, pad_id, "left").to(device), mask.to(device)
-
     def sample(queries, query_mask, prompt_of_row, generator):
         """Sample a completion for each row (prompt index prompt_of_row[i]), repeating the prompts only chunk by
         chunk; truncate after the stop token. Returns (responses, lengths, response mask, logprobs) [n, R]."""
         responses, logprobs = [], []
         policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
-        with torch.no_grad(), generation_model(policy, accelerator) as sampler:
+        with torch.no_grad(), utils.unwrapped_for_generation(policy, accelerator) as sampler:
             for rows in prompt_of_row.split(chunk):
                 query_responses, chunk_logprobs = utils.generate(
                     sampler, queries[rows], query_mask[rows], R, T, chunk, generator
@@ -410,7 +391,7 @@ def main(args: Args) -> None:
 
         # 1. Rollout: P prompts stored once [P, Q], k * P completions in completion-major order (row i <- prompt
         # i % P). Reference logprobs and scores of the truncated rows, built chunk by chunk.
-        queries, query_mask = left_pad([prompt_ids[i] for i in next(batches)])
+        queries, query_mask = utils.left_pad([prompt_ids[i] for i in next(batches)], pad_id, device)
         context_length = queries.size(1)
         completion_rows = torch.arange(B, device=device)
         responses, lengths, response_mask, sampled_logprobs = sample(
@@ -514,7 +495,7 @@ def main(args: Args) -> None:
         if args.num_sample_generations and (update % sample_every == 0 or update == 1):
             shown = torch.arange(min(P, 4), device=device)
             if sample_prompts is not None:
-                queries, query_mask = left_pad(sample_prompts)
+                queries, query_mask = utils.left_pad(sample_prompts, pad_id, device)
                 shown = torch.arange(queries.size(0), device=device)
                 noise = torch.Generator(device=device).manual_seed(args.seed)
                 responses, _, response_mask, _ = sample(queries, query_mask, shown, noise)

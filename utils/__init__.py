@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -62,6 +63,16 @@ def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right")
             else:
                 out[i, width - len(seq) :] = row
     return out
+
+
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_token_id: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as left-padded ids [B, Q] and their attention mask [B, Q] (the mask does not rely on the pad id,
+    which may equal a real token such as EOS). Generation needs prompts flush right."""
+    ids = pad(rows, pad_token_id, "left")
+    mask = pad([[1] * len(r) for r in rows], 0, "left").bool()
+    return ids.to(device), mask.to(device)
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -183,6 +194,24 @@ def batched_response_logprobs(
         logits = response_logits(model, qr, am, context_length, temperature)
         out.append(logprobs_from_logits(logits, qr[:, context_length:]))
     return torch.cat(out)
+
+
+@contextmanager
+def unwrapped_for_generation(
+    model: nn.Module, accelerator, attribute: str | None = None
+) -> Iterator[nn.Module]:
+    """The bare model (or its submodule `attribute`) for the many small forwards of sampling; under DeepSpeed
+    ZeRO-3 its sharded parameters are gathered for the duration (GPU-only path, untested here)."""
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = getattr(unwrapped, attribute) if attribute else unwrapped
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield sampler
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(sampler.parameters())):
+        yield sampler
 
 
 @torch.no_grad()
