@@ -336,7 +336,7 @@ def main(args: Args) -> dict:
 
     check_args(args)
     utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    precision = "bf16" if args.bf16 else "no"
+    precision = "bf16" if args.bf16 else None  # None: the launch config decides
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision
     )

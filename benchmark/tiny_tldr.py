@@ -45,8 +45,9 @@ class Args:
     """seeds run at once (each seed's SFT and reward model use one core, so 2-3 keep a 2-core machine busy)"""
     threads_per_job: int = 1
     """torch threads per stage process"""
-    overwrite: bool = True
-    """replace what an earlier run left in --work_dir"""
+    resume: bool = False
+    """keep the outputs of an earlier run in --work_dir: the leading stages whose command is unchanged are not
+    run again (their time is the earlier run's); from the first changed stage on, everything runs"""
     extra: dict[str, str] = field(default_factory=dict)
     """extra flags per stage, e.g. --extra ppo "--kl_coef 0.1" """
 
@@ -57,7 +58,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     logs = ["--logging_dir", f"{work}/runs", "--seed", str(seed), "--overwrite_output_dir"]
     sft_steps, rl_episodes = (40, 128) if quick else (1500, 2048)
     # the reward model and DPO see the preference split once; the quick check stops them after a few steps
-    rm_length = ["--total_steps", "10"] if quick else ["--num_train_epochs", "1"]
+    rm_length = ["--total_steps", "10"] if quick else ["--num_train_epochs", "2"]
     dpo_length = ["--max_steps", "10"] if quick else ["--num_train_epochs", "1"]
     rl_common = [
         "--sft_model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
@@ -154,7 +155,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     }
 
 
-def run_stage(name: str, command: list[str], log_dir: str, threads: int) -> dict:
+def run_stage(name: str, command: list[str], log_dir: str, threads: int, reuse: bool = False) -> dict:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -190,7 +191,7 @@ def scalars(run_root: str, prefix: str, tags: list[str]) -> dict[str, list[tuple
 def run_seed(args: Args, seed: int, progress, task) -> dict:
     work = os.path.join(args.work_dir, f"seed{seed}")
     world = os.path.join(work, "world")
-    if args.overwrite and os.path.isdir(work):
+    if not args.resume and os.path.isdir(work):
         import shutil
 
         shutil.rmtree(work)
@@ -200,9 +201,12 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
     logs = os.path.join(work, "logs")
     stages: dict[str, dict] = {}
 
+    reuse = [args.resume]  # stays true only while every earlier stage was reused
+
     def step(name):
         progress.update(task, description=f"seed {seed}: {name}")
-        stages[name] = run_stage(name, commands[name], logs, args.threads_per_job)
+        stages[name] = run_stage(name, commands[name], logs, args.threads_per_job, reuse[0])
+        reuse[0] = reuse[0] and stages[name].get("reused", False)
         progress.advance(task)
 
     for name in ("world", "sft", "reward"):
