@@ -164,7 +164,13 @@ def run_stage(name: str, command: list[str], log_dir: str, threads: int, reuse: 
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
     }
-    start = time.time()
+    start, stamp = time.time(), os.path.join(log_dir, f"{name}.done.json")
+    record = {"command": shlex.join(["python", *command])}
+    if reuse and os.path.exists(stamp):
+        with open(stamp) as f:
+            earlier = json.load(f)
+        if earlier["command"] == record["command"]:
+            return {**earlier, "reused": True}
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
         proc = subprocess.run(
@@ -172,7 +178,10 @@ def run_stage(name: str, command: list[str], log_dir: str, threads: int, reuse: 
         )
     if proc.returncode != 0:
         raise RuntimeError(f"stage {name} failed (exit {proc.returncode}); see {log_dir}/{name}.log")
-    return {"command": shlex.join(["python", *command]), "seconds": round(time.time() - start, 1)}
+    record["seconds"] = round(time.time() - start, 1)
+    with open(stamp, "w") as f:
+        json.dump(record, f)
+    return record
 
 
 def scalars(run_root: str, prefix: str, tags: list[str]) -> dict[str, list[tuple[int, float]]]:

@@ -45,3 +45,14 @@ def test_quick_pipeline_produces_every_model_and_win_rate(tmp_path):
     for method in ("sft", "ppo", "rloo", "dpo"):
         assert 0.0 <= seed["win_rates"][method]["win_rate"] <= 1.0 and seed["win_rates"][method]["n"] > 0
     assert seed["reward_model_accuracy"] is not None
+
+
+def test_resume_reuses_a_stage_only_when_its_command_is_unchanged(tmp_path):
+    from tiny_tldr import run_stage
+
+    command = ["-c", "print('ran')"]
+    first = run_stage("s", command, str(tmp_path), threads=1, reuse=True)  # no stamp yet: runs
+    assert "reused" not in first and (tmp_path / "s.log").read_text().strip() == "ran"
+    assert run_stage("s", command, str(tmp_path), threads=1, reuse=True)["reused"] is True
+    assert "reused" not in run_stage("s", command, str(tmp_path), threads=1, reuse=False)
+    assert "reused" not in run_stage("s", ["-c", "print(2)"], str(tmp_path), threads=1, reuse=True)
