@@ -291,10 +291,12 @@ def plot(summary: dict, per_seed: list[dict], results_dir: str) -> None:
         for method, color in (("ppo", "#1f77b4"), ("rloo", "#ff7f0e")):
             for k, s in enumerate(per_seed):
                 points = s["curves"].get(method, {}).get(tag, [])
-                if points:
-                    ax.plot(*zip(*points), color=color, alpha=0.8, label=method if k == 0 else None)
+                if points:  # the scripts log against different step counters: show the fraction of training
+                    steps, values = zip(*points)
+                    progress = [step / max(steps) for step in steps]
+                    ax.plot(progress, values, color=color, alpha=0.8, label=method if k == 0 else None)
         ax.set_title(tag)
-        ax.set_xlabel("episode")
+        ax.set_xlabel("fraction of training")
         ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(results_dir, "tiny_tldr_curves.png"), dpi=120)
