@@ -266,6 +266,9 @@ def test_load_split_from_every_local_format(world, tmp_path):
         utils.load_split(str(ds_dir), "nope")
     with pytest.raises(ValueError, match="does not exist"):
         utils.load_split(str(tmp_path / "missing"), "train")
+    (tmp_path / "files" / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl is empty"):
+        utils.load_split(str(tmp_path / "files"), "empty")
     with pytest.raises(ValueError, match="without network pass a save_to_disk directory"):
         utils.load_split("some-org/some-dataset-that-is-not-here", "train")
 

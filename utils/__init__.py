@@ -424,6 +424,8 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
     builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
     if os.path.isfile(name_or_path):
         ext = os.path.splitext(name_or_path)[1]
+        if os.path.getsize(name_or_path) == 0:
+            raise ValueError(f"{flag} {name_or_path} is empty.")
         if ext not in builders:
             raise ValueError(
                 f"{flag} {name_or_path}: unknown file type {ext!r}; use json, jsonl, parquet or csv."
@@ -439,10 +441,10 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
             return dataset_dict[split]
         if os.path.exists(os.path.join(name_or_path, "dataset_info.json")):
             return datasets.load_from_disk(name_or_path)
-        for ext, builder in builders.items():
+        for ext in builders:
             path = os.path.join(name_or_path, split + ext)
             if os.path.isfile(path):
-                return datasets.load_dataset(builder, data_files=path, split="train")
+                return load_split(path, split, flag)
         raise ValueError(
             f"{flag} {name_or_path} holds no dataset saved with save_to_disk and no {split}.jsonl."
         )
