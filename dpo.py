@@ -289,13 +289,7 @@ def completion_logps(model, batch: dict[str, torch.Tensor]):
 def sample_table(model, rows: list[dict], tokenizer, length: int) -> dict[str, list[str]]:
     """Greedy completions (`length` tokens, cut after EOS) of the rows' prompts, left-padded for generation,
     beside the end of each prompt and its chosen completion."""
-    device = next(model.parameters()).device
-    queries = utils.pad([r["prompt"] for r in rows], tokenizer.pad_token_id, side="left").to(device)
-    query_mask = utils.pad([[1] * len(r["prompt"]) for r in rows], 0, side="left").to(device)
-    query_responses, _ = utils.generate(model, queries, query_mask, length, 0.0, len(rows))
-    responses, _ = utils.truncate_response(
-        query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
+    responses, _ = utils.complete(model, tokenizer, [r["prompt"] for r in rows], length, len(rows))
     decode = partial(tokenizer.batch_decode, skip_special_tokens=True)
     prompts = [p[-60:] for p in decode([r["prompt"] for r in rows])]
     return {

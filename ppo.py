@@ -416,18 +416,6 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     return deepspeed.initialize(model=model, config=config)[0].eval()
 
 
-def prompt_batches(num_prompts: int, batch_size: int, local_batch_size: int, rank: int, seed: int):
-    """Indices of this process's prompts for each update, forever: every pass is a new shuffle (the same on
-    every process) cut into global batches; process `rank` takes its slice of each. Incomplete batches dropped."""
-    generator, epoch = torch.Generator(), 0
-    while True:
-        generator.manual_seed(seed + epoch)
-        order = torch.randperm(num_prompts, generator=generator).tolist()
-        for start in range(0, num_prompts - batch_size + 1, batch_size):
-            yield order[start + rank * local_batch_size : start + (rank + 1) * local_batch_size]
-        epoch += 1
-
-
 def score_completions(args, tokenizer, reward_model, reward_fn, queries, query_mask, responses):
     """Truncate `responses` [B, R] after the stop token and score them: (mask [B, R] of the kept tokens,
     scores [B], whether each has an EOS [B]). The reward sees the truncated completion and its score is read
@@ -608,7 +596,7 @@ def main(args: Args) -> dict:
 
     kl_controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
     moments = RunningMoments() if args.use_score_scaling else None
-    batches = prompt_batches(len(train_rows), args.batch_size, args.local_batch_size, rank, args.seed)
+    batches = utils.prompt_batches(len(train_rows), args.local_batch_size, args.world_size, rank, args.seed)
     sample_freq = max(1, args.num_total_batches // args.num_sample_generations) if test_rows else 0
     episode, start_time, metrics = 0, time.time(), {}
 

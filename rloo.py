@@ -266,17 +266,6 @@ def query_response_rows(queries, query_mask, responses, response_mask, idx):
     )
 
 
-def prompt_batches(num_prompts: int, per_process: int, world_size: int, rank: int, seed: int):
-    """Endless batches of prompt indices for this process: a fresh seeded shuffle every pass, the same on
-    every process, each process taking its own slice; the last incomplete batch of a pass is dropped."""
-    per_update, epoch = per_process * world_size, 0
-    while True:
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-        for start in range(0, num_prompts - per_update + 1, per_update):
-            yield order[start + rank * per_process : start + (rank + 1) * per_process].tolist()
-        epoch += 1
-
-
 def main(args: Args) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -377,7 +366,7 @@ def main(args: Args) -> None:
     prompt_ids = utils.tokenize_prompts(tokenizer, dataset["prompt"], args.max_prompt_length)
     if sample_prompts is not None:
         sample_prompts = utils.tokenize_prompts(tokenizer, sample_prompts, args.max_prompt_length)
-    batches = prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
+    batches = utils.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
     # Each process samples its own completions; the prompt order is the same on all of them.
     sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
     shuffle_generator = torch.Generator().manual_seed(args.seed + rank)

@@ -265,15 +265,12 @@ def evaluation_loss(model, rows: list[dict], batch_size: int, pad_token_id: int,
 
 
 @torch.no_grad()
-def greedy_samples(model, tokenizer, prompts: list[str], args: Args, device) -> list[str]:
+def greedy_samples(model, tokenizer, prompts: list[str], args: Args) -> list[str]:
     """Greedy completions of `prompts` (left-padded, as the RL scripts feed them), cut after the first EOS."""
     ids = utils.tokenize_prompts(tokenizer, prompts, args.max_prompt_length)
-    queries = utils.pad(ids, tokenizer.pad_token_id, "left").to(device)
-    query_mask = utils.pad([[1] * len(x) for x in ids], 0, "left").to(device)
-    chunk = args.per_device_eval_batch_size
-    query_responses, _ = utils.generate(model, queries, query_mask, args.response_length, 0.0, chunk)
-    responses = query_responses[:, queries.size(1) :]
-    responses, _ = utils.truncate_response(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    responses, _ = utils.complete(
+        model, tokenizer, ids, args.response_length, args.per_device_eval_batch_size
+    )
     return tokenizer.batch_decode(responses, skip_special_tokens=True)
 
 
@@ -367,7 +364,7 @@ def main(args: Args) -> dict:
             loss = evaluation_loss(model, eval_rows, batch_size, pad_id, accelerator)
             # Every process generates the same few samples: no gather, and ZeRO-3 has every rank in each step.
             unwrapped = accelerator.unwrap_model(model)
-            samples = greedy_samples(unwrapped, tokenizer, eval_prompts, args, device) if eval_prompts else []
+            samples = greedy_samples(unwrapped, tokenizer, eval_prompts, args) if eval_prompts else []
         model.train()
         accelerator.print(f"step {step}: eval/loss {loss:.4f}")
         if main_process:

@@ -76,15 +76,9 @@ def generate_summaries(args: Args) -> list[dict]:
     rows = []
     for start in range(0, len(dataset), args.batch_size):
         batch = dataset[start : start + args.batch_size]
-        queries = utils.pad(
-            utils.tokenize_prompts(tokenizer, batch["prompt"]), tokenizer.pad_token_id, "left"
-        )
-        query_mask = queries != tokenizer.pad_token_id
-        query_responses, _ = utils.generate(
-            model, queries, query_mask, args.response_length, args.temperature, args.batch_size, generator
-        )
-        responses, lengths = utils.truncate_response(
-            query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
+        prompt_ids = utils.tokenize_prompts(tokenizer, batch["prompt"])
+        responses, lengths = utils.complete(
+            model, tokenizer, prompt_ids, args.response_length, args.batch_size, args.temperature, generator
         )
         for i, (response, length) in enumerate(zip(responses, lengths)):
             row = {

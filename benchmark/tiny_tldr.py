@@ -68,6 +68,10 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--local_rollout_forward_batch_size", "64", "--total_episodes", str(rl_episodes),
         "--learning_rate", "3e-4", "--kl_coef", "0.2", "--num_sample_generations", "4",
     ]  # fmt: skip
+    preference_data = [
+        "--dataset_name", data, "--dataset_train_split", "preference",
+        "--dataset_test_split", "preference_validation",
+    ]  # fmt: skip
     return {
         "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed)],
         "sft": [
@@ -104,12 +108,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "reward.py",
             "--model_name_or_path",
             f"{work}/sft",
-            "--dataset_name",
-            data,
-            "--dataset_train_split",
-            "preference",
-            "--dataset_test_split",
-            "preference_validation",
+            *preference_data,
             "--output_dir",
             f"{work}/reward",
             "--learning_rate",
@@ -135,12 +134,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "dpo.py",
             "--model_name_or_path",
             f"{work}/sft",
-            "--dataset_name",
-            data,
-            "--dataset_train_split",
-            "preference",
-            "--dataset_test_split",
-            "preference_validation",
+            *preference_data,
             "--output_dir",
             f"{work}/dpo",
             "--learning_rate",

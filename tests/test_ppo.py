@@ -220,14 +220,14 @@ def test_bad_batch_sizes_name_the_flags():
 
 
 def test_prompt_batches_shard_one_shuffle_across_processes():
-    streams = [ppo.prompt_batches(20, 8, 4, rank, seed=3) for rank in range(2)]
+    streams = [utils.prompt_batches(20, 4, 2, rank, seed=3) for rank in range(2)]
     seen = []
     for _ in range(2):  # the two full batches of the first pass: 16 distinct prompts
         a, b = next(streams[0]), next(streams[1])
         assert len(a) == len(b) == 4 and not set(a) & set(b)
         seen += a + b
     assert len(set(seen)) == 16
-    assert next(ppo.prompt_batches(20, 8, 4, 0, seed=3)) == next(ppo.prompt_batches(20, 8, 4, 0, seed=3))
+    assert next(utils.prompt_batches(20, 4, 2, 0, seed=3)) == next(utils.prompt_batches(20, 4, 2, 0, seed=3))
 
 
 # ---------------------------------------------------------------------------------------------------------- the CLI

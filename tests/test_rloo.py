@@ -11,6 +11,7 @@ import tyro
 from safetensors.torch import load_file
 
 import rloo
+import utils
 from conftest import ROOT, run_script, run_torchrun
 
 METRICS = {
@@ -181,11 +182,11 @@ def test_rows_are_built_completion_major_from_prompts_stored_once():
 
 
 def test_prompt_batches_are_disjoint_across_processes_and_seeded():
-    a0 = rloo.prompt_batches(10, 2, 2, 0, seed=3)
-    a1 = rloo.prompt_batches(10, 2, 2, 1, seed=3)
+    a0 = utils.prompt_batches(10, 2, 2, 0, seed=3)
+    a1 = utils.prompt_batches(10, 2, 2, 1, seed=3)
     first = [next(a0) for _ in range(2)] + [next(a1) for _ in range(2)]
     assert len({i for batch in first for i in batch}) == 8  # one pass: no prompt twice
-    assert next(rloo.prompt_batches(10, 2, 2, 0, seed=3)) == first[0]
+    assert next(utils.prompt_batches(10, 2, 2, 0, seed=3)) == first[0]
 
 
 def parse(flags):

@@ -263,6 +263,41 @@ def generate(
     return torch.cat(all_tokens), torch.cat(all_logprobs)
 
 
+@torch.no_grad()
+def complete(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    response_length: int,
+    chunk_size: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completions of tokenized prompts as the RL scripts sample them: left-padded, `response_length` tokens
+    (greedy by default), truncated after EOS. Returns (responses [B, R], lengths [B]) on the model's device."""
+    queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
+    query_responses, _ = generate(
+        model, queries, query_mask, response_length, temperature, chunk_size, generator
+    )
+    return truncate_response(
+        query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+
+
+def prompt_batches(
+    num_prompts: int, per_process: int, world_size: int, rank: int, seed: int
+) -> Iterator[list[int]]:
+    """Endless batches of prompt indices for this process: a fresh seeded shuffle every pass (the same on every
+    process), cut into batches of `per_process * world_size`, process `rank` taking its slice; the incomplete
+    batch at the end of a pass is dropped."""
+    per_update, epoch = per_process * world_size, 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, num_prompts - per_update + 1, per_update):
+            yield order[start + rank * per_process : start + (rank + 1) * per_process].tolist()
+        epoch += 1
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reward models and reward functions
 # ----------------------------------------------------------------------------------------------------------------
