@@ -56,3 +56,13 @@ def test_resume_reuses_a_stage_only_when_its_command_is_unchanged(tmp_path):
     assert run_stage("s", command, str(tmp_path), threads=1, reuse=True)["reused"] is True
     assert "reused" not in run_stage("s", command, str(tmp_path), threads=1, reuse=False)
     assert "reused" not in run_stage("s", ["-c", "print(2)"], str(tmp_path), threads=1, reuse=True)
+
+
+def test_summary_traits_hand_cases():
+    from tiny_tldr_breakdown import summary_traits
+
+    facts = ["dog", "vet", "loan"]
+    assert summary_traits(facts, " dog vet tbh") == {"hedge": True, "all_facts": False, "bad_key": False}
+    assert summary_traits(facts, " dog vet loan") == {"hedge": False, "all_facts": True, "bad_key": False}
+    assert summary_traits(facts, " dog dog") == {"hedge": False, "all_facts": False, "bad_key": True}
+    assert summary_traits(facts, " dog cat") == {"hedge": False, "all_facts": False, "bad_key": True}
