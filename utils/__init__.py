@@ -545,3 +545,6 @@ def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: 
     ]
     with open(os.path.join(output_dir, "README.md"), "w") as f:
         f.write("\n".join(lines))
+
+
+from utils import checkpoint, run  # noqa: E402, F401  (the run skeleton, used as utils.run.*)

@@ -1,0 +1,188 @@
+"""The shared run skeleton: flags, one-line errors, checkpoints (atomic, rotated, exact resume, signals),
+the metric tracker's resume and the non-finite guard."""
+
+import json
+import os
+import random
+import signal
+import textwrap
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_script
+from utils import checkpoint, run
+
+
+@dataclass
+class FlagArgs:
+    bf16: bool = False
+    """a boolean"""
+    gradient_checkpointing: bool = True
+    """another"""
+    learning_rate: float = 1.0
+    """a number"""
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--bf16", "True"], (True, True)),
+        (["--bf16=false", "--gradient_checkpointing", "False"], (False, False)),
+        (["--bf16", "--no_gradient_checkpointing"], (True, False)),
+        (["--bf16", "1", "--learning_rate", "0.5"], (True, True)),
+        ([], (False, True)),
+    ],
+)
+def test_booleans_take_a_value_as_in_trl(argv, expected):
+    args = run.parse_args(FlagArgs, argv)
+    assert (args.bf16, args.gradient_checkpointing) == expected
+
+
+def test_boolean_with_a_bad_value_is_refused():
+    with pytest.raises(ValueError, match="--bf16 takes true or false"):
+        run.normalize_bool_flags(FlagArgs, ["--bf16=maybe"])
+
+
+def test_run_cli_turns_value_errors_into_one_line(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(os.getcwd())!r})
+        from dataclasses import dataclass
+        from utils import run
+
+        @dataclass
+        class Args:
+            n: int = 1
+            \"\"\"a number\"\"\"
+
+        def main(args):
+            raise ValueError(f"--n must be even, got {{args.n}}.")
+
+        run.run_cli(Args, main)
+        """)
+    )
+    proc = run_script([str(script), "--n", "3"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "bad.py: error: --n must be even, got 3."
+    assert "Traceback" not in proc.stderr
+
+
+class Accel(SimpleNamespace):
+    """A one-process stand-in with the accelerator attributes the checkpointer uses."""
+
+    def __init__(self):
+        super().__init__(
+            device=torch.device("cpu"), num_processes=1, process_index=0, is_main_process=True,
+            state=SimpleNamespace(deepspeed_plugin=None),
+        )  # fmt: skip
+
+    def wait_for_everyone(self):
+        pass
+
+
+def make_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), save_steps=2, save_total_limit=2,
+                resume_from_checkpoint=None, run_name="run")  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+def train_steps(model, optimizer, generator, steps):
+    for _ in range(steps):
+        x = (
+            torch.randn(4, 3, generator=generator)
+            + torch.randn(4, 3)
+            + float(np.random.rand())
+            + random.random()
+        )
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_checkpoint_resume_is_exact_and_rotates(tmp_path):
+    accel = Accel()
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1), torch.Generator().manual_seed(5)
+
+    # uninterrupted: 6 steps
+    model, optimizer, generator = fresh()
+    random.seed(1), np.random.seed(1)
+    train_steps(model, optimizer, generator, 6)
+    expected = model.weight.detach().clone()
+
+    # 4 steps with a checkpoint every 2, then resume from `latest` and do the last 2
+    args = make_args(tmp_path)
+    model, optimizer, generator = fresh()
+    random.seed(1), np.random.seed(1)
+    ckpt = checkpoint.Checkpointer(accel, args)
+    for step in range(1, 5):
+        train_steps(model, optimizer, generator, 1)
+        ckpt.maybe_save(
+            step, {"policy": model}, {"policy": optimizer}, {"g": generator}, {"episode": step * 4}
+        )
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(args.output_dir)] == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    os.makedirs(os.path.join(args.output_dir, "tmp-checkpoint-6"))  # a write killed half-way is ignored
+    torch.manual_seed(123), random.seed(9), np.random.seed(9)  # the resumed process starts elsewhere
+    model, optimizer, generator = fresh()
+    resumed = checkpoint.Checkpointer(
+        accel, make_args(tmp_path, resume_from_checkpoint="latest", run_name=None)
+    )
+    state = resumed.resume({"policy": model}, {"policy": optimizer}, {"g": generator})
+    assert state["step"] == 4 and state["episode"] == 16 and state["run_name"] == "run"
+    train_steps(model, optimizer, generator, 2)
+    assert torch.equal(model.weight, expected)
+
+
+def test_resume_errors_are_one_sentence(tmp_path):
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        checkpoint.Checkpointer(Accel(), make_args(tmp_path, resume_from_checkpoint="latest"))
+    with pytest.raises(ValueError, match="is not a checkpoint"):
+        checkpoint.Checkpointer(Accel(), make_args(tmp_path, resume_from_checkpoint=str(tmp_path)))
+
+
+def test_sigterm_saves_and_names_the_checkpoint(tmp_path):
+    args = make_args(tmp_path, save_steps=0)
+    ckpt = checkpoint.Checkpointer(Accel(), args)
+    model = torch.nn.Linear(2, 2)
+    assert ckpt.maybe_save(1, {"policy": model}) is None  # no signal, no save_steps: nothing written
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(run.TrainingInterrupted, match="checkpoint-2") as info:
+        ckpt.maybe_save(2, {"policy": model})
+    assert info.value.exit_code == 143
+    assert checkpoint.list_checkpoints(args.output_dir)[-1].endswith("checkpoint-2")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_check_finite_names_step_and_quantity():
+    run.check_finite(3, loss=torch.tensor(1.0), scores=torch.ones(4))
+    with pytest.raises(run.NonFiniteError, match=r"step 7: scores is not finite"):
+        run.check_finite(7, loss=1.0, scores=torch.tensor([1.0, float("nan")]))
+
+
+def test_tracker_resume_drops_later_steps(tmp_path):
+    args = SimpleNamespace(logging_dir=str(tmp_path), run_name="r", track=False)
+    accel = Accel()
+    tracker = run.Tracker(args, accel)
+    for step in range(1, 6):
+        tracker.log({"loss": float(step)}, step)
+    tracker.close()
+    tracker = run.Tracker(args, accel, start_step=3)
+    tracker.log({"loss": 40.0}, 4)
+    tracker.close()
+    with open(tmp_path / "r" / "metrics.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [1, 2, 3, 4]

@@ -1,0 +1,325 @@
+"""The run skeleton every script shares: command line and error handling, the accelerator (one process, DDP,
+DeepSpeed ZeRO-2/3, on CPU or GPU), frozen models in the trained model's precision, generation under ZeRO-3,
+gradient clipping that DeepSpeed honours, the metric tracker (TensorBoard, metrics.jsonl, W&B) and the
+non-finite guard.
+
+A script's `__main__` is one line, `utils.run.run_cli(Args, main)`. Bad input raises `ValueError` with one
+sentence; it reaches the user as `script.py: error: <sentence>` (exit 2), never as a traceback. Set
+`RLHF_TRACEBACK=1` to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes"}, {"false", "0", "no"}
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or an infinity in a loss, a score or a gradient norm: the run stops, nothing more is saved."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM or SIGINT arrived; the run finished its step, wrote a checkpoint (the message names it) and stops."""
+
+    def __init__(self, message: str, signal_name: str = "SIGTERM"):
+        super().__init__(message)
+        self.exit_code = 130 if signal_name == "SIGINT" else 143
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+def _bool_fields(args_class) -> set[str]:
+    hints = typing.get_type_hints(args_class)
+    return {f.name for f in dataclasses.fields(args_class) if hints.get(f.name) is bool}
+
+
+def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
+    """Accept booleans written with a value, as TRL's HfArgumentParser does (`--bf16 True`, `--bf16=false`),
+    besides tyro's `--bf16` / `--no_bf16`. Returns the argv tyro understands."""
+    names, out, i = _bool_fields(args_class), [], 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")
+        if name in names:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in TRUE_WORDS | FALSE_WORDS:
+                value, i = argv[i + 1], i + 1
+            elif not eq:
+                value = "true"
+            if value.lower() not in TRUE_WORDS | FALSE_WORDS:
+                raise ValueError(f"--{name} takes true or false, got {value!r}.")
+            token = f"--{name}" if value.lower() in TRUE_WORDS else f"--no_{name}"
+        out.append(token)
+        i += 1
+    return out
+
+
+def parse_args(args_class, argv: list[str] | None = None):
+    """The dataclass filled from the command line (tyro, underscores), booleans also written with a value."""
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
+
+
+def run_cli(args_class, main: Callable) -> None:
+    """Parse the flags and run `main(args)`, turning the errors a user can act on into one line on stderr:
+    bad input (ValueError) exits 2, a non-finite value 1, SIGTERM 143 and SIGINT 130 after a checkpoint."""
+    script = os.path.basename(sys.argv[0])
+    show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
+    try:
+        args = parse_args(args_class)
+        main(args)
+    except ValueError as error:
+        if show_traceback:
+            raise
+        print(f"{script}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except NonFiniteError as error:
+        if show_traceback:
+            raise
+        print(f"{script}: stopped: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except TrainingInterrupted as error:
+        print(f"{script}: interrupted: {error}", file=sys.stderr)
+        raise SystemExit(error.exit_code) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Accelerator and models
+# ----------------------------------------------------------------------------------------------------------------
+def make_accelerator(args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None):
+    """The Accelerator of a run. Precision: bf16 with `--bf16`, else what `accelerate launch` configured.
+    On CPU the process group uses gloo (without it every process believes it is rank 0 of 1). Under DeepSpeed
+    the micro-batch size, accumulation and `--max_grad_norm` go into its config: DeepSpeed clips gradients
+    itself and ignores accelerate's clip_grad_norm_ (and would otherwise clip at 1.0 silently)."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(
+        mixed_precision="bf16" if getattr(args, "bf16", False) else None,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        kwargs_handlers=handlers,
+    )
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        config = plugin.deepspeed_config
+        if micro_batch_size is not None:
+            config["train_micro_batch_size_per_gpu"] = micro_batch_size
+            config["train_batch_size"] = (
+                micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+            )
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        max_grad_norm = getattr(args, "max_grad_norm", None)
+        config["gradient_clipping"] = float(max_grad_norm) if max_grad_norm else 0.0
+    return accelerator
+
+
+def zero_stage(accelerator) -> int:
+    """The DeepSpeed ZeRO stage of the run; 0 without DeepSpeed."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.zero_stage if plugin is not None else 0
+
+
+def training_dtype(accelerator) -> torch.dtype:
+    """The dtype the trained model's weights have: bf16/fp16 under DeepSpeed mixed precision, else float32
+    (plain accelerate keeps float32 weights and autocasts the forward)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return torch.float32
+    config = plugin.deepspeed_config
+    if config.get("bf16", {}).get("enabled") in (True, "auto") and accelerator.mixed_precision == "bf16":
+        return torch.bfloat16
+    if config.get("fp16", {}).get("enabled") in (True, "auto") and accelerator.mixed_precision == "fp16":
+        return torch.float16
+    return torch.float32
+
+
+def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
+    """A frozen model (reference, reward) ready to run beside the trained one: eval mode, no gradients, on the
+    device, in the trained model's precision. Without DeepSpeed its forwards must run inside
+    `accelerator.autocast()`, as the trained model's do; under DeepSpeed (where autocast is off) its weights
+    take the trained model's dtype, so a reference equal to the policy gives KL 0 at the start. Under ZeRO-3 it
+    becomes a sharded DeepSpeed inference engine (every process must then run its forwards together)."""
+    model.eval().requires_grad_(False)
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return model.to(accelerator.device)
+    model.to(accelerator.device, dtype=training_dtype(accelerator))
+    if plugin.zero_stage != 3:
+        return model
+    import deepspeed
+
+    config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+    config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", 1)
+    config.pop("train_batch_size", None)
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine
+
+
+def bare(model: nn.Module) -> nn.Module:
+    """The transformers model inside a DDP or DeepSpeed wrapper (the model itself otherwise)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+@contextmanager
+def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module]:
+    """The bare model for the many small forwards of sampling. Under ZeRO-3 its shards are gathered once for
+    the whole generation and DeepSpeed's per-layer hooks are removed meanwhile (otherwise every decoding
+    step gathers every layer again); they are restored on exit. Every process must enter together."""
+    if zero_stage(accelerator) != 3:
+        yield bare(model)
+        return
+    import deepspeed
+
+    if getattr(model, "optimizer", None) is None:  # a frozen inference engine: gather only
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield bare(model)
+        return
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(model):
+        yield bare(model)
+
+
+def clip_grad_norm(accelerator, model: nn.Module, max_norm: float | None) -> float | None:
+    """Clip the gradients to `max_norm` (when set) and return their norm before clipping; call it after
+    `accelerator.backward` and before `optimizer.step()`. Under DeepSpeed the engine clips by its config
+    (`make_accelerator` put `--max_grad_norm` there) and the norm it measured is read after the step; this
+    returns None there: use `grad_norm_after_step`."""
+    if accelerator.state.deepspeed_plugin is not None or not accelerator.sync_gradients:
+        return None
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
+    return float(norm)
+
+
+def grad_norm_after_step(model: nn.Module, measured: float | None) -> float | None:
+    """The gradient norm of the last optimizer step: what `clip_grad_norm` measured, or DeepSpeed's own."""
+    if measured is not None:
+        return measured
+    get_norm = getattr(model, "get_global_grad_norm", None)
+    norm = get_norm() if get_norm is not None else None
+    return None if norm is None else float(norm)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metrics and the non-finite guard
+# ----------------------------------------------------------------------------------------------------------------
+class Tracker:
+    """Metrics of the run, written by the main process to TensorBoard ({logging_dir}/{run_name}),
+    metrics.jsonl beside it (one JSON object per logged step, with its `step`) and W&B with --track.
+
+    Resuming from a checkpoint at `start_step` continues the same files: the lines of metrics.jsonl after
+    that step (logged by the interrupted run after its last checkpoint) are dropped and TensorBoard purges
+    its events after it, so no step appears twice or goes missing."""
+
+    def __init__(self, args, accelerator, start_step: int = 0):
+        self.active = accelerator.is_main_process
+        self.run_dir = os.path.join(args.logging_dir, args.run_name)
+        self.path = os.path.join(self.run_dir, "metrics.jsonl")
+        self.track = getattr(args, "track", False)
+        if not self.active:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(self.run_dir, exist_ok=True)
+        kept = []
+        if start_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        self.writer = SummaryWriter(self.run_dir, purge_step=start_step + 1 if start_step else None)
+        config = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+        if not start_step:
+            table = "\n".join(f"|{key}|{value}|" for key, value in config.items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        if self.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       id=args.run_name.replace("/", "_"), resume="allow", config=config,
+                       sync_tensorboard=True)  # fmt: skip
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Write one step's metrics (plain numbers) everywhere."""
+        if not self.active:
+            return
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.writer.close()
+        if self.track:
+            import wandb
+
+            wandb.finish()
+
+
+def check_finite(step: int, accelerator=None, **values) -> None:
+    """Raise NonFiniteError naming the step and the quantity when one of `values` (numbers or tensors) is NaN
+    or infinite. With `accelerator`, every process raises together when any process found one (otherwise the
+    others would wait forever in the next collective)."""
+    bad = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        tensor = torch.as_tensor(value).detach().float()
+        if not torch.isfinite(tensor).all():
+            bad.append(name)
+    if accelerator is not None and accelerator.num_processes > 1:
+        flag = torch.tensor([float(bool(bad))], device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0 and not bad:
+            bad = ["a value on another process"]
+    if bad:
+        from utils import checkpoint
+
+        last = checkpoint.last_saved()
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        raise NonFiniteError(f"step {step}: {', '.join(bad)} is not finite (NaN or inf); {kept}.")
+
+
+def dump_args(args) -> dict:
+    """The run's flags as a JSON-safe dict (for model cards and checkpoints)."""
+    return {
+        k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | type(None))
+    }
+
+
+__all__ = [
+    "NonFiniteError",
+    "TrainingInterrupted",
+    "Tracker",
+    "bare",
+    "check_finite",
+    "clip_grad_norm",
+    "dump_args",
+    "gathered_for_generation",
+    "grad_norm_after_step",
+    "make_accelerator",
+    "normalize_bool_flags",
+    "parse_args",
+    "prepare_frozen",
+    "run_cli",
+    "training_dtype",
+    "zero_stage",
+]
