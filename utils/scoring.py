@@ -1,0 +1,199 @@
+"""Scores of sampled completions when the reward model may have its own tokenizer.
+
+The RL scripts build one `RewardScorer` and call it on every batch of truncated query + response rows:
+
+    scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
+    scores = scorer(query_responses, attention_mask, context_length, chunk_size)   # [B]
+
+Two paths, chosen once (`same_tokenizer`):
+- the reward model's tokenizer is the policy's (same vocabulary, same EOS/BOS/UNK): the policy's token ids go to
+  the reward model as they are and the score is read at the last real token (`utils.compute_scores`), exactly as
+  before this module existed;
+- otherwise (a DeBERTa, Llama or Qwen reward model behind a Pythia policy; TRL's `reward_processing_classes`):
+  each prompt and truncated completion is decoded with the policy's tokenizer and encoded again with the reward
+  model's, following reward.py's convention (prompt tokens, completion tokens, then EOS unless the completion
+  already ends with it; no other special tokens), or through the reward tokenizer's chat template when the
+  prompt is a list of messages and the template exists (the template closes the turn: no EOS is added). Rows
+  longer than the reward model accepts are cut from the left and counted (`take_num_truncated`). Policy ids are
+  never fed to a model whose vocabulary does not hold them, so a smaller vocabulary cannot raise an IndexError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+import utils
+
+UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report model_max_length as about 1e30
+
+
+def same_tokenizer(a, b) -> bool:
+    """True when tokenizers `a` and `b` map text to the same ids: the same vocabulary (added tokens included)
+    and the same EOS, BOS and UNK tokens. The pad token is left out: the scripts never read it (masks come from
+    lengths) and set it to EOS when a tokenizer has none."""
+    if a is b:
+        return True
+    specials = [(t.eos_token_id, t.bos_token_id, t.unk_token_id) for t in (a, b)]
+    return specials[0] == specials[1] and a.get_vocab() == b.get_vocab()
+
+
+def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: str | None):
+    """The reward model's tokenizer: from `--reward_tokenizer_path`, else from the reward model's own directory;
+    None without a reward model."""
+    from transformers import AutoTokenizer
+
+    if reward_model_path is None:
+        return None
+    path = reward_tokenizer_path or reward_model_path
+    flag = "--reward_tokenizer_path" if reward_tokenizer_path else "--reward_model_path"
+    return utils.from_pretrained(AutoTokenizer, path, flag)
+
+
+def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
+    """The longest sequence the reward model accepts: the smaller of its position limit and the tokenizer's
+    model_max_length (None when neither says)."""
+    config = getattr(getattr(reward_model, "module", reward_model), "config", None)
+    limits = [
+        getattr(config, "max_position_embeddings", None),
+        getattr(reward_tokenizer, "model_max_length", None),
+    ]
+    limits = [int(n) for n in limits if isinstance(n, (int, float)) and 0 < n < UNBOUNDED_LENGTH]
+    return min(limits) if limits else None
+
+
+def encode_for_reward(
+    reward_tokenizer, prompt, completion: str, max_length: int | None
+) -> tuple[list[int], bool]:
+    """Reward-model ids of one prompt + completion and whether they were cut from the left to `max_length`.
+
+    prompt: text, or a list of {role, content} messages (conversational data). With messages and a chat template,
+    the whole conversation (the completion as the assistant's turn) goes through the template. Otherwise, as in
+    reward.py: ids(prompt) + ids(completion) + [EOS] (EOS added unless the completion already ends with it)."""
+    if not isinstance(prompt, str) and getattr(reward_tokenizer, "chat_template", None):
+        messages = [*prompt, {"role": "assistant", "content": completion}]
+        text = reward_tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        if not isinstance(prompt, str):  # messages without a template: their contents, one per line
+            prompt = "\n".join(m["content"] for m in prompt)
+        ids = reward_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        completion_ids = reward_tokenizer(completion, add_special_tokens=False)["input_ids"]
+        eos = reward_tokenizer.eos_token_id
+        if eos is not None and not (completion_ids and completion_ids[-1] == eos):
+            completion_ids = completion_ids + [eos]
+        ids = ids + completion_ids
+    if not ids:  # an empty text under a tokenizer without EOS: score one neutral token rather than nothing
+        ids = [
+            next(
+                i for i in (reward_tokenizer.unk_token_id, reward_tokenizer.pad_token_id, 0) if i is not None
+            )
+        ]
+    cut = max_length is not None and len(ids) > max_length
+    return (ids[-max_length:] if cut else ids), cut
+
+
+class RewardScorer:
+    """Scores [B] of truncated query + response rows from a reward model (with its own tokenizer or the policy's)
+    or from a reward function; see the module docstring for the two paths."""
+
+    def __init__(
+        self,
+        reward_model: nn.Module | None,
+        reward_tokenizer,
+        policy_tokenizer,
+        reward_fn: Callable | None = None,
+        max_length: int | None = None,
+    ):
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError("pass exactly one of a reward model and a reward function.")
+        self.reward_model, self.reward_fn = reward_model, reward_fn
+        self.policy_tokenizer = policy_tokenizer
+        self.reward_tokenizer = reward_tokenizer if reward_tokenizer is not None else policy_tokenizer
+        self.same_tokenizer = reward_fn is not None or same_tokenizer(policy_tokenizer, self.reward_tokenizer)
+        self.max_length = None
+        self.vocab_rows = None  # rows of the reward model's embedding: larger ids must never reach it
+        if reward_model is not None:
+            self.max_length = max_length or reward_max_length(reward_model, self.reward_tokenizer)
+            bare = getattr(reward_model, "module", reward_model)
+            embeddings = bare.get_input_embeddings() if hasattr(bare, "get_input_embeddings") else None
+            self.vocab_rows = getattr(embeddings, "num_embeddings", None) or bare.config.vocab_size
+        self.num_truncated = 0
+
+    def describe(self) -> str:
+        """One line saying which path scores the completions."""
+        if self.reward_fn is not None:
+            return "scores: the reward function, on the decoded prompts and completions"
+        if self.same_tokenizer:
+            return "scores: the reward model shares the policy's tokenizer; it reads the policy's token ids"
+        limit = f", cut from the left to {self.max_length} tokens" if self.max_length else ""
+        return (
+            "scores: the reward model has its own tokenizer; completions are decoded and encoded again with it"
+            + limit
+        )
+
+    def take_num_truncated(self) -> int:
+        """Rows cut from the left to the reward model's length since the last call (a metric), reset to 0."""
+        count, self.num_truncated = self.num_truncated, 0
+        return count
+
+    def texts(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int):
+        """(prompts, completions) decoded with the policy's tokenizer from the real tokens of each row (special
+        tokens such as EOS and padding dropped; ids the policy's tokenizer does not hold are skipped)."""
+        mask = attention_mask.bool() & (query_responses < len(self.policy_tokenizer))
+        decode = lambda ids: self.policy_tokenizer.decode(  # noqa: E731
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        rows = list(zip(query_responses.tolist(), mask.tolist()))
+        prompts = [decode([t for t, m in zip(r[:context_length], k[:context_length]) if m]) for r, k in rows]
+        completions = [
+            decode([t for t, m in zip(r[context_length:], k[context_length:]) if m]) for r, k in rows
+        ]
+        return prompts, completions
+
+    def encode(
+        self,
+        query_responses: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_length: int,
+        prompts: Sequence | None = None,
+    ) -> list[list[int]]:
+        """The reward model's ids of every row (decode with the policy's tokenizer, encode with the reward
+        model's); `prompts` (text or message lists, one per row) replaces the decoded prompts when given."""
+        decoded_prompts, completions = self.texts(query_responses, attention_mask, context_length)
+        prompts = decoded_prompts if prompts is None else list(prompts)
+        if len(prompts) != len(completions):
+            raise ValueError(f"got {len(prompts)} prompts for {len(completions)} rows to score.")
+        rows = []
+        for prompt, completion in zip(prompts, completions):
+            ids, cut = encode_for_reward(self.reward_tokenizer, prompt, completion, self.max_length)
+            self.num_truncated += cut
+            rows.append(ids)
+        return rows
+
+    def __call__(
+        self,
+        query_responses: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_length: int,
+        chunk_size: int,
+        prompts: Sequence | None = None,
+    ) -> torch.Tensor:
+        """Scores [B] of rows [B, T] (left-padded prompt, then the response truncated after its stop token; the
+        mask marks the real tokens); `prompts` only matters for a reward model with its own tokenizer."""
+        if self.reward_fn is not None or (
+            self.same_tokenizer
+            and int(query_responses.max()) < self.vocab_rows  # the fast path, ids as they are
+        ):
+            return utils.compute_scores(
+                query_responses, attention_mask, context_length, self.policy_tokenizer, chunk_size,
+                self.reward_model, self.reward_fn,
+            )  # fmt: skip
+        rows = self.encode(query_responses, attention_mask, context_length, prompts)
+        pad_id = next(i for i in (self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id, 0)
+                      if i is not None)  # fmt: skip
+        ids = utils.pad(rows, pad_id, "right").to(query_responses.device)
+        mask = utils.lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
+        return utils.batched_score(self.reward_model, ids, mask.long(), chunk_size)
