@@ -7,6 +7,13 @@ writes, in a few seconds and deterministically for `--seed`:
     policy/        a random-init Llama-style causal LM (about 1M parameters)
     reward/        the same backbone as a sequence classifier with one label
     dataset/       a DatasetDict (save_to_disk) with the splits below, and the same splits as jsonl files
+    tokenizer_chat/, policy_chat/, reward_chat/
+                   the tokenizer with ChatML-style <|im_start|> / <|im_end|> tokens, a chat template and
+                   <|im_end|> as EOS (as in instruction-tuned models), and models of its vocabulary
+    dataset_chat/  the same posts in TRL's conversational formats, one DatasetDict (train, test) per folder:
+                   language_modeling (messages, some multi-turn), prompt_completion, prompt_only, preference
+                   (explicit prompt) and implicit_prompt_preference (whole conversations, as UltraFeedback)
+    chat_template.jinja  the template alone, for --chat_template_path
 
 The task. A post is `--post_words` words of filler with `--num_keys` key words hidden in it (key words come
 from their own vocabulary). The post's facts are its key words in order. A summary is scored by the gold
@@ -28,6 +35,7 @@ Splits (column names of the standard formats):
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -54,6 +62,16 @@ FILLER_WORDS = (
     "never often some many much more less good bad big small long short new old happy sad angry tired"
 ).split()
 HEDGE = "tbh"
+# ChatML-style: every message is <|im_start|>{role}\n{content}<|im_end|>\n; the generation prompt opens an
+# assistant turn. The same shape as the templates of Qwen's instruction-tuned models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SYSTEM_PROMPT = "Summarize the post in a few words."
+FOLLOW_UP = "Only the first fact?"
 
 
 @dataclass
@@ -194,6 +212,53 @@ def make_splits(args: Args) -> dict[str, list[dict]]:
     }
 
 
+def conversational_splits(splits: dict[str, list[dict]]) -> dict[str, dict[str, list[dict]]]:
+    """The posts of `splits` in TRL's conversational formats: {format folder: {"train"/"test": rows}}. Derived
+    without randomness (the language-modeling rows of even index get a second exchange), so the standard
+    splits and everything made from them stay as they are."""
+
+    def user(text):
+        return {"role": "user", "content": text}
+
+    def assistant(text):
+        return {"role": "assistant", "content": text.strip()}
+
+    def messages(i, row):
+        turns = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            user(row["prompt"]),
+            assistant(row["completion"]),
+        ]
+        if i % 2 == 0:
+            turns += [user(FOLLOW_UP), assistant(row["facts"][0])]
+        return {"messages": turns}
+
+    sft_sources = {"train": splits["sft"], "test": splits["test"]}
+    pair_sources = {"train": splits["preference"], "test": splits["preference_validation"]}
+    out: dict[str, dict[str, list[dict]]] = {
+        "language_modeling": {k: [messages(i, r) for i, r in enumerate(rows)] for k, rows in sft_sources.items()},
+        "prompt_completion": {
+            k: [{"prompt": [user(r["prompt"])], "completion": [assistant(r["completion"])], "facts": r["facts"]}
+                for r in rows]
+            for k, rows in sft_sources.items()
+        },
+        "prompt_only": {
+            k: [{"prompt": [user(r["prompt"])], "facts": r["facts"]} for r in rows] for k, rows in sft_sources.items()
+        },
+        "preference": {
+            k: [{"prompt": [user(r["prompt"])], "chosen": [assistant(r["chosen"])],
+                 "rejected": [assistant(r["rejected"])], "facts": r["facts"]} for r in rows]
+            for k, rows in pair_sources.items()
+        },
+        "implicit_prompt_preference": {
+            k: [{"chosen": [user(r["prompt"]), assistant(r["chosen"])],
+                 "rejected": [user(r["prompt"]), assistant(r["rejected"])], "facts": r["facts"]} for r in rows]
+            for k, rows in pair_sources.items()
+        },
+    }  # fmt: skip
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer, models, files
 # ----------------------------------------------------------------------------------------------------------------
@@ -272,7 +337,39 @@ def build(args: Args) -> str:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     with open(os.path.join(args.output_dir, "world.json"), "w") as f:
         json.dump({k: v for k, v in vars(args).items() if k != "output_dir"}, f, indent=2)
+    build_chat(args, splits, tokenizer)
     return args.output_dir
+
+
+def build_chat(args: Args, splits: dict[str, list[dict]], tokenizer) -> None:
+    """The conversational part of the world, written after (and without touching) everything else: the chat
+    tokenizer, models of its vocabulary, the conversational splits and the template file."""
+    import datasets
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    chat_tokenizer = copy.deepcopy(tokenizer)
+    chat_tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chat_tokenizer.eos_token = "<|im_end|>"
+    chat_tokenizer.chat_template = CHAT_TEMPLATE
+    with open(os.path.join(args.output_dir, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    config = model_config(args, chat_tokenizer)
+    for name, cls, seed in (
+        ("policy_chat", LlamaForCausalLM, 2),
+        ("reward_chat", LlamaForSequenceClassification, 3),
+    ):
+        torch.manual_seed(args.seed + seed)
+        model = cls(config)
+        if name == "policy_chat":
+            model.generation_config.pad_token_id = chat_tokenizer.pad_token_id
+        model.save_pretrained(os.path.join(args.output_dir, name))
+        chat_tokenizer.save_pretrained(os.path.join(args.output_dir, name))
+    chat_tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer_chat"))
+    for folder, parts in conversational_splits(splits).items():
+        datasets.DatasetDict({k: datasets.Dataset.from_list(rows) for k, rows in parts.items()}).save_to_disk(
+            os.path.join(args.output_dir, "dataset_chat", folder)
+        )
 
 
 if __name__ == "__main__":
