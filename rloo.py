@@ -32,6 +32,7 @@ import torch
 import tyro
 
 import utils
+import utils.scoring
 
 
 @dataclass
@@ -65,6 +66,9 @@ class Args:
     """the SFT policy to start from; also the frozen reference model of the KL penalty"""
     reward_model_path: str | None = None
     """sequence classifier (one label) giving the score; or use --reward_fn"""
+    reward_tokenizer_path: str | None = None
+    """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
+    is not the policy's, completions are decoded and encoded again with it"""
     reward_fn: str | None = None
     """path/to/file.py:function, called as function(prompts, completions) -> one float per completion"""
     dataset_name: str = "trl-lib/tldr"
@@ -311,6 +315,9 @@ def main(args: Args) -> None:
             AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
         )
         utils.score_head(reward_model)  # refuses a model with more than one label
+    reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
+    scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
+    accelerator.print(scorer.describe())
     for model in (policy, ref_policy, reward_model):
         if model is not None:
             utils.disable_dropout(model)
@@ -393,8 +400,7 @@ def main(args: Args) -> None:
                 query_responses, mask = rows_at(idx)
                 ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask,
                                                                     context_length, T, chunk))  # fmt: skip
-                scores.append(utils.compute_scores(query_responses, mask, context_length, tokenizer, chunk,
-                                                   reward_model, reward_fn))  # fmt: skip
+                scores.append(scorer(query_responses, mask, context_length, chunk))
         ref_logprobs, scores = torch.cat(ref_logprobs), torch.cat(scores).float()
         has_eos = ((responses == eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
@@ -473,6 +479,9 @@ def main(args: Args) -> None:
                 "lr": lr,
                 "episode": episode,
             }
+            if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
+                truncated = torch.tensor(scorer.take_num_truncated(), device=device)
+                metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
         if accelerator.is_main_process:
             for name, value in metrics.items():
                 writer.add_scalar(name, value, update)
@@ -491,8 +500,7 @@ def main(args: Args) -> None:
                 query_responses, mask = query_response_rows(
                     queries, query_mask, responses, response_mask, shown
                 )
-                scores = utils.compute_scores(query_responses, mask, queries.size(1), tokenizer, chunk,
-                                              reward_model, reward_fn)  # fmt: skip
+                scores = scorer(query_responses, mask, queries.size(1), chunk)
             if accelerator.is_main_process:
                 utils.print_samples({
                     "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
