@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 import utils
+import utils.scoring
 
 
 @dataclass
@@ -68,8 +69,12 @@ class Args:
     """sequence-classification reward model (one label); or pass --reward_fn"""
     reward_fn: str | None = None
     """path/to/file.py:function taking (prompts, completions) and returning one float each, instead of a model"""
+    reward_tokenizer_path: str | None = None
+    """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
+    is not the policy's, completions are decoded and encoded again with it"""
     value_model_path: str | None = None
-    """initial critic (sequence classifier); None: the reward model, or the SFT model with a new head"""
+    """initial critic (sequence classifier on the policy's tokens); None: the reward model when it shares the
+    policy's tokenizer, else the SFT model with a new head"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, or directory/file of json/jsonl/parquet; needs a `prompt` column"""
     dataset_train_split: str = "train"
@@ -416,15 +421,15 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     return deepspeed.initialize(model=model, config=config)[0].eval()
 
 
-def score_completions(args, tokenizer, reward_model, reward_fn, queries, query_mask, responses):
+def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
     """Truncate `responses` [B, R] after the stop token and score them: (mask [B, R] of the kept tokens,
     scores [B], whether each has an EOS [B]). The reward sees the truncated completion and its score is read
     at the last real token (the EOS); `missing_eos_penalty` is subtracted from completions without one."""
     truncated, lengths = utils.truncate_response(responses, args.stop_token_id, tokenizer.pad_token_id)
     mask = utils.lengths_to_mask(lengths, responses.size(1))
-    scores = utils.compute_scores(
-        torch.cat([queries, truncated], 1), torch.cat([query_mask, mask], 1), queries.size(1), tokenizer,
-        args.local_rollout_forward_batch_size, reward_model, reward_fn,
+    scores = scorer(
+        torch.cat([queries, truncated], 1), torch.cat([query_mask, mask], 1), queries.size(1),
+        args.local_rollout_forward_batch_size,
     ).float()  # fmt: skip
     scores, contains_eos = penalize_missing_eos(
         scores, truncated, mask, tokenizer.eos_token_id, args.missing_eos_penalty
@@ -433,9 +438,7 @@ def score_completions(args, tokenizer, reward_model, reward_fn, queries, query_m
 
 
 @torch.no_grad()
-def rollout(
-    args, accelerator, model, ref_model, reward_model, reward_fn, tokenizer, queries, query_mask, generator
-):
+def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, generator):
     """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs."""
     Q, chunk = queries.size(1), args.local_rollout_forward_batch_size
     with utils.unwrapped_for_generation(model, accelerator, "policy") as policy:
@@ -445,9 +448,7 @@ def rollout(
     responses = query_responses[:, Q:]
     # Every forward pass attends to all R sampled tokens, as generation did, so logprobs match sampling's.
     attention_mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
-    mask, scores, contains_eos = score_completions(
-        args, tokenizer, reward_model, reward_fn, queries, query_mask, responses
-    )
+    mask, scores, contains_eos = score_completions(args, tokenizer, scorer, queries, query_mask, responses)
     unwrapped, ref_logprobs, values, kl_full = accelerator.unwrap_model(model), [], [], []
     for i in range(0, queries.size(0), chunk):
         qr, am = query_responses[i : i + chunk], attention_mask[i : i + chunk]
@@ -466,7 +467,7 @@ def rollout(
 
 
 @torch.no_grad()
-def sample_table(args, accelerator, model, reward_model, reward_fn, tokenizer, test_rows, test_prompts):
+def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_prompts):
     """Greedy completions of this process's share of the test prompts: (mean score over processes, table)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     queries, query_mask = utils.left_pad(test_rows[rank::world], tokenizer.pad_token_id, accelerator.device)
@@ -475,9 +476,7 @@ def sample_table(args, accelerator, model, reward_model, reward_fn, tokenizer, t
             policy, queries, query_mask, args.response_length, 0.0, args.local_rollout_forward_batch_size
         )
     responses = query_responses[:, queries.size(1) :]
-    mask, scores, _ = score_completions(
-        args, tokenizer, reward_model, reward_fn, queries, query_mask, responses
-    )
+    mask, scores, _ = score_completions(args, tokenizer, scorer, queries, query_mask, responses)
     columns = {
         "prompt": [p[-80:] for p in test_prompts[rank::world]],
         "completion": [tokenizer.decode(r[m]) for r, m in zip(responses, mask)],
@@ -549,10 +548,15 @@ def main(args: Args) -> dict:
             AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path"
         )
         utils.score_head(reward_model)  # refuses a reward model with more than one label
+    reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
+    same_tokens = reward_tokenizer is None or utils.scoring.same_tokenizer(tokenizer, reward_tokenizer)
     # The critic: its own copy of the value (default: reward) model; with only a reward function and no value
-    # model, the SFT model with a fresh one-output head.
+    # model, or a reward model that reads other tokens than the policy's, the SFT model with a fresh head.
     critic_flag = "--value_model_path" if args.value_model_path else "--reward_model_path"
-    critic_path = args.value_model_path or args.reward_model_path
+    critic_path = args.value_model_path or (args.reward_model_path if same_tokens else None)
+    if not args.value_model_path and not same_tokens:
+        accelerator.print("critic: the reward model has its own tokenizer, so the critic starts from "
+                          "--sft_model_path with a new value head (pass --value_model_path to choose one)")  # fmt: skip
     critic_flag, critic_path = (
         (critic_flag, critic_path) if critic_path else ("--sft_model_path", args.sft_model_path)
     )
@@ -573,6 +577,8 @@ def main(args: Args) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_model = prepare_frozen(ref_model, accelerator)
     reward_model = prepare_frozen(reward_model, accelerator) if reward_model is not None else None
+    scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
+    accelerator.print(scorer.describe())
 
     # Logging (main process only); metrics also go to metrics.jsonl for scripts and tests.
     log_dir = os.path.join(args.logging_dir, args.run_name)
@@ -618,7 +624,7 @@ def main(args: Args) -> dict:
         Q = queries.size(1)
         with accelerator.autocast():
             data = rollout(
-                args, accelerator, model, ref_model, reward_model, reward_fn, tokenizer, queries, query_mask,
+                args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask,
                 sampling_generator,
             )  # fmt: skip
         mask, scores = data["mask"], data["scores"]
@@ -703,13 +709,16 @@ def main(args: Args) -> dict:
                 "lr": lr,
                 "episode": episode,
             }
+            if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
+                truncated = torch.tensor(scorer.take_num_truncated(), device=device)
+                metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
         if args.adaptive_kl:
             kl_controller.update(metrics["objective/kl"], args.batch_size)
         if sample_freq and (update % sample_freq == 0 or update == args.num_total_batches):
             model.eval()
             with accelerator.autocast():
                 metrics["eval/scores"], columns = sample_table(
-                    args, accelerator, model, reward_model, reward_fn, tokenizer, test_rows, test_prompts
+                    args, accelerator, model, scorer, tokenizer, test_rows, test_prompts
                 )
             if accelerator.is_main_process:
                 utils.print_samples(columns, title=f"update {update}: test prompts (greedy)")

@@ -315,9 +315,6 @@ def main(args: Args) -> None:
             AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
         )
         utils.score_head(reward_model)  # refuses a model with more than one label
-    reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
-    scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
-    accelerator.print(scorer.describe())
     for model in (policy, ref_policy, reward_model):
         if model is not None:
             utils.disable_dropout(model)
@@ -330,6 +327,10 @@ def main(args: Args) -> None:
     if deepspeed_plugin is not None:  # there is no dataloader to read the micro-batch size from
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    # Scores: the reward model reads the policy's ids, or its own tokenizer's encoding of the decoded text.
+    reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
+    scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
+    accelerator.print(scorer.describe())
 
     # Logging (main process): TensorBoard, metrics.jsonl beside it, W&B with --track.
     run_dir = os.path.join(args.logging_dir, args.run_name)
