@@ -1,0 +1,411 @@
+"""Data formats: TRL's standard and conversational datasets turned into the text and token ids the scripts train on.
+
+A dataset's *type* is read from its columns and its *format* from its values (TRL's names):
+
+    type                 standard (strings)                      conversational (lists of {role, content})
+    language modeling    text (--dataset_text_field)             messages
+    prompt-only          prompt                                  prompt
+    prompt-completion    prompt, completion                      prompt, completion
+    preference           prompt, chosen, rejected                prompt, chosen, rejected
+      implicit prompt    chosen, rejected (sharing the prompt)   chosen, rejected (sharing the first turns)
+
+Any other column is ignored. Conversations are rendered with the tokenizer's chat template (or the one given by
+--chat_template_path): a prompt with the generation prompt (the opening of the assistant's turn), its completion
+as the rest of the rendered whole, so prompt + completion is exactly the rendering of the whole conversation.
+An implicit prompt is the longest shared beginning of chosen and rejected (whole messages for conversations;
+for strings, up to the start of the first word where they differ).
+
+End of sequence: a completion (and a whole text) ends with the tokenizer's EOS, which the scripts append unless
+it is already there. A chat template usually ends a turn with its own end token and a newline; when that end
+token is the EOS (e.g. <|im_end|> in instruction-tuned tokenizers, or set with sft.py's --eos_token) the
+trailing whitespace after it is dropped, so the model learns to stop exactly where sampling stops.
+
+Beginning of sequence: a BOS is put at the start of a sequence only when the tokenizer adds one itself (its own
+setting, e.g. Llama's), and never twice (a chat template that writes the BOS text keeps its one BOS).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+FORMATS = (
+    "language modeling (text or messages), prompt-only (prompt), prompt-completion (prompt, completion), "
+    "preference (prompt, chosen, rejected) or preference with an implicit prompt (chosen, rejected)"
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
+    """`utils.load_split` with a dataset configuration (--dataset_config): the hub's configuration name, or for a
+    local dataset the sub-folder of that name (a folder per configuration, like the hub's)."""
+    import utils
+
+    if config is None:
+        return utils.load_split(name_or_path, split, flag)
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, config)
+        if not os.path.isdir(path):
+            found = sorted(
+                d for d in os.listdir(name_or_path) if os.path.isdir(os.path.join(name_or_path, d))
+            )
+            raise ValueError(
+                f"{flag} {name_or_path} has no configuration {config!r} (--dataset_config); found {found}."
+            )
+        return utils.load_split(path, split, flag)
+    if os.path.exists(name_or_path):
+        raise ValueError(
+            f"--dataset_config {config!r} needs a hub id or a folder of configurations, not a file."
+        )
+    import datasets
+
+    try:
+        return datasets.load_dataset(name_or_path, config, split=split)
+    except (ConnectionError, OSError) as error:
+        raise ValueError(
+            f"{flag} {name_or_path!r} ({config}) could not be loaded from the hub ({type(error).__name__}); "
+            "without network pass a save_to_disk directory or json/jsonl/parquet files."
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Formats
+# ----------------------------------------------------------------------------------------------------------------
+def is_conversation(value) -> bool:
+    """True for a list of messages, each a dict with a role and a content."""
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def detect_format(dataset, where: str, text_field: str = "text") -> tuple[str, bool]:
+    """(type, conversational) of a dataset from its columns and first row; type is one of "language_modeling",
+    "prompt_only", "prompt_completion", "preference", "implicit_preference". A ValueError names the
+    columns found when they match no type, or when the values are neither strings nor conversations."""
+    columns = set(dataset.column_names)
+    if len(dataset) == 0:
+        raise ValueError(f"{where} is empty.")
+    if {"chosen", "rejected"} <= columns:
+        kind, keys = ("preference", ["prompt", "chosen", "rejected"]) if "prompt" in columns else (
+            "implicit_preference", ["chosen", "rejected"])  # fmt: skip
+    elif "prompt" in columns:
+        kind, keys = ("prompt_completion", ["prompt", "completion"]) if "completion" in columns else (
+            "prompt_only", ["prompt"])  # fmt: skip
+    elif "messages" in columns:
+        kind, keys = "language_modeling", ["messages"]
+    elif text_field in columns:
+        kind, keys = "language_modeling", [text_field]
+    else:
+        raise ValueError(
+            f"{where} matches none of TRL's dataset types {FORMATS}; found columns {sorted(columns)}."
+        )
+    first = dataset[0]
+    conversational = [is_conversation(first[k]) for k in keys]
+    if not all(conversational) and not all(isinstance(first[k], str) for k in keys):
+        raise ValueError(
+            f"{where}: columns {keys} must all be strings (standard) or all lists of {{role, content}} messages "
+            "(conversational)."
+        )
+    return kind, all(conversational)
+
+
+def check_type(kind: str, accepted: Sequence[str], where: str, script: str) -> None:
+    """A ValueError when a script cannot train on this dataset type."""
+    if kind not in accepted:
+        names = ", ".join(a.replace("_", " ") for a in accepted)
+        raise ValueError(f"{where} is {kind.replace('_', ' ')} data; {script} reads {names} data.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer settings: chat template, EOS, BOS
+# ----------------------------------------------------------------------------------------------------------------
+def set_chat_template(tokenizer, path: str | None) -> None:
+    """Give the tokenizer the chat template of `path` (--chat_template_path): a Jinja file, or a tokenizer
+    directory whose template is taken. The template is saved with the tokenizer."""
+    if path is None:
+        return
+    if os.path.isfile(path):
+        with open(path) as f:
+            tokenizer.chat_template = f.read()
+        return
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        template = AutoTokenizer.from_pretrained(path).chat_template
+        if template is None:
+            raise ValueError(f"--chat_template_path {path}: that tokenizer has no chat template.")
+        tokenizer.chat_template = template
+        return
+    raise ValueError(
+        f"--chat_template_path {path} does not exist; pass a Jinja file or a tokenizer directory."
+    )
+
+
+def require_chat_template(tokenizer, where: str) -> None:
+    """One sentence when conversational data meets a tokenizer without a chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{where} is conversational but the tokenizer has no chat template; pass --chat_template_path "
+            "(a Jinja file or a tokenizer directory) or a tokenizer that has one."
+        )
+
+
+def set_eos_token(tokenizer, token: str) -> None:
+    """Make `token` (sft.py's --eos_token, e.g. <|im_end|>) the tokenizer's EOS; it must be one known token."""
+    ids = tokenizer.convert_tokens_to_ids([token])
+    if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id and token != tokenizer.unk_token:
+        raise ValueError(f"--eos_token {token!r} is not a token of the tokenizer's vocabulary.")
+    tokenizer.eos_token = token
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts a BOS at the start of what it encodes (its own setting)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return (
+        len(with_special) > len(tokenizer("a", add_special_tokens=False)["input_ids"])
+        and with_special[0] == bos
+    )
+
+
+def encode(tokenizer, texts: Sequence[str], leading: bool) -> list[list[int]]:
+    """Token ids of each text with no special token added, except a BOS at the start of a `leading` text (the
+    first piece of a sequence) when the tokenizer adds one itself and the text does not already begin with it."""
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
+    if leading and adds_bos(tokenizer):
+        bos = tokenizer.bos_token_id
+        ids = [row if row[:1] == [bos] else [bos] + row for row in ids]
+    return ids
+
+
+def tokenize_prompts(
+    tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None
+) -> list[list[int]]:
+    """Token ids of rendered prompts (see `encode`), keeping the last `max_prompt_length` tokens."""
+    ids = encode(tokenizer, prompts, leading=True)
+    return [row[-max_prompt_length:] if max_prompt_length else row for row in ids]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rendering conversations
+# ----------------------------------------------------------------------------------------------------------------
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages` (with the assistant's opening when `generation_prompt`)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def end_at_eos(text: str, eos_token: str | None) -> str:
+    """Drop whitespace after a final EOS (a template's newline after its end-of-turn token)."""
+    stripped = text.rstrip()
+    return stripped if eos_token and stripped.endswith(eos_token) else text
+
+
+def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+    """(prompt text, completion text) of a conversation cut after `prompt`: the prompt rendered with the
+    generation prompt when the completion is the assistant's, the completion as the rest of the whole."""
+    prompt_text = render(tokenizer, prompt, generation_prompt=completion[0]["role"] == "assistant")
+    whole = render(tokenizer, prompt + completion)
+    if not whole.startswith(prompt_text):
+        raise ValueError(
+            "the chat template does not render a conversation's prompt as the beginning of the whole "
+            "conversation, so the completion cannot be told apart; use another --chat_template_path."
+        )
+    return prompt_text, end_at_eos(whole[len(prompt_text) :], tokenizer.eos_token)
+
+
+def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """The rendered conversation cut into (text, is_assistant) pieces: each assistant message's content and
+    end-of-turn (rendered incrementally: the conversation before it with the generation prompt, then with it)
+    is an assistant piece; everything else (system, user turns, the assistant's opening) is not."""
+    pieces, done = [], ""
+    for i, message in enumerate(messages):
+        full = render(tokenizer, messages[: i + 1])
+        head = (
+            render(tokenizer, messages[:i], generation_prompt=True)
+            if message["role"] == "assistant" and i
+            else done
+        )
+        if not (head.startswith(done) and full.startswith(head)):
+            raise ValueError(
+                "the chat template does not render a conversation turn by turn (each part the beginning of the "
+                "next), which --assistant_only_loss needs; use another --chat_template_path."
+            )
+        if head != done:
+            pieces.append((head[len(done) :], False))
+        pieces.append((full[len(head) :], message["role"] == "assistant"))
+        done = full
+    last_text, last_is_assistant = pieces[-1]
+    pieces[-1] = (end_at_eos(last_text, tokenizer.eos_token), last_is_assistant)
+    return [p for p in pieces if p[0]]
+
+
+def shared_prefix(chosen, rejected):
+    """(prompt, chosen rest, rejected rest) of an implicit-prompt pair: the longest shared beginning, in whole
+    messages for conversations; for strings it stops at the start of the first differing word, so both
+    completions keep their leading space. Raises ValueError when nothing is shared or nothing is left."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str):
+        while n > 0 and not chosen[n - 1].isspace() and not (n < len(chosen) and chosen[n].isspace()):
+            n -= 1
+        while n > 0 and chosen[n - 1].isspace():
+            n -= 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        raise ValueError(
+            "an implicit-prompt pair must share a beginning (the prompt) and differ after it; found "
+            f"{'no shared prompt' if n == 0 else 'a completion that is empty'}."
+        )
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Datasets to texts, by type
+# ----------------------------------------------------------------------------------------------------------------
+def _prepare(dataset, tokenizer, where: str, text_field: str = "text"):
+    kind, conversational = detect_format(dataset, where, text_field)
+    if conversational:
+        require_chat_template(tokenizer, where)
+    return kind, conversational
+
+
+def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
+    """The prompts of a dataset with a `prompt` column (prompt-only, prompt-completion or preference), standard
+    or rendered with the generation prompt: what the RL scripts sample completions for."""
+    kind, conversational = _prepare(dataset, tokenizer, where)
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"{where} has no prompt column; found columns {sorted(dataset.column_names)}.")
+    prompts = list(dataset["prompt"])
+    if not conversational:
+        return prompts
+    return [render(tokenizer, p, generation_prompt=p[-1]["role"] != "assistant") for p in prompts]
+
+
+def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
+    """(prompts, completions) of a prompt-completion dataset, standard or conversational (rendered)."""
+    kind, conversational = _prepare(dataset, tokenizer, where)
+    check_type(kind, ["prompt_completion"], where, "this step")
+    if not conversational:
+        return list(dataset["prompt"]), list(dataset["completion"])
+    pairs = [split_rendering(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
+    return [p for p, _ in pairs], [c for _, c in pairs]
+
+
+def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
+    """{prompt, chosen, rejected} texts of a preference dataset, explicit or implicit prompt, standard or
+    conversational. Each chosen/rejected text is the continuation of its prompt text."""
+    kind, conversational = _prepare(dataset, tokenizer, where)
+    check_type(kind, ["preference", "implicit_preference"], where, "this script")
+    out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+    prompts = dataset["prompt"] if kind == "preference" else [None] * len(dataset)
+    for i, (prompt, chosen, rejected) in enumerate(zip(prompts, dataset["chosen"], dataset["rejected"])):
+        if prompt is None:
+            try:
+                prompt, chosen, rejected = shared_prefix(chosen, rejected)
+            except ValueError as error:
+                raise ValueError(f"{where} row {i}: {error}") from None
+        if conversational:
+            prompt_text, chosen = split_rendering(tokenizer, prompt, chosen)
+            rejected = split_rendering(tokenizer, prompt, rejected)[1]
+            prompt = prompt_text
+        out["prompt"].append(prompt)
+        out["chosen"].append(chosen)
+        out["rejected"].append(rejected)
+    return out
+
+
+def sft_examples(
+    dataset,
+    tokenizer,
+    where: str,
+    text_field: str = "text",
+    assistant_only_loss: bool = False,
+) -> tuple[str, list[tuple]]:
+    """SFT examples of a dataset, by type, every sequence ending with the EOS (added unless it is there):
+
+    - prompt-completion (standard or conversational): ("prompt_completion", [(prompt ids, completion ids,
+      completion loss mask)]);
+    - language modeling (text or messages): ("language_modeling", [(ids, loss mask)]).
+
+    The loss masks are all ones, except with `assistant_only_loss` (conversations only): ones on the assistant
+    turns (content and end of turn) only. The scripts' truncation rules come after.
+    """
+    kind, conversational = _prepare(dataset, tokenizer, where, text_field)
+    check_type(kind, ["prompt_completion", "language_modeling"], where, "sft.py")
+    if assistant_only_loss and not conversational:
+        raise ValueError(f"{where} is standard (text) data; --assistant_only_loss needs conversational data.")
+    eos, rows = tokenizer.eos_token_id, []
+
+    def with_eos(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        return (ids, mask) if ids[-1:] == [eos] else (ids + [eos], mask + [1])
+
+    if kind == "prompt_completion" and not assistant_only_loss:
+        prompts, completions = prompt_completion_texts(dataset, tokenizer, where)
+        for prompt_ids, completion_ids in zip(
+            encode(tokenizer, prompts, True), encode(tokenizer, completions, False)
+        ):
+            rows.append((prompt_ids, *with_eos(completion_ids, [1] * len(completion_ids))))
+    elif kind == "prompt_completion":  # the prompt never carries loss; the completion's assistant turns do
+        for prompt, completion in zip(dataset["prompt"], dataset["completion"]):
+            prompt_chars = len(split_rendering(tokenizer, prompt, completion)[0])
+            ids, mask, ends = _encode_pieces(tokenizer, turn_segments(tokenizer, prompt + completion))
+            cut = ends.get(prompt_chars)  # the prompt ends at a piece boundary (the assistant's opening)
+            if cut is None:
+                raise ValueError("the chat template renders a prompt that does not end where a turn does.")
+            rows.append((ids[:cut], *with_eos(ids[cut:], mask[cut:])))
+    elif not conversational:
+        column = text_field if text_field in dataset.column_names else "messages"
+        for ids in encode(tokenizer, list(dataset[column]), True):
+            rows.append(with_eos(ids, [1] * len(ids)))
+    else:
+        column = "messages" if "messages" in dataset.column_names else text_field
+        for messages in dataset[column]:
+            if assistant_only_loss:
+                ids, mask, _ = _encode_pieces(tokenizer, turn_segments(tokenizer, messages))
+            else:
+                ids = encode(tokenizer, [end_at_eos(render(tokenizer, messages), tokenizer.eos_token)], True)[
+                    0
+                ]
+                mask = [1] * len(ids)
+            rows.append(with_eos(ids, mask))
+    return kind, rows
+
+
+def _encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int], dict[int, int]]:
+    """Token ids of the pieces, encoded one by one; a mask with 1 on the ids of the assistant pieces; and, for
+    the character offset where each piece ends, the number of ids up to there."""
+    ids, mask, ends, chars = [], [], {0: 0}, 0
+    for i, (text, is_assistant) in enumerate(pieces):
+        piece = encode(tokenizer, [text], leading=i == 0)[0]
+        ids += piece
+        mask += [int(is_assistant)] * len(piece)
+        chars += len(text)
+        ends[chars] = len(ids)
+    return ids, mask, ends
+
+
+def sample_prompts(dataset, tokenizer, where: str, count: int, text_field: str = "text") -> tuple[list, list]:
+    """Up to `count` (prompt text, reference text) pairs for sample tables: the prompt and completion of
+    prompt-completion data; for conversations, everything before the last assistant turn and that turn. Data
+    with no prompt (plain text) gives none."""
+    head = dataset.select(range(min(count, len(dataset))))
+    kind, conversational = detect_format(head, where, text_field)
+    if kind == "prompt_completion":
+        return prompt_completion_texts(head, tokenizer, where)
+    if kind != "language_modeling" or not conversational:
+        return [], []
+    prompts, references = [], []
+    column = "messages" if "messages" in head.column_names else text_field
+    for messages in head[column]:
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
+        if last > 0:
+            prompt, reference = split_rendering(tokenizer, messages[:last], messages[last : last + 1])
+            prompts.append(prompt)
+            references.append(reference)
+    return prompts, references
