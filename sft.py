@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import tyro
 
 import utils
+import utils.data
 
 IGNORE_INDEX = -100  # label of the tokens that carry no loss (prompt, padding)
 
@@ -59,14 +60,22 @@ class Args:
     """the model to fine-tune (hub id or local directory)"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, directory of {split}.jsonl files, or one json/jsonl/parquet file"""
+    dataset_config: Optional[str] = None
+    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split to train on"""
-    dataset_test_split: Optional[str] = "validation"
+    dataset_test_split: Optional[str] = "test"
     """split for evaluation (loss and samples); None: no evaluation"""
     dataset_text_field: str = "text"
-    """column of a plain-text dataset, used when the dataset has no prompt and completion columns"""
+    """column of a language-modeling dataset (strings, or conversations when there is no messages column)"""
+    chat_template_path: Optional[str] = None
+    """Jinja file (or tokenizer directory) whose chat template renders conversational data"""
     completion_only_loss: bool = True
     """loss on the completion tokens (and EOS) only; --no_completion_only_loss: on the prompt tokens too"""
+    assistant_only_loss: bool = False
+    """conversational data: loss on the assistant turns only (their content and end of turn)"""
+    eos_token: Optional[str] = None
+    """token that ends a completion and is saved as the model's EOS (e.g. <|im_end|>); None: the tokenizer's"""
     packing: bool = False
     """concatenate the examples (each ending with EOS) and cut them into blocks of --max_length tokens"""
     max_length: int = 1024
@@ -113,6 +122,8 @@ class Args:
     # logging and evaluation
     logging_steps: int = 10
     """log the training metrics every this many optimizer steps"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """steps: evaluate on --dataset_test_split every --eval_steps and before and after training; no: never"""
     eval_steps: int = 500
     """evaluate every this many optimizer steps, and always before and after training (0: only then)"""
     per_device_eval_batch_size: int = 8
@@ -183,38 +194,27 @@ def sum_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 
 
 def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict[str, int]]:
-    """Rows {input_ids, loss_mask} of a prompt-completion or plain-text split, with EOS appended, the
-    truncation rules applied and, with --packing, packed. Returns (rows, counts of kept/truncated/dropped)."""
-    columns, eos = dataset.column_names, tokenizer.eos_token_id
-    paired = {"prompt", "completion"} <= set(columns)
-    if not paired and args.dataset_text_field not in columns:
-        raise ValueError(
-            f"{where} has neither prompt and completion columns nor the text column "
-            f"{args.dataset_text_field!r} (--dataset_text_field); found {columns}."
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"{where} is empty.")
-    if paired and not isinstance(dataset[0]["prompt"], str):
-        raise ValueError(f"{where}: prompts must be strings; apply a chat template to conversations first.")
+    """Rows {input_ids, loss_mask} of a split in any of TRL's SFT formats (utils.data: prompt-completion or
+    language modeling, standard or conversational), EOS-terminated, with the truncation rules applied and,
+    with --packing, packed. Returns (rows, counts of kept/truncated/dropped)."""
+    kind, examples = utils.data.sft_examples(
+        dataset, tokenizer, where, args.dataset_text_field, args.assistant_only_loss
+    )
     counts, rows, max_prompt_length = {"kept": 0, "truncated": 0, "dropped": 0}, [], args.max_prompt_length
-    if paired:
-        prompts = tokenizer(list(dataset["prompt"]), add_special_tokens=False)["input_ids"]
-        completions = tokenizer(list(dataset["completion"]), add_special_tokens=False)["input_ids"]
-        for prompt_ids, completion_ids in zip(prompts, completions):
-            if not completion_ids or completion_ids[-1] != eos:  # data carrying its EOS text keeps one EOS
-                completion_ids = completion_ids + [eos]
+    if kind == "prompt_completion":
+        for prompt_ids, completion_ids, completion_mask in examples:
             p, c, status = truncate_example(prompt_ids, completion_ids, args.max_length, max_prompt_length)
             counts[status] += 1
             if status != "dropped":
                 prompt_mask = [0 if args.completion_only_loss else 1] * len(p)
-                rows.append({"input_ids": p + c, "loss_mask": prompt_mask + [1] * len(c)})
+                rows.append({"input_ids": p + c, "loss_mask": prompt_mask + completion_mask})
     else:
-        for ids in tokenizer(list(dataset[args.dataset_text_field]), add_special_tokens=False)["input_ids"]:
-            ids, status = ids + [eos], "kept"
+        for ids, mask in examples:
+            status = "kept"
             if len(ids) > args.max_length and not args.packing:  # plain text: keep the beginning, and say so
-                ids, status = ids[: args.max_length], "truncated"
+                ids, mask, status = ids[: args.max_length], mask[: args.max_length], "truncated"
             counts[status] += 1
-            rows.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+            rows.append({"input_ids": ids, "loss_mask": mask})
     if not rows:
         raise ValueError(f"{where}: all {counts['dropped']} examples were dropped; raise --max_length.")
     if args.packing:
@@ -267,7 +267,7 @@ def evaluation_loss(model, rows: list[dict], batch_size: int, pad_token_id: int,
 @torch.no_grad()
 def greedy_samples(model, tokenizer, prompts: list[str], args: Args) -> list[str]:
     """Greedy completions of `prompts` (left-padded, as the RL scripts feed them), cut after the first EOS."""
-    ids = utils.tokenize_prompts(tokenizer, prompts, args.max_prompt_length)
+    ids = utils.data.tokenize_prompts(tokenizer, prompts, args.max_prompt_length)
     responses, _ = utils.complete(
         model, tokenizer, ids, args.response_length, args.per_device_eval_batch_size
     )
@@ -297,18 +297,22 @@ def main(args: Args) -> dict:
     tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token; SFT appends one.")
+    if args.eos_token is not None:
+        utils.data.set_eos_token(tokenizer, args.eos_token)
     if tokenizer.pad_token_id is None:  # e.g. Pythia: pad with EOS (every mask here comes from lengths)
         tokenizer.pad_token = tokenizer.eos_token
-    train_split = utils.load_split(args.dataset_name, args.dataset_train_split)
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
+    train_split = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     train_rows, counts = tokenize_split(train_split, tokenizer, args, f"split {args.dataset_train_split!r}")
     eval_rows, eval_prompts, eval_references, eval_counts = [], [], [], {}
-    if args.dataset_test_split is not None:
-        eval_split = utils.load_split(args.dataset_name, args.dataset_test_split)
-        where = f"split {args.dataset_test_split!r}"
+    if test_split is not None:
+        eval_split = utils.data.load_split(args.dataset_name, test_split, args.dataset_config)
+        where = f"split {test_split!r}"
         eval_rows, eval_counts = tokenize_split(eval_split, tokenizer, args, where)
-        if {"prompt", "completion"} <= set(eval_split.column_names):
-            head = eval_split.select(range(min(args.num_samples, len(eval_split))))
-            eval_prompts, eval_references = list(head["prompt"]), list(head["completion"])
+        eval_prompts, eval_references = utils.data.sample_prompts(
+            eval_split, tokenizer, where, args.num_samples, args.dataset_text_field
+        )
     steps_per_epoch = len(train_rows) // args.batch_size
     if steps_per_epoch == 0:
         raise ValueError(
@@ -333,6 +337,8 @@ def main(args: Args) -> dict:
     set_seed(args.seed)
     model = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     model.config.pad_token_id = tokenizer.pad_token_id
+    if args.eos_token is not None:  # the saved model stops where its completions were taught to end
+        model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     deepspeed = accelerator.state.deepspeed_plugin
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
