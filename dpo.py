@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import tyro
 
 import utils
+import utils.data
 
 
 @dataclass
@@ -65,11 +66,16 @@ class Args:
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
     """policy to start from (usually the SFT model), hub id or local directory; also the reference model"""
     dataset_name: str = "trl-lib/tldr-preference"
-    """dataset with prompt/chosen/rejected text columns (hub id, save_to_disk dir, jsonl/parquet files)"""
+    """preference pairs (prompt, chosen, rejected; or chosen, rejected with an implicit prompt), standard or
+    conversational: hub id, save_to_disk dir, jsonl/parquet files"""
+    dataset_config: str | None = None
+    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split to train on"""
-    dataset_test_split: str = "validation"
-    """split for evaluation (implicit-reward accuracy, sample completions)"""
+    dataset_test_split: str | None = "test"
+    """split for evaluation (implicit-reward accuracy, sample completions); None: no evaluation"""
+    chat_template_path: str | None = None
+    """Jinja file (or tokenizer directory) whose chat template renders conversational data"""
     max_length: int = 1024
     """most tokens of prompt + completion: completions are cut to fit; rows with no room left are dropped"""
     max_prompt_length: int | None = 512
@@ -134,6 +140,8 @@ class Args:
     # --- logging and evaluation ---
     logging_steps: int = 10
     """log training metrics every this many optimizer steps"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """steps: evaluate on --dataset_test_split every --eval_steps and at the end; no: never"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (0: only at the end, which always happens)"""
     generate_during_eval: bool = True
@@ -234,12 +242,11 @@ def truncate_pair(prompt, chosen, rejected, args: Args):
 
 
 def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
-    """Token rows {index, prompt, chosen, rejected} and counts of the rows truncated and dropped. Each
-    completion ends with EOS (added unless it is already there) so that the policy learns to stop."""
-    utils.check_columns(dataset, COLUMNS, where)
-    if not all(isinstance(dataset[0][c], str) for c in COLUMNS):
-        raise ValueError(f"{where}: prompt, chosen and rejected must be text; apply the chat template first.")
-    ids = [tokenizer(list(dataset[c]), add_special_tokens=False)["input_ids"] for c in COLUMNS]
+    """Token rows {index, prompt, chosen, rejected} of preference pairs in any of TRL's formats (utils.data:
+    explicit or implicit prompt, standard or conversational) and counts of the rows truncated and dropped.
+    Each completion ends with EOS (added unless it is already there) so that the policy learns to stop."""
+    texts = utils.data.preference_texts(dataset, tokenizer, where)
+    ids = [utils.data.encode(tokenizer, texts[c], leading=c == "prompt") for c in COLUMNS]
     eos, rows = tokenizer.eos_token_id, []
     counts = {"pairs": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
     for prompt, chosen, rejected in zip(*ids):
@@ -343,9 +350,18 @@ def main(args: Args) -> dict:
     tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe: padding is read from attention masks only
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
     (train_rows, train_counts), (eval_rows, eval_counts) = [
-        tokenize_dataset(utils.load_split(args.dataset_name, split), tokenizer, args, f"split {split!r}")
-        for split in (args.dataset_train_split, args.dataset_test_split)
+        tokenize_dataset(
+            utils.data.load_split(args.dataset_name, split, args.dataset_config),
+            tokenizer,
+            args,
+            f"split {split!r}",
+        )
+        if split is not None
+        else ([], {})
+        for split in (args.dataset_train_split, test_split)
     ]
     if is_main:
         print(f"train split: {train_counts}\ntest split: {eval_counts}")
@@ -444,6 +460,8 @@ def main(args: Args) -> dict:
 
     def evaluate(step: int) -> dict:
         """Metrics over the whole test split (gathered from every process) and a table of greedy samples."""
+        if not eval_rows:  # no test split (--eval_strategy no)
+            return {}
         model.eval()
         with torch.no_grad():
             metrics = torch.cat(

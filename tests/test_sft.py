@@ -351,7 +351,7 @@ def test_bad_datasets_fail_with_one_sentence(world, tmp_path, kept_output_dir):
     import datasets
 
     with pytest.raises(
-        ValueError, match=r"neither prompt and completion columns .* found \['prompt', 'chosen'"
+        ValueError, match=r"missing column\(s\) \['completion'\]: expected .* found \['prompt', 'chosen'"
     ):
         sft.main(bad_args(world, kept_output_dir, dataset_train_split="preference"))
     empty = tmp_path / "empty"

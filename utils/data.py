@@ -113,11 +113,25 @@ def detect_format(dataset, where: str, text_field: str = "text") -> tuple[str, b
     return kind, all(conversational)
 
 
-def check_type(kind: str, accepted: Sequence[str], where: str, script: str) -> None:
-    """A ValueError when a script cannot train on this dataset type."""
-    if kind not in accepted:
-        names = ", ".join(a.replace("_", " ") for a in accepted)
-        raise ValueError(f"{where} is {kind.replace('_', ' ')} data; {script} reads {names} data.")
+def check_type(dataset, kind: str, accepted: Sequence[str], where: str, text_field: str = "text") -> None:
+    """A ValueError naming the missing, expected and found columns when a script cannot read this type."""
+    if kind in accepted:
+        return
+    required = {
+        "preference": [["prompt", "chosen", "rejected"]],
+        "implicit_preference": [["chosen", "rejected"]],
+        "prompt_completion": [["prompt", "completion"]],
+        "prompt_only": [["prompt"]],
+        "language_modeling": [[text_field], ["messages"]],
+    }
+    options = [columns for a in accepted for columns in required[a]]
+    found = list(dataset.column_names)
+    missing = [c for c in options[0] if c not in found]
+    others = " or ".join(str(o) for o in options[1:])
+    raise ValueError(
+        f"{where} is missing column(s) {missing}: expected {options[0]}{f' (or {others})' if others else ''}, "
+        f"found {found}."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,7 +304,7 @@ def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
 def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
     """(prompts, completions) of a prompt-completion dataset, standard or conversational (rendered)."""
     kind, conversational = _prepare(dataset, tokenizer, where)
-    check_type(kind, ["prompt_completion"], where, "this step")
+    check_type(dataset, kind, ["prompt_completion"], where)
     if not conversational:
         return list(dataset["prompt"]), list(dataset["completion"])
     pairs = [split_rendering(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
@@ -301,7 +315,7 @@ def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
     """{prompt, chosen, rejected} texts of a preference dataset, explicit or implicit prompt, standard or
     conversational. Each chosen/rejected text is the continuation of its prompt text."""
     kind, conversational = _prepare(dataset, tokenizer, where)
-    check_type(kind, ["preference", "implicit_preference"], where, "this script")
+    check_type(dataset, kind, ["preference", "implicit_preference"], where)
     out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
     prompts = dataset["prompt"] if kind == "preference" else [None] * len(dataset)
     for i, (prompt, chosen, rejected) in enumerate(zip(prompts, dataset["chosen"], dataset["rejected"])):
@@ -337,7 +351,7 @@ def sft_examples(
     turns (content and end of turn) only. The scripts' truncation rules come after.
     """
     kind, conversational = _prepare(dataset, tokenizer, where, text_field)
-    check_type(kind, ["prompt_completion", "language_modeling"], where, "sft.py")
+    check_type(dataset, kind, ["prompt_completion", "language_modeling"], where, text_field)
     if assistant_only_loss and not conversational:
         raise ValueError(f"{where} is standard (text) data; --assistant_only_loss needs conversational data.")
     eos, rows = tokenizer.eos_token_id, []
