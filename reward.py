@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import tyro
 
 import utils
+import utils.data
 
 PROMPT, CHOSEN, REJECTED, MARGIN, COMPLETION = "prompt", "chosen", "rejected", "margin", "completion"
 
@@ -62,11 +63,16 @@ class Args:
     model_name_or_path: str = "models/sft"
     """model to start from: a causal LM (the SFT model: it gets a new score head) or a one-label classifier"""
     dataset_name: str = "data/tldr/preference"
-    """pairs (prompt, chosen, rejected, optional margin): hub id, save_to_disk dir, or json/jsonl/parquet"""
+    """pairs (prompt, chosen, rejected, optional margin; or chosen, rejected with an implicit prompt), standard
+    or conversational: hub id, save_to_disk dir, or json/jsonl/parquet"""
+    dataset_config: str | None = None
+    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split to train on"""
-    dataset_test_split: str | None = "validation"
+    dataset_test_split: str | None = "test"
     """split evaluated every --eval_steps and at the end; None skips evaluation"""
+    chat_template_path: str | None = None
+    """Jinja file (or tokenizer directory) whose chat template renders conversational data"""
     eval_group_by: str | None = None
     """a column of the test split: accuracy is also reported for each of its values"""
     max_length: int = 1024
@@ -76,8 +82,9 @@ class Args:
     """after training, shift the score so that the reference completions of --normalize_split average 0"""
     normalize_dataset: str | None = None
     """prompt-completion data holding the reference completions; None uses --dataset_name"""
-    normalize_split: str = "sft"
-    """split of --normalize_dataset to normalise on"""
+    normalize_split: str | None = None
+    """split of --normalize_dataset to normalise on; None: `sft`, and no normalization when neither this nor
+    --normalize_dataset is given and --dataset_name has no `sft` split (as in TRL's datasets)"""
     normalize_std: bool = False
     """also scale the score so that the reference completions' scores have standard deviation 1"""
 
@@ -116,6 +123,8 @@ class Args:
     # --- logging ---
     logging_steps: int = 10
     """log training metrics every this many optimizer steps"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """steps: evaluate on --dataset_test_split every --eval_steps and at the end; no: never"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (0: only at the end)"""
 
@@ -161,11 +170,25 @@ def fit_to_max_length(prompt: list[int], completions: list[list[int]], max_lengt
     return [kept + c for c in completions], len(kept) < len(prompt)
 
 
-def tokenize_rows(tokenizer, dataset, columns: list[str], max_length: int, group_by: str | None = None):
+def tokenize_rows(
+    tokenizer,
+    dataset,
+    columns: list[str],
+    max_length: int,
+    group_by: str | None = None,
+    where: str = "the dataset",
+):
     """Rows {index, sequences (one per completion column), margin, group}, counts of rows / cut / dropped, and
-    the sorted names of the groups (values of column `group_by`) that `group` indexes."""
-    prompts = utils.tokenize_prompts(tokenizer, dataset[PROMPT])
-    completions = [completion_ids(tokenizer, dataset[c]) for c in columns]
+    the sorted names of the groups (values of column `group_by`) that `group` indexes. The columns are
+    [chosen, rejected] of preference pairs or [completion] of prompt-completion data, in any of TRL's formats
+    (utils.data: standard or conversational, explicit or implicit prompt)."""
+    if columns == [COMPLETION]:
+        prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
+        texts = {PROMPT: prompt_texts, COMPLETION: completion_texts}
+    else:
+        texts = utils.data.preference_texts(dataset, tokenizer, where)
+    prompts = utils.data.tokenize_prompts(tokenizer, texts[PROMPT])
+    completions = [completion_ids(tokenizer, texts[c]) for c in columns]
     margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
     values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)
     group_names = sorted(set(values))
@@ -305,19 +328,31 @@ def check_args(args: Args) -> None:
 
 def load_data(args: Args, tokenizer) -> dict:
     """Every split the run needs, checked and tokenized: {name: (rows, counts, group_names)}."""
-    pairs, name = [CHOSEN, REJECTED], "--dataset_name"
-    splits = {"train": (args.dataset_name, args.dataset_train_split, pairs, None, name)}
-    if args.dataset_test_split:
-        splits["test"] = (args.dataset_name, args.dataset_test_split, pairs, args.eval_group_by, name)
+    pairs, name, config = [CHOSEN, REJECTED], "--dataset_name", args.dataset_config
+    splits = {"train": (args.dataset_name, config, args.dataset_train_split, pairs, None, name)}
+    if args.dataset_test_split and args.eval_strategy == "steps":
+        splits["test"] = (args.dataset_name, config, args.dataset_test_split, pairs, args.eval_group_by, name)
+    optional_normalize = args.normalize_dataset is None and args.normalize_split is None
     if args.normalize:
-        dataset_name = args.normalize_dataset or args.dataset_name
-        splits["normalize"] = (dataset_name, args.normalize_split, [COMPLETION], None, "--normalize_dataset")
+        dataset_name, split = args.normalize_dataset or args.dataset_name, args.normalize_split or "sft"
+        config = config if args.normalize_dataset is None else None
+        splits["normalize"] = (dataset_name, config, split, [COMPLETION], None, "--normalize_dataset")
     data = {}
-    for key, (dataset_name, split, columns, group_by, flag) in splits.items():
-        dataset = utils.load_split(dataset_name, split, flag)
+    for key, (dataset_name, config, split, columns, group_by, flag) in splits.items():
+        try:
+            dataset = utils.data.load_split(dataset_name, split, config, flag)
+        except ValueError:
+            if key != "normalize" or not optional_normalize:
+                raise
+            print(
+                f"{dataset_name} has no split 'sft' of reference completions: the scores are not normalized."
+            )
+            args.normalize = False
+            continue
         where = f"{flag} {dataset_name} split {split!r}"
-        utils.check_columns(dataset, [PROMPT, *columns] + ([group_by] if group_by else []), where)
-        data[key] = tokenize_rows(tokenizer, dataset, columns, args.max_length, group_by)
+        if group_by:
+            utils.check_columns(dataset, [group_by], where)
+        data[key] = tokenize_rows(tokenizer, dataset, columns, args.max_length, group_by, where)
         if not data[key][0]:
             raise ValueError(f"{where}: every row is longer than --max_length {args.max_length}; raise it.")
         if key == "normalize" and args.normalize_std and len(data[key][0]) < 2:
@@ -341,6 +376,7 @@ def main(args: Args) -> None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
     # attention masks come from the lengths, so padding with EOS (when there is no pad token) is safe
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
     data = load_data(args, tokenizer)
     config = utils.from_pretrained(AutoConfig, args.model_name_or_path, "--model_name_or_path")
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
