@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 import utils
+import utils.data
 import utils.scoring
 
 
@@ -63,8 +64,10 @@ class Args:
     """gradient checkpointing in the policy and the critic (less memory, slower)"""
 
     # models and data
-    sft_model_path: str = "EleutherAI/pythia-160m"
-    """the SFT model: the initial policy and the frozen reference model"""
+    model_name_or_path: str | None = None
+    """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides the weights"""
+    sft_model_path: str | None = None
+    """the SFT model: the initial policy and the frozen reference model (None: --model_name_or_path)"""
     reward_model_path: str | None = None
     """sequence-classification reward model (one label); or pass --reward_fn"""
     reward_fn: str | None = None
@@ -76,11 +79,16 @@ class Args:
     """initial critic (sequence classifier on the policy's tokens); None: the reward model when it shares the
     policy's tokenizer, else the SFT model with a new head"""
     dataset_name: str = "trl-lib/tldr"
-    """hub id, save_to_disk directory, or directory/file of json/jsonl/parquet; needs a `prompt` column"""
+    """hub id, save_to_disk directory, or directory/file of json/jsonl/parquet; needs a `prompt` column (text,
+    or conversations rendered with the chat template and its generation prompt); other columns are ignored"""
+    dataset_config: str | None = None
+    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split of the training prompts"""
-    dataset_test_split: str = "validation"
-    """split of the prompts for the sample-generation tables"""
+    dataset_test_split: str | None = None
+    """split of the prompts for the sample-generation tables; None: the first training prompts"""
+    chat_template_path: str | None = None
+    """Jinja file (or tokenizer directory) whose chat template renders conversational prompts"""
     max_prompt_length: int | None = None
     """keep only the last this many prompt tokens; None: keep all"""
 
@@ -155,6 +163,10 @@ class Args:
     # logging
     num_sample_generations: int = 10
     """how many times to print a table of test-split completions and their scores; 0: never"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """no: no sample tables; steps: --num_sample_generations tables, or one every --eval_steps updates"""
+    eval_steps: int | None = None
+    """print the sample table every this many updates (replaces --num_sample_generations' spacing)"""
 
     # filled in at runtime (a value passed on the command line is checked against the computed one)
     world_size: int = 0
@@ -385,6 +397,8 @@ def check_args(args: Args) -> None:
         (args.use_score_scaling or not args.use_score_norm, "--use_score_norm needs --use_score_scaling"),
         (args.score_clip is None or args.score_clip > 0, f"--score_clip must be positive, got {args.score_clip}"),
         (args.num_sample_generations >= 0, f"--num_sample_generations must be >= 0, got {args.num_sample_generations}"),
+        (args.sft_model_path or args.model_name_or_path, "pass the policy with --sft_model_path or --model_name_or_path"),
+        (args.eval_steps is None or args.eval_steps >= 1, f"--eval_steps must be at least 1, got {args.eval_steps}"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -505,33 +519,49 @@ def main(args: Args) -> dict:
     args.output_dir = args.output_dir or os.path.join("models", args.run_name)
     utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
 
-    # Data: prompts only, tokenized once (left-truncated to max_prompt_length).
-    train = utils.load_split(args.dataset_name, args.dataset_train_split)
-    utils.check_columns(
-        train, ["prompt"], f"--dataset_name {args.dataset_name} split {args.dataset_train_split}"
-    )
+    # Data: prompts only (conversations rendered with the generation prompt), tokenized once (left-truncated to
+    # max_prompt_length). --model_name_or_path gives the tokenizer; --sft_model_path, when given, the weights.
+    tokenizer_path, tokenizer_flag = (
+        (args.model_name_or_path, "--model_name_or_path") if args.model_name_or_path else
+        (args.sft_model_path, "--sft_model_path")
+    )  # fmt: skip
+    args.sft_model_path = args.sft_model_path or args.model_name_or_path
+    where = f"--dataset_name {args.dataset_name} split {args.dataset_train_split}"
+    train = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    utils.check_columns(train, ["prompt"], where)
     compute_sizes(args, accelerator.num_processes, len(train))
+    if args.eval_strategy == "no":
+        args.num_sample_generations = 0
+    elif args.eval_steps:
+        args.num_sample_generations = max(1, args.num_total_batches // args.eval_steps)
     test = None
-    if args.num_sample_generations > 0:
-        test = utils.load_split(args.dataset_name, args.dataset_test_split)
+    if args.num_sample_generations > 0 and args.dataset_test_split:
+        test = utils.data.load_split(args.dataset_name, args.dataset_test_split, args.dataset_config)
         utils.check_columns(
             test, ["prompt"], f"--dataset_name {args.dataset_name} split {args.dataset_test_split}"
         )
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.sft_model_path, "--sft_model_path")
+    elif args.num_sample_generations > 0:
+        test = train
+    tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, tokenizer_flag)
     if tokenizer.pad_token_id is None:  # safe: lengths and masks never come from the padding
         tokenizer.pad_token = tokenizer.eos_token
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
     if args.stop_token == "eos":
         if args.stop_token_id is not None and args.stop_token_id != tokenizer.eos_token_id:
             raise ValueError(f"--stop_token eos (id {tokenizer.eos_token_id}) and --stop_token_id disagree.")
         args.stop_token_id = tokenizer.eos_token_id
-    train_rows = utils.tokenize_prompts(tokenizer, train["prompt"], args.max_prompt_length)
+    train_rows = utils.data.tokenize_prompts(
+        tokenizer, utils.data.prompt_texts(train, tokenizer, where), args.max_prompt_length
+    )
     if any(len(r) == 0 for r in train_rows):
         raise ValueError(f"the train split has {sum(len(r) == 0 for r in train_rows)} empty prompt(s).")
     # The same number of test prompts on every process (gathering needs equal shapes).
     num_eval = min(len(test), args.local_rollout_forward_batch_size * args.world_size) if test else 0
     num_eval -= num_eval % args.world_size
-    test_prompts = test["prompt"][:num_eval] if test else []
-    test_rows = utils.tokenize_prompts(tokenizer, test_prompts, args.max_prompt_length) if num_eval else []
+    test_prompts = (
+        utils.data.prompt_texts(test.select(range(num_eval)), tokenizer, "the test split") if num_eval else []
+    )
+    test_rows = utils.data.tokenize_prompts(tokenizer, test_prompts, args.max_prompt_length)
 
     # Seeding: the same everywhere for model init; sampling gets a per-process stream.
     set_seed(args.seed)
