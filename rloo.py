@@ -32,6 +32,7 @@ import torch
 import tyro
 
 import utils
+import utils.data
 import utils.scoring
 
 
@@ -72,11 +73,16 @@ class Args:
     reward_fn: str | None = None
     """path/to/file.py:function, called as function(prompts, completions) -> one float per completion"""
     dataset_name: str = "trl-lib/tldr"
-    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column"""
+    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
+    or conversations rendered with the chat template and its generation prompt); other columns are ignored"""
+    dataset_config: str | None = None
+    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split holding the prompts"""
     dataset_test_split: str | None = None
     """split whose first prompts are completed for the sample table (None: the table shows the rollout)"""
+    chat_template_path: str | None = None
+    """Jinja file (or tokenizer directory) whose chat template renders conversational prompts"""
     max_prompt_length: int | None = None
     """keep only the last this-many tokens of each prompt (None: keep all)"""
     bf16: bool = False
@@ -129,6 +135,10 @@ class Args:
     """rows per generation / reference / reward forward pass"""
     num_sample_generations: int = 10
     """print a table of sample completions at the first update and this many times more (0: never)"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """no: no sample tables; steps: --num_sample_generations tables, or one every --eval_steps updates"""
+    eval_steps: int | None = None
+    """print the sample table every this many updates (replaces --num_sample_generations' spacing)"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -285,14 +295,24 @@ def main(args: Args) -> None:
     fill_sizes(args, accelerator.num_processes)
     utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    dataset = utils.load_split(args.dataset_name, args.dataset_train_split)
+    dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
     sample_prompts = None
-    if args.dataset_test_split and args.num_sample_generations:
-        sample_prompts = utils.load_split(args.dataset_name, args.dataset_test_split)
+    if args.dataset_test_split and args.num_sample_generations and args.eval_strategy == "steps":
+        sample_prompts = utils.data.load_split(
+            args.dataset_name, args.dataset_test_split, args.dataset_config
+        )
         utils.check_columns(sample_prompts, ["prompt"], f"--dataset_test_split {args.dataset_test_split}")
-        sample_prompts = sample_prompts["prompt"][:4]  # tokenized once the tokenizer is loaded
+        sample_prompts = sample_prompts.select(
+            range(min(4, len(sample_prompts)))
+        )  # rendered with the tokenizer
     fill_sizes(args, accelerator.num_processes, len(dataset))
+    if args.eval_strategy == "no":
+        args.num_sample_generations = 0
+    elif args.eval_steps:
+        args.num_sample_generations = max(1, args.num_total_batches // args.eval_steps)
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     set_seed(args.seed)
     device, rank, k = accelerator.device, accelerator.process_index, args.rloo_k
@@ -305,6 +325,8 @@ def main(args: Args) -> None:
     tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, "--model_name_or_path")
     if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
         tokenizer.pad_token = tokenizer.eos_token
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
     policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
@@ -371,9 +393,10 @@ def main(args: Args) -> None:
     def gathered_mean(values):
         return accelerator.gather(values.float()).mean().item()
 
-    prompt_ids = utils.tokenize_prompts(tokenizer, dataset["prompt"], args.max_prompt_length)
+    prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     if sample_prompts is not None:
-        sample_prompts = utils.tokenize_prompts(tokenizer, sample_prompts, args.max_prompt_length)
+        sample_texts = utils.data.prompt_texts(sample_prompts, tokenizer, "--dataset_test_split")
+        sample_prompts = utils.data.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
     batches = utils.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
     # Each process samples its own completions; the prompt order is the same on all of them.
     sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
