@@ -45,6 +45,7 @@ def run_script(
 
     With `check`, a non-zero exit fails the test and shows the script's output."""
     full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    full_env = {key: value for key, value in full_env.items() if value is not None}  # None: unset it
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=cwd or ROOT,
@@ -60,9 +61,57 @@ def run_script(
     return proc
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_torchrun(script_args: list[str], nproc: int = 2, timeout: int = 400, cwd: Path | None = None):
     """Run a script on `nproc` CPU processes (gloo) with torchrun, as `accelerate launch` would."""
     return run_script(
-        ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *script_args],
+        ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+         *script_args],
         cwd=cwd, timeout=timeout, env={"ACCELERATE_USE_CPU": "true"},
+    )  # fmt: skip
+
+
+def deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def deepspeed_config(path: Path, zero_stage: int, bf16: bool = False, nproc: int = 2) -> Path:
+    """An accelerate config for DeepSpeed on CPU processes: as accelerate_configs/deepspeed_zero*.yaml, but with
+    real sharding of small tensors under ZeRO-3 (persistence threshold 0)."""
+    zero3 = "\n  zero3_init_flag: true\n  zero3_save_16bit_model: true" if zero_stage == 3 else ""
+    path.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nuse_cpu: false\n"
+        f"num_machines: 1\nnum_processes: {nproc}\nmachine_rank: 0\n"
+        f"mixed_precision: {'bf16' if bf16 else repr('no')}\n"
+        f"deepspeed_config:\n  zero_stage: {zero_stage}\n  offload_optimizer_device: none\n"
+        f"  offload_param_device: none{zero3}\n"
+    )
+    return path
+
+
+def run_deepspeed(script_args: list[str], tmp_path: Path, zero_stage: int, bf16: bool = False, nproc: int = 2,
+                  timeout: int = 600, check=True):  # fmt: skip
+    """Run a script under DeepSpeed ZeRO-`zero_stage` on `nproc` CPU processes through `accelerate launch`.
+
+    DeepSpeed compiles a small communication op at first use (about 90 s once; cached in
+    ~/.cache/torch_extensions). ACCELERATE_USE_CPU must stay unset: it would silently turn DeepSpeed off."""
+    if not deepspeed_available():
+        pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
+    config = deepspeed_config(
+        tmp_path / f"zero{zero_stage}{'_bf16' if bf16 else ''}.yaml", zero_stage, bf16, nproc
+    )
+    env = {"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": None}
+    return run_script(
+        ["-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
+         str(free_port()), *script_args],
+        timeout=timeout, env=env, check=check,
     )  # fmt: skip
