@@ -43,6 +43,7 @@ import torch.nn as nn
 
 import utils
 import utils.checkpoint
+import utils.data
 import utils.run
 
 HEADS_FILE = "ilql_heads.safetensors"  # the heads, beside the causal-LM weights of --output_dir
@@ -85,6 +86,8 @@ class Args:
     """most tokens of prompt + completion; the completion is cut to fit (its reward stays on its last kept token)"""
     max_prompt_length: int | None = 512
     """keep the last this-many prompt tokens; None keeps whole prompts"""
+    chat_template_path: str | None = None
+    """chat template for conversational data: a Jinja file or a tokenizer directory (None: the tokenizer's)"""
     normalize_reward: bool = True
     """shift and scale the rewards to mean 0, std 1 over the training split (trlX always does)"""
 
@@ -384,32 +387,18 @@ def sync_target_q_heads(model: nn.Module, accelerator, alpha: float) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Data: prompt, completion, reward (standard or conversational)
 # ----------------------------------------------------------------------------------------------------------------
-def as_text(tokenizer, prompt, completion) -> tuple[str, str]:
-    """(prompt, completion) as text: conversational rows (lists of {role, content}) go through the chat template,
-    the completion being what the template adds after the prompt with its generation prompt."""
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return prompt, completion
-    if not (isinstance(prompt, list) and isinstance(completion, list)):
-        raise ValueError("prompt and completion must both be text or both be lists of chat messages.")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the data is conversational but the tokenizer has no chat template.")
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-    if not full_text.startswith(prompt_text):
-        raise ValueError("the chat template does not render the prompt as a prefix of prompt + completion.")
-    return prompt_text, full_text[len(prompt_text) :]
-
-
 def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
     """Rows {prompt, completion, reward} of token ids, each completion ending with EOS (added unless there),
-    cut to the length flags; and the counts of rows kept, truncated and dropped (no room for one token)."""
+    cut to the length flags; and the counts of rows kept, truncated and dropped (no room for one token).
+    Conversational rows are rendered with the chat template (utils.data), the completion being the rest of
+    the rendered conversation after the prompt and its generation prompt."""
     utils.check_columns(dataset, ["prompt", "completion", "reward"], where)
     rewards = [float(r) for r in dataset["reward"]]
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
-    texts = [as_text(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
-    prompts = tokenizer([p for p, _ in texts], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([c for _, c in texts], add_special_tokens=False)["input_ids"]
+    prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
+    prompts = utils.data.encode(tokenizer, prompt_texts, leading=True)
+    completions = utils.data.encode(tokenizer, completion_texts, leading=False)
     eos, rows = tokenizer.eos_token_id, []
     counts = {"rows": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
     for prompt, completion, reward in zip(prompts, completions, rewards):
@@ -527,6 +516,7 @@ def main(args: Args) -> dict:
     tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe: every mask comes from lengths
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
     split = partial(utils.load_split, args.dataset_name)
     train_rows, counts = tokenize_split(
         split(args.dataset_train_split), tokenizer, args, "--dataset_train_split"
