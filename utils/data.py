@@ -236,7 +236,8 @@ def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tu
 def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, is_assistant) pieces: each assistant message's content and
     end-of-turn (rendered incrementally: the conversation before it with the generation prompt, then with it)
-    is an assistant piece; everything else (system, user turns, the assistant's opening) is not."""
+    is an assistant piece; everything else (system, user turns, the assistant's opening, the whitespace after an
+    end of turn that is the EOS) is not."""
     pieces, done = [], ""
     for i, message in enumerate(messages):
         full = render(tokenizer, messages[: i + 1])
@@ -252,11 +253,20 @@ def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
             )
         if head != done:
             pieces.append((head[len(done) :], False))
-        pieces.append((full[len(head) :], message["role"] == "assistant"))
+        text = full[len(head) :]
+        if (
+            message["role"] == "assistant"
+        ):  # its end of turn is the EOS: the separator after it is not its own
+            turn = end_at_eos(text, tokenizer.eos_token)
+            pieces += [(turn, True), (text[len(turn) :], False)]
+        else:
+            pieces.append((text, False))
         done = full
-    last_text, last_is_assistant = pieces[-1]
-    pieces[-1] = (end_at_eos(last_text, tokenizer.eos_token), last_is_assistant)
-    return [p for p in pieces if p[0]]
+    pieces = [p for p in pieces if p[0]]
+    if len(pieces) > 1 and not pieces[-1][1] and not pieces[-1][0].strip():
+        pieces.pop()  # the template's whitespace after the final end of turn, dropped like end_at_eos does
+    pieces[-1] = (end_at_eos(pieces[-1][0], tokenizer.eos_token), pieces[-1][1])
+    return pieces
 
 
 def shared_prefix(chosen, rejected):
