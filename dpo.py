@@ -551,7 +551,9 @@ def main(args: Args) -> dict:
         for file in os.listdir(tmp_dir):
             os.replace(os.path.join(tmp_dir, file), os.path.join(args.output_dir, file))
         shutil.rmtree(tmp_dir)
-        print(f"saved to {args.output_dir}; test accuracy {final['eval/rewards/accuracies']:.4f}")
+        print(
+            f"saved to {args.output_dir}; test accuracy {final.get('eval/rewards/accuracies', float('nan')):.4f}"
+        )
         if args.push_to_hub:
             from huggingface_hub import HfApi
 

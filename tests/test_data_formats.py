@@ -275,7 +275,7 @@ def test_sft_on_conversational_prompt_completion_with_a_template_file_and_eos_to
 @pytest.mark.parametrize("config", ["preference", "implicit_prompt_preference"])
 def test_dpo_on_conversational_pairs(world, tmp_path, fresh_accelerate_state, config):
     args = dpo.Args(
-        model_name_or_path=str(world / "policy_chat"), **chat_data(world, config), max_length=128,
+        model_name_or_path=str(world / "policy_chat"), **chat_data(world, config), max_length=128, max_prompt_length=96,
         per_device_train_batch_size=4, per_device_eval_batch_size=32, max_steps=2, eval_steps=0,
         learning_rate=1e-3, generate_during_eval=False, **common(tmp_path, config),
     )  # fmt: skip
@@ -287,7 +287,7 @@ def test_dpo_on_conversational_pairs(world, tmp_path, fresh_accelerate_state, co
 def test_dpo_on_standard_implicit_prompts(world, tmp_path, fresh_accelerate_state):
     args = dpo.Args(
         model_name_or_path=str(world / "policy"), dataset_name=standard_implicit_pairs(world, tmp_path),
-        max_length=128, per_device_train_batch_size=4, max_steps=2, eval_strategy="no", **common(tmp_path, "dpo"),
+        max_length=128, max_prompt_length=96, per_device_train_batch_size=4, max_steps=2, eval_strategy="no", **common(tmp_path, "dpo"),
     )  # fmt: skip
     metrics = dpo.main(args)
     assert "eval/loss" not in metrics and metrics["data/train_pairs"] > 50
