@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
 import torch
@@ -54,6 +54,12 @@ class Args:
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
     """push the saved --output_dir to the Hugging Face Hub (repository named like --output_dir)"""
+    save_steps: int = 0
+    """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints (None: all)"""
+    resume_from_checkpoint: Optional[str] = None
+    """a checkpoint-{step} folder, or `latest` (the newest in --output_dir), to continue exactly from"""
 
     # model and data
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
@@ -278,19 +284,19 @@ def greedy_samples(model, tokenizer, prompts: list[str], args: Args) -> list[str
 # Training
 # ------------------------------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     check_args(args)
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    ga, precision = args.gradient_accumulation_steps, "bf16" if args.bf16 else None  # None: launch config's
-    accelerator = Accelerator(gradient_accumulation_steps=ga, mixed_precision=precision)
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
+    ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
+    accelerator = utils.run.make_accelerator(args, ga, micro)
     args.world_size, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    world, micro = args.world_size, args.per_device_train_batch_size
+    world = args.world_size
     args.batch_size = micro * ga * world
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     main_process, run_dir = accelerator.is_main_process, os.path.join(args.logging_dir, args.run_name)
 
     # Data first, so that a bad dataset or flag fails before the model is loaded.
@@ -322,18 +328,6 @@ def main(args: Args) -> dict:
     args.total_steps = args.total_steps or max(1, int(args.num_train_epochs * steps_per_epoch))
     accelerator.print(f"train: {counts}, eval: {eval_counts}; {args.total_steps} steps of {args.batch_size}")
 
-    if main_process:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=asdict(args), sync_tensorboard=True, save_code=True)  # fmt: skip
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(run_dir)
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
     set_seed(args.seed)
     model = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -357,11 +351,12 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(params, args.learning_rate, eps=args.adam_epsilon, weight_decay=decay)
     warmup_steps = math.ceil(args.warmup_ratio * args.total_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.total_steps)
-    if deepspeed is not None:
-        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        deepspeed.deepspeed_config["gradient_clipping"] = args.max_grad_norm
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped here, once per step
     set_seed(args.seed + rank)  # different dropout masks on each process
+    resumed = checkpointer.resume({"model": model}, {"model": optimizer}) or {"step": 0, "num_tokens": 0}
+    if resumed["step"]:
+        scheduler.load_state_dict(resumed["scheduler"])
+    tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
 
     def evaluate(step: int) -> float:
         model.eval()
@@ -373,24 +368,29 @@ def main(args: Args) -> dict:
             samples = greedy_samples(unwrapped, tokenizer, eval_prompts, args) if eval_prompts else []
         model.train()
         accelerator.print(f"step {step}: eval/loss {loss:.4f}")
+        tracker.log({"eval/loss": loss}, step)
         if main_process:
-            writer.add_scalar("eval/loss", loss, step)
             if samples:
                 prompt_ends = [p[-100:] for p in eval_prompts]
                 table = {"prompt": prompt_ends, "sample": samples, "reference": eval_references}
                 utils.print_samples(table, title=f"greedy samples, step {step}")
                 markdown = "\n".join(f"| {p!r} | {s!r} | {r!r} |" for p, s, r in zip(*table.values()))
-                writer.add_text("eval/samples", f"| prompt | sample | reference |\n|-|-|-|\n{markdown}", step)
+                tracker.writer.add_text(
+                    "eval/samples", f"| prompt | sample | reference |\n|-|-|-|\n{markdown}", step
+                )
                 with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
                     for p, s, r in zip(eval_prompts, samples, eval_references):
                         f.write(json.dumps({"step": step, "prompt": p, "sample": s, "reference": r}) + "\n")
         return loss
 
-    metrics = {"eval/initial_loss": evaluate(0)} if eval_rows else {}
+    metrics = {"eval/initial_loss": evaluate(0)} if eval_rows and not resumed["step"] else {}
     window = torch.zeros(3, dtype=torch.float64)  # since the last log: nll sum, input tokens, seconds
-    window_loss_tokens, num_tokens, epoch, generator = 0.0, 0, -1, torch.Generator()
+    window_loss_tokens, num_tokens, epoch, generator = 0.0, resumed["num_tokens"], -1, torch.Generator()
     model.train()
-    for step in tqdm(range(1, args.total_steps + 1), disable=not main_process, desc="sft"):
+    steps = range(resumed["step"] + 1, args.total_steps + 1)
+    for step in tqdm(
+        steps, disable=not main_process, desc="sft", initial=resumed["step"], total=args.total_steps
+    ):
         step_start = time.time()
         # The same shuffled order on every process (seed + epoch); each process takes its own micro-batches.
         if (step - 1) // steps_per_epoch != epoch:
@@ -412,12 +412,14 @@ def main(args: Args) -> dict:
                 logits = utils.forward(model, batch["input_ids"], batch["attention_mask"]).logits
                 nll, _ = sum_token_nll(logits, batch["labels"])
                 accelerator.backward(nll / per_micro_batch)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:  # DeepSpeed clips by itself
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    metrics["train/grad_norm"] = float(grad_norm if grad_norm is not None else math.nan)
+                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             window[:2] += torch.tensor([nll.item(), batch["attention_mask"].sum().item()])
+        grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
+        utils.run.check_finite(step, accelerator, loss=nll, grad_norm=grad_norm)
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = grad_norm
         scheduler.step()
         window[2] += time.time() - step_start
         window_loss_tokens += global_loss_tokens
@@ -429,12 +431,12 @@ def main(args: Args) -> dict:
             metrics["train/lr"] = scheduler.get_last_lr()[0]
             metrics["train/tokens_per_second"] = tokens / window[2].item()
             metrics["train/num_tokens"] = num_tokens
-            if main_process:
-                for key in [k for k in metrics if k.startswith("train/")]:
-                    writer.add_scalar(key, metrics[key], step)
+            tracker.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step)
             window, window_loss_tokens = torch.zeros_like(window), 0.0
         if eval_rows and (step == args.total_steps or args.eval_steps and step % args.eval_steps == 0):
             metrics["eval/loss"] = evaluate(step)
+        checkpointer.maybe_save(step, {"model": model}, {"model": optimizer},
+                                state={"num_tokens": num_tokens, "scheduler": scheduler.state_dict()})  # fmt: skip
 
     # Save: every process takes part (ZeRO-3 gathers the weights), the main process writes.
     accelerator.wait_for_everyone()
@@ -456,13 +458,11 @@ def main(args: Args) -> dict:
 
             repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
             HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
-        writer.close()
-        if args.track:
-            wandb.finish()
+    tracker.close()
     accelerator.print(f"saved to {args.output_dir}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     accelerator.end_training()
     return metrics
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    utils.run.run_cli(Args, main)

@@ -73,6 +73,19 @@ def parse_args(args_class, argv: list[str] | None = None):
     return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
 
 
+def raised_here(error: BaseException, script: str) -> bool:
+    """Whether `error` was raised by the project's own code (the script or utils/), i.e. is a message for the
+    user; an error raised inside a library is a bug to show with its traceback."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    if frame is None:
+        return False
+    filename = os.path.abspath(frame.tb_frame.f_code.co_filename)
+    utils_dir = os.path.dirname(os.path.abspath(__file__))
+    return filename == os.path.abspath(script) or filename.startswith(utils_dir + os.sep)
+
+
 def run_cli(args_class, main: Callable) -> None:
     """Parse the flags and run `main(args)`, turning the errors a user can act on into one line on stderr:
     bad input (ValueError) exits 2, a non-finite value 1, SIGTERM 143 and SIGINT 130 after a checkpoint."""
@@ -82,7 +95,7 @@ def run_cli(args_class, main: Callable) -> None:
         args = parse_args(args_class)
         main(args)
     except ValueError as error:
-        if show_traceback:
+        if show_traceback or not raised_here(error, sys.argv[0]):
             raise
         print(f"{script}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -107,7 +120,8 @@ def make_accelerator(args, gradient_accumulation_steps: int = 1, micro_batch_siz
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun / accelerate launch set it
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     accelerator = Accelerator(
         mixed_precision="bf16" if getattr(args, "bf16", False) else None,
         gradient_accumulation_steps=gradient_accumulation_steps,
