@@ -591,6 +591,10 @@ def main(args: Args) -> dict:
         (critic_flag, critic_path) if critic_path else ("--sft_model_path", args.sft_model_path)
     )
     critic = utils.from_pretrained(AutoModelForSequenceClassification, critic_path, critic_flag, num_labels=1)
+    critic_rows, policy_rows = (m.get_input_embeddings().num_embeddings for m in (critic, policy))
+    if critic_rows < policy_rows:  # the critic reads the policy's ids: they would index past its embedding
+        raise ValueError(f"{critic_flag} {critic_path} has {critic_rows} token embeddings, fewer than the policy's "
+                         f"{policy_rows}; the critic reads the policy's tokens, so give it the policy's tokenizer.")  # fmt: skip
     for m in (policy, ref_model, critic) + ((reward_model,) if reward_model else ()):
         utils.disable_dropout(m)  # dropout would make the recomputed logprobs differ from the sampled ones
         if getattr(m.config, "pad_token_id", None) is None:
