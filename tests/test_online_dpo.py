@@ -1,0 +1,366 @@
+"""online_dpo.py: pair construction and losses against loops written from the equations and hand cases, the
+schedules and flag checks, the OpenAI-compatible judge against a local server, and runs through the command line
+on the tiny world (sampling invariant, 2 processes, a rule reward learned, a judge function honoured)."""
+
+import http.server
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import online_dpo
+import utils
+from conftest import run_script, run_torchrun
+
+METRICS = {
+    "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
+    "objective/scores_margin", "objective/rlhf_reward", "loss/dpo_avg", "rewards/chosen", "rewards/rejected",
+    "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token",
+    "val/num_ties", "val/logprob_gap", "grad_norm", "beta", "lr", "episode",
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ pair construction
+def loop_pairs(scores, num_prompts):
+    """From the definition: completion c of prompt p is row c * P + p; the higher score is chosen; ties skipped."""
+    chosen, rejected, kept = [], [], []
+    for p in range(num_prompts):
+        first, second = scores[p], scores[num_prompts + p]
+        if second > first:
+            chosen.append(num_prompts + p), rejected.append(p), kept.append(True)
+        else:
+            chosen.append(p), rejected.append(num_prompts + p), kept.append(first != second)
+    return chosen, rejected, kept
+
+
+@pytest.mark.parametrize("num_prompts", [1, 5, 16])
+def test_pairs_from_scores_match_loop(num_prompts):
+    g = torch.Generator().manual_seed(num_prompts)
+    scores = torch.randint(0, 3, (2 * num_prompts,), generator=g).float()  # few values: many ties
+    chosen, rejected, kept = online_dpo.pairs_from_verdicts(online_dpo.verdicts_from_scores(scores))
+    expected = loop_pairs(scores.tolist(), num_prompts)
+    assert (chosen.tolist(), rejected.tolist(), kept.tolist()) == expected
+    assert (scores[chosen][kept] > scores[rejected][kept]).all()
+
+
+def test_pairs_hand_case():
+    # prompt 0: 1.0 vs 3.0 -> the second (row 3) wins; prompt 1: 2.0 vs 2.0 tie; prompt 2: 5.0 vs -1.0
+    scores = torch.tensor([1.0, 2.0, 5.0, 3.0, 2.0, -1.0])
+    verdicts = online_dpo.verdicts_from_scores(scores)
+    assert verdicts.tolist() == [1, -1, 0]
+    chosen, rejected, kept = online_dpo.pairs_from_verdicts(verdicts)
+    assert chosen.tolist() == [3, 1, 2] and rejected.tolist() == [0, 4, 5]
+    assert kept.tolist() == [True, False, True]
+
+
+def test_judge_answers_are_checked():
+    pairs = [("a", "b"), ("c", "d")]
+    assert online_dpo.call_judge(lambda p, c: [1, -1], ["x", "y"], pairs).tolist() == [1, -1]
+    with pytest.raises(ValueError, match="returned 1 verdicts for 2 pairs"):
+        online_dpo.call_judge(lambda p, c: [0], ["x", "y"], pairs)
+    with pytest.raises(ValueError, match="must answer 0"):
+        online_dpo.call_judge(lambda p, c: [0, 2], ["x", "y"], pairs)
+
+
+# ----------------------------------------------------------------------------------------------------------- losses
+def loop_losses(logp_c, logp_r, ref_c, ref_r, len_c, len_r, beta, loss_type):
+    out = []
+    for lc, lr, rc, rr, nc, nr in zip(logp_c, logp_r, ref_c, ref_r, len_c, len_r):
+        if loss_type == "sigmoid":  # DPO, eq. 7: -log sigma(beta * ((lc - rc) - (lr - rr)))
+            out.append(math.log(1 + math.exp(-beta * ((lc - rc) - (lr - rr)))))
+        elif loss_type == "ipo":  # IPO with per-token averaged log-ratios: (h - 1 / (2 tau))^2
+            out.append(((lc - rc) / nc - (lr - rr) / nr - 1 / (2 * beta)) ** 2)
+        else:  # SLiC hinge on reference-corrected log-ratios: max(0, 1 - beta * h)
+            out.append(max(0.0, 1 - beta * ((lc - rc) - (lr - rr))))
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+@pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
+def test_losses_match_loops(loss_type, beta):
+    g = torch.Generator().manual_seed(7)
+    logp_c, logp_r, ref_c, ref_r = (-10 * torch.rand(6, generator=g, dtype=torch.float64) for _ in range(4))
+    len_c = torch.tensor([1.0, 2, 3, 4, 5, 8], dtype=torch.float64)
+    len_r = torch.tensor([8.0, 5, 4, 3, 2, 1], dtype=torch.float64)
+    losses, reward_c, reward_r = online_dpo.online_dpo_loss(
+        logp_c, logp_r, ref_c, ref_r, len_c, len_r, beta, loss_type
+    )
+    expected = loop_losses(
+        *(t.tolist() for t in (logp_c, logp_r, ref_c, ref_r, len_c, len_r)), beta, loss_type
+    )
+    assert losses.tolist() == pytest.approx(expected, rel=1e-9)
+    per_token = loss_type == "ipo"
+    for reward, logp, ref, n in ((reward_c, logp_c, ref_c, len_c), (reward_r, logp_r, ref_r, len_r)):
+        assert reward.tolist() == pytest.approx((beta * (logp - ref) / (n if per_token else 1)).tolist())
+
+
+def test_loss_hand_cases_and_gradient_direction():
+    zero = torch.zeros(1)
+    # policy equal to the reference: h = 0 -> log 2, (1/(2 beta))^2, 1
+    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 1, 1, 0.5, "sigmoid")[
+        0
+    ].item() == pytest.approx(math.log(2))
+    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 1, 1, 0.5, "ipo")[0].item() == pytest.approx(
+        1.0
+    )
+    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 1, 1, 0.5, "hinge")[0].item() == pytest.approx(
+        1.0
+    )
+    # beyond the margin 1/beta the hinge loss is 0
+    two = torch.tensor([2.0])
+    assert online_dpo.online_dpo_loss(two, zero, zero, zero, 1, 1, 0.5, "hinge")[0].item() == 0.0
+    # every loss raises the chosen logprob and lowers the rejected one
+    for loss_type in ("sigmoid", "ipo", "hinge"):
+        logp_c, logp_r = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+        online_dpo.online_dpo_loss(logp_c, logp_r, zero, zero, 1, 1, 0.1, loss_type)[0].sum().backward()
+        assert logp_c.grad.item() < 0 < logp_r.grad.item(), loss_type
+
+
+def test_unknown_loss_type():
+    with pytest.raises(ValueError, match="unknown --loss_type"):
+        online_dpo.online_dpo_loss(torch.zeros(1), torch.zeros(1), 0, 0, 1, 1, 0.1, "simpo")
+
+
+# -------------------------------------------------------------------------------------------- schedules and sizes
+def test_beta_per_epoch_keeps_the_last():
+    assert [online_dpo.beta_for_epoch([0.3, 0.2, 0.1], e) for e in range(5)] == [0.3, 0.2, 0.1, 0.1, 0.1]
+    assert online_dpo.beta_for_epoch([0.05], 9) == 0.05
+
+
+def test_learning_rate_schedule():
+    lr = [online_dpo.learning_rate_at(u, 10, 1.0, "linear", 2) for u in range(1, 11)]
+    assert lr[:3] == pytest.approx([0.5, 1.0, 1.0])  # warmup over 2 updates, then the decay starts at 1
+    assert lr[-1] == pytest.approx(1 / 8) and all(a > b for a, b in zip(lr[2:], lr[3:]))
+    assert [online_dpo.learning_rate_at(u, 4, 2.0, "constant", 0) for u in (1, 4)] == [2.0, 2.0]
+
+
+def parse(flags):
+    from utils.run import parse_args
+
+    return parse_args(online_dpo.Args, flags)
+
+
+def test_trl_command_parses_and_sizes_follow():
+    args = parse(
+        "--model_name_or_path trl-lib/pythia-1b-deduped-tldr-sft --reward_model_path trl-lib/pythia-1b-deduped-tldr-rm "
+        "--dataset_name trl-lib/tldr --learning_rate 5.0e-7 --output_dir pythia-1b-tldr-online-dpo "
+        "--per_device_train_batch_size 8 --gradient_accumulation_steps 16 --warmup_ratio 0.1 "
+        "--missing_eos_penalty 1.0 --beta 0.1 0.05".split()
+    )
+    online_dpo.fill_sizes(args, world_size=8, num_prompts=116722)
+    assert (args.local_batch_size, args.batch_size) == (128, 1024)
+    assert args.num_total_batches == 116722 // 1024
+    assert args.beta == [0.1, 0.05] and args.loss_type == "sigmoid" and args.temperature == 0.9
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ([], "exactly one of --reward_model_path, --reward_fn and --judge"),
+        (["--reward_model_path", "r", "--judge", "j.py:f"], "exactly one of"),
+        (["--reward_model_path", "r", "--beta", "0.1", "0"], "--beta must be one or more positive"),
+        (["--judge", "j.py:f", "--missing_eos_penalty", "1"], "a --judge gives none"),
+        (["--reward_model_path", "r", "--temperature", "0"], "--temperature must be positive"),
+        (["--reward_model_path", "r", "--max_steps", "0"], "--max_steps must be at least 1"),
+    ],
+)
+def test_bad_flags_are_refused_with_one_sentence(flags, message):
+    args = parse(["--model_name_or_path", "m", *flags])
+    with pytest.raises(ValueError, match=message):
+        online_dpo.fill_sizes(args, world_size=1)
+
+
+def test_too_few_prompts_for_one_update():
+    args = parse(
+        ["--model_name_or_path", "m", "--reward_model_path", "r", "--per_device_train_batch_size", "8"]
+    )
+    with pytest.raises(ValueError, match="has 15 prompts, fewer than the 16 of one update"):
+        online_dpo.fill_sizes(args, world_size=2, num_prompts=15)
+
+
+# ------------------------------------------------------------------------------- the OpenAI-compatible judge client
+class FakeJudge(http.server.BaseHTTPRequestHandler):
+    """A chat-completions endpoint preferring the summary that contains 'good' (neither: an unparseable answer)."""
+
+    def do_POST(self):
+        content = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][0]["content"]
+        summary_a = content.split("Summary A:\n")[1].split("\n\nSummary B:")[0]
+        summary_b = content.split("Summary B:\n")[1].split("\n\n")[0]
+        verdict = "A" if "good" in summary_a else "B" if "good" in summary_b else "not sure"
+        body = json.dumps({"choices": [{"message": {"content": f"Comparison: x\nPreferred: {verdict}"}}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_openai_judge_undoes_the_shown_order():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = parse(["--model_name_or_path", "m", "--judge", "openai",
+                      "--judge_base_url", f"http://127.0.0.1:{server.server_port}/v1"])  # fmt: skip
+        judge = online_dpo.openai_judge(args, seed=0)
+        pairs = [("good one", "bad one"), ("bad one", "good one"), ("meh", "meh too")] * 4
+        prompts = ["SUBREDDIT: r/x\n\nPOST: p\n\nTL;DR:"] * len(pairs)
+        verdicts = online_dpo.call_judge(judge, prompts, pairs)
+    finally:
+        server.shutdown()
+    assert verdicts.tolist() == [0, 1, -1] * 4  # whatever order each pair was shown in
+
+
+# ------------------------------------------------------------------------------------------- runs on the tiny world
+RULES = '''
+import json, os
+
+KEYS = set("""landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt credit
+car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher doctor surgery insurance
+lawyer contract neighbor party birthday gift phone laptop job interview""".split())
+
+
+def key_words(prompts, completions):
+    """Number of key words in the completion: the random policy averages about 0.2."""
+    return [float(sum(word in KEYS for word in c.split())) for c in completions]
+
+
+def prompt_only(prompts, completions):
+    """Depends on the prompt alone: the two completions of a prompt always tie."""
+    return [float(len(p) % 7) for p in prompts]
+
+
+def fewer_words(prompts, pairs):
+    """A judge preferring the completion with fewer words; records what it was asked."""
+    with open(os.environ["JUDGE_LOG"], "a") as f:
+        f.write(json.dumps({"prompts": prompts, "pairs": pairs}) + "\\n")
+    counts = [(len(a.split()), len(b.split())) for a, b in pairs]
+    return [-1 if a == b else int(b < a) for a, b in counts]
+'''
+
+
+@pytest.fixture(scope="module")
+def lab(world, tmp_path_factory):
+    """A policy that stops early about half of the time, with dropout set in its config; prompts of different
+    lengths; the rule rewards and the judge."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("online_dpo_lab")
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    model = AutoModelForCausalLM.from_pretrained(world / "policy")
+    rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:64]
+    prompts = [row["prompt"][(i % 4) * 9 :] for i, row in enumerate(rows)]  # different lengths: left padding
+    with open(out / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    # The EOS embedding (tied with the output layer) along the mean last hidden state: a varied stop position.
+    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
+        mean = hidden.mean((0, 1))
+        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 0.4 * mean / mean.norm()
+    model.config.attention_dropout = 0.1  # must be switched off by the script, or the logprobs drift
+    model.save_pretrained(out / "policy")
+    tokenizer.save_pretrained(out / "policy")
+    (out / "rules.py").write_text(RULES)
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def common_flags(tmp_path, name):
+    return ["--logging_dir", str(tmp_path / "runs"), "--run_name", name, "--output_dir", str(tmp_path / name),
+            "--max_new_tokens", "8", "--num_sample_generations", "0"]  # fmt: skip
+
+
+def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path):
+    """Learning rate 0: the training forward gives back the logprobs of sampling (gap 0) and the reference's (KL
+    0, implicit rewards 0), under left padding, truncation after EOS, a temperature and dropout in the config."""
+    flags = common_flags(tmp_path, "invariant") + [
+        "--model_name_or_path", str(lab / "policy"), "--reward_model_path", str(world / "reward"),
+        "--dataset_name", str(lab / "prompts.jsonl"), "--learning_rate", "0", "--temperature", "0.7",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "2",
+        "--missing_eos_penalty", "1.0", "--local_rollout_forward_batch_size", "6", "--loss_type", "ipo",
+        "--num_sample_generations", "1", "--dataset_test_split", "validation",
+    ]  # fmt: skip
+    proc = run_script(["online_dpo.py", *flags], timeout=300)
+    assert "update 1" in proc.stdout  # the sample table
+    lines = read_metrics(tmp_path / "runs" / "invariant")
+    assert [m["step"] for m in lines] == [1, 2] and [m["episode"] for m in lines] == [16, 32]
+    for metrics in lines:
+        assert set(metrics) == METRICS
+        assert metrics["val/logprob_gap"] < 1e-5  # measured: about 1e-6
+        assert abs(metrics["objective/kl"]) < 1e-4
+        assert metrics["rewards/chosen"] == pytest.approx(0, abs=1e-6)
+        assert metrics["loss/dpo_avg"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-4)  # IPO at h = 0
+        assert 0 < metrics["val/contain_eos_token"] < 1  # some completions truncated, some not
+        assert metrics["objective/scores_margin"] > 0 and metrics["lr"] == 0.0
+    out = tmp_path / "invariant"
+    assert "online DPO" in (out / "README.md").read_text() and (out / "tokenizer.json").exists()
+    before, after = weights(lab / "policy"), weights(out)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_two_processes_keep_each_pair_within_its_prompt(world, lab, tmp_path):
+    """2 processes: the score depends on the prompt alone, so every pair is a tie exactly when both of its
+    completions are of one prompt. Then nothing is learned and the policy does not move."""
+    flags = common_flags(tmp_path, "ddp") + [
+        "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:prompt_only",
+        "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "2", "--max_steps", "2", "--learning_rate", "1e-2",
+    ]  # fmt: skip
+    run_torchrun(["online_dpo.py", *flags], nproc=2)
+    lines = read_metrics(tmp_path / "runs" / "ddp")
+    assert [m["episode"] for m in lines] == [16, 32]  # 8 prompts x 2 completions per update, logged once
+    assert [m["val/num_ties"] for m in lines] == [8, 8]
+    before, after = weights(world / "policy"), weights(tmp_path / "ddp")
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_rule_based_reward_rises(world, lab, tmp_path):
+    flags = common_flags(tmp_path, "learn") + [
+        "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:key_words",
+        "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--temperature", "1.0",
+        "--per_device_train_batch_size", "16", "--max_steps", "20", "--learning_rate", "3e-3",
+        "--lr_scheduler_type", "constant", "--beta", "0.1",
+    ]  # fmt: skip
+    run_script(["online_dpo.py", *flags], timeout=300)
+    lines = read_metrics(tmp_path / "runs" / "learn")
+    scores = [m["objective/scores"] for m in lines]
+    first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
+    assert first < 1.0 and last > first + 1.0, scores  # measured: 0.2 -> 1.5 key words
+    assert sum(m["rewards/accuracies"] for m in lines[-4:]) / 4 > 0.5
+
+
+def test_judge_function_is_honoured(world, lab, tmp_path):
+    """A judge preferring fewer words: it sees each pair of one prompt, its ties are counted, and the policy
+    learns to stop early."""
+    log = tmp_path / "judge.jsonl"
+    flags = common_flags(tmp_path, "judged") + [
+        "--model_name_or_path", str(lab / "policy"), "--judge", f"{lab / 'rules.py'}:fewer_words",
+        "--dataset_name", str(lab / "prompts.jsonl"), "--temperature", "1.0", "--per_device_train_batch_size",
+        "16", "--max_steps", "12", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+    ]  # fmt: skip
+    run_script(["online_dpo.py", *flags], timeout=300, env={"JUDGE_LOG": str(log)})
+    calls = [json.loads(line) for line in open(log)]
+    lines = read_metrics(tmp_path / "runs" / "judged")
+    assert len(calls) == len(lines) == 12
+    prompts = {json.loads(line)["prompt"] for line in open(lab / "prompts.jsonl")}
+    for call, metrics in zip(calls, lines):
+        assert len(call["prompts"]) == len(call["pairs"]) == 16 and set(call["prompts"]) <= prompts
+        ties = sum(len(a.split()) == len(b.split()) for a, b in call["pairs"])
+        assert metrics["val/num_ties"] == ties
+        assert "objective/scores" not in metrics
+    words = [sum(len(a.split()) + len(b.split()) for a, b in c["pairs"]) / 32 for c in calls]
+    assert sum(words[-3:]) / 3 < 0.75 * sum(words[:3]) / 3, words  # measured: 2.9 -> 1.9 words
