@@ -292,7 +292,7 @@ def ilql_dataset(world, tmp_path, rows=48):
 
 def ilql_flags(world, data, output_dir, tmp_path):
     return ["ilql.py", "--model_name_or_path", str(world / "policy"), "--dataset_name", str(data),
-            "--dataset_train_split", "train", "--dataset_test_split", "validation", "--max_length", "96",
+            "--dataset_train_split", "train", "--dataset_test_split", "validation", "--max_length", "128", "--max_prompt_length", "100",
             "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "4", "--learning_rate", "3e-3",
             "--response_length", "4", "--logging_steps", "1", "--eval_steps", "0", "--logging_dir",
             str(tmp_path / "runs"), "--output_dir", str(output_dir)]  # fmt: skip
@@ -323,8 +323,8 @@ def test_end_to_end_sync_schedule_resume_and_saved_heads(world, tmp_path):
     train = [m for m in metrics if "train/loss/total" in m]
     for term in ("q", "v", "cql", "awac"):
         assert all(f"train/loss/{term}" in m for m in train)
-    assert train[-1]["train/loss/awac"] < train[0]["train/loss/awac"]
-    assert any("eval/loss/total" in m for m in metrics)
+    final_eval = [m for m in metrics if "eval/loss/total" in m][-1]
+    assert final_eval["eval/loss/awac"] < train[0]["train/loss/awac"] - 0.3  # the language model learned
 
     # Resume from checkpoint 2 into a copy: the same final weights and heads.
     resumed = tmp_path / "resumed"
