@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-METHODS = ["sft", "ppo", "rloo", "dpo"]
+METHODS = ["sft", "ppo", "rloo", "dpo", "online_dpo"]
 
 
 @dataclass
@@ -71,6 +71,14 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     preference_data = [
         "--dataset_name", data, "--dataset_train_split", "preference",
         "--dataset_test_split", "preference_validation",
+    ]  # fmt: skip
+    online_dpo = [
+        "online_dpo.py", "--model_name_or_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
+        "--dataset_name", data, "--dataset_train_split", "sft", "--dataset_test_split", "validation",
+        "--max_new_tokens", "8", "--temperature", "0.7", "--missing_eos_penalty", "1.0",
+        "--per_device_train_batch_size", "32", "--local_rollout_forward_batch_size", "64",
+        "--max_steps", "4" if quick else "64", "--learning_rate", "1e-4", "--warmup_ratio", "0.1", "--beta", "0.1",
+        "--num_sample_generations", "4", "--output_dir", f"{work}/online_dpo", *logs,
     ]  # fmt: skip
     return {
         "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed)],
@@ -146,6 +154,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "0.1",
             *logs,
         ],
+        "online_dpo": online_dpo,
     }
 
 
@@ -215,7 +224,7 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
     for name in ("world", "sft", "reward"):
         step(name)
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(step, ["ppo", "rloo", "dpo"]))
+        list(pool.map(step, ["ppo", "rloo", "dpo", "online_dpo"]))
 
     def evaluate(method):
         model = f"{world}/policy" if method == "init" else f"{work}/{method}"
