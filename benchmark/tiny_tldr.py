@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-METHODS = ["sft", "ppo", "rloo", "dpo", "online_dpo"]
+METHODS = ["sft", "ppo", "rloo", "dpo", "online_dpo", "ilql"]
 
 
 @dataclass
@@ -79,6 +79,22 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--per_device_train_batch_size", "32", "--local_rollout_forward_batch_size", "64",
         "--max_steps", "4" if quick else "64", "--learning_rate", "1e-4", "--warmup_ratio", "0.1", "--beta", "0.1",
         "--num_sample_generations", "4", "--output_dir", f"{work}/online_dpo", *logs,
+    ]  # fmt: skip
+    # ILQL learns offline from completions of the SFT model scored once by the reward model, then decodes with
+    # log pi + beta * (Q - V) (benchmark/evaluate_ilql.py)
+    ilql_data = [
+        "benchmark/ilql_data.py", "--model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
+        "--judge", "reward_model", "--dataset_name", data, "--train_split", "sft", "--test_split", "validation",
+        "--response_length", "8", "--temperature", "1.0", "--num_completions", "1" if quick else "2",
+        "--missing_eos_penalty", "1.0", "--seed", str(seed), "--output_dir", f"{work}/ilql_data",
+        *(["--max_prompts", "64"] if quick else []),
+    ]  # fmt: skip
+    ilql = [
+        "ilql.py", "--model_name_or_path", f"{work}/sft", "--dataset_name", f"{work}/ilql_data",
+        "--dataset_train_split", "train", "--dataset_test_split", "validation", "--max_length", "128",
+        "--per_device_train_batch_size", "32", "--learning_rate", "1e-4", "--num_train_epochs", "1",
+        *(["--max_steps", "4"] if quick else []), "--alpha", "0.01", "--steps_for_target_q_sync", "1",
+        "--beta", "4", "--response_length", "8", "--eval_steps", "0", "--output_dir", f"{work}/ilql", *logs,
     ]  # fmt: skip
     return {
         "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed)],
@@ -155,6 +171,8 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             *logs,
         ],
         "online_dpo": online_dpo,
+        "ilql_data": ilql_data,
+        "ilql": ilql,
     }
 
 
@@ -223,13 +241,19 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
 
     for name in ("world", "sft", "reward"):
         step(name)
+
+    def chain(names: str):  # "a+b": stages that depend on each other, in order
+        for name in names.split("+"):
+            step(name)
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(step, ["ppo", "rloo", "dpo", "online_dpo"]))
+        list(pool.map(chain, ["ppo", "rloo", "dpo", "online_dpo", "ilql_data+ilql"]))
 
     def evaluate(method):
         model = f"{world}/policy" if method == "init" else f"{work}/{method}"
+        script = "benchmark/evaluate_ilql.py" if method == "ilql" else "benchmark/evaluate_tldr.py"
         command = [
-            "benchmark/evaluate_tldr.py", "--model_path", model, "--dataset_name", f"{world}/dataset",
+            script, "--model_path", model, "--dataset_name", f"{world}/dataset",
             "--split", "test", "--response_length", "8", "--output_jsonl", f"{work}/eval/{method}.jsonl",
             *(["--max_samples", "32"] if args.quick else []),
         ]  # fmt: skip
