@@ -232,6 +232,11 @@ def test_rloo_and_ppo_run_with_a_reward_model_of_another_tokenizer(world, word_r
     proc = run_script(["ppo.py", *common, "--sft_model_path", str(world / "policy"), "--run_name", "ppo",
                        "--output_dir", str(tmp_path / "ppo")])  # fmt: skip
     assert "critic starts from --sft_model_path" in proc.stdout
+    # A critic must read the policy's tokens: a value model with a smaller vocabulary is refused.
+    proc = run_script(["ppo.py", *common, "--sft_model_path", str(world / "policy"), "--run_name", "ppo_value",
+                       "--value_model_path", str(word_reward / "model"), "--output_dir", str(tmp_path / "v")],
+                      check=False)  # fmt: skip
+    assert proc.returncode != 0 and "fewer than the policy's" in proc.stderr
     for name in ("rloo", "ppo"):
         metrics = read_metrics(tmp_path / "runs" / name)
         assert len(metrics) == 2, name
