@@ -21,18 +21,19 @@ p), i.e. `rewards.view(k, P)`. Prompts are stored once ([P, Q]); the rows are bu
 """
 
 import functools
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
-import tyro
 
 import utils
+import utils.checkpoint
 import utils.data
+import utils.run
 import utils.scoring
 
 
@@ -59,6 +60,12 @@ class Args:
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
     """push --output_dir to the hub (repo named after the folder) at the end"""
+    save_steps: int = 0
+    """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT)"""
+    save_total_limit: int | None = None
+    """keep only the newest this-many checkpoints (None: keep all)"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint-N folder, or `latest` (the newest in --output_dir), to continue a run exactly from"""
 
     # Models and data
     model_name_or_path: str | None = None
@@ -97,6 +104,8 @@ class Args:
     """Adam learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
     """'linear' decays the learning rate to 0 over the updates"""
+    max_grad_norm: float | None = None
+    """clip the gradient norm at this value (also under DeepSpeed); None: no clipping. The norm is logged"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass per process (micro-batch)"""
     gradient_accumulation_steps: int = 1
@@ -133,6 +142,9 @@ class Args:
     """subtracted from the score of completions without an EOS token"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / reference / reward forward pass"""
+    recompute_old_logprobs: Literal["auto", "true", "false"] = "auto"
+    """recompute the logprobs of the sampled tokens with the training forward pass instead of taking sampling's
+    (cached, token by token): they differ in bf16, so the ratio would not start at 1. auto: true under bf16"""
     num_sample_generations: int = 10
     """print a table of sample completions at the first update and this many times more (0: never)"""
     eval_strategy: Literal["no", "steps"] = "steps"
@@ -268,7 +280,7 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Training
+# Rollout: sampling, truncation, and the logprobs and scores of an update (every process runs them together)
 # ----------------------------------------------------------------------------------------------------------------
 def query_response_rows(queries, query_mask, responses, response_mask, idx):
     """Rows `idx` of the completion-major batch, built at forward time from the prompts stored once: completion
@@ -280,20 +292,78 @@ def query_response_rows(queries, query_mask, responses, response_mask, idx):
     )
 
 
-def main(args: Args) -> None:
-    from accelerate import Accelerator
+def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
+    """A generator seeded by (seed, *key). The noise of a chunk of completions depends only on which update,
+    completion and prompts it samples, never on the number of processes or on what ran before: 1 process and
+    N processes sample the same completions, and a resumed run samples what the uninterrupted one did."""
+    state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state) % 2**63)
+
+
+@torch.no_grad()
+def sample(
+    args, accelerator, policy, queries, query_mask, num_completions, key, first_prompt, stop_token_id, pad_id
+):
+    """`num_completions` completions of each prompt [P, Q], completion-major [num_completions * P, R], truncated
+    after the stop token: (responses, lengths, response mask, logprobs of sampling). Completion c of the prompts
+    p.. of a chunk uses the noise of (seed, *key, c, first_prompt + p): first_prompt is the index of this
+    process's first prompt in the update's global batch."""
+    chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
+    responses, logprobs = [], []
+    policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
+    with utils.run.gathered_for_generation(policy, accelerator) as sampler:
+        for c in range(num_completions):
+            for start in range(0, P, chunk):
+                noise = sampling_generator(args.seed, *key, c, first_prompt + start, device=queries.device)
+                query_responses, chunk_logprobs = utils.generate(
+                    sampler, queries[start : start + chunk], query_mask[start : start + chunk],
+                    args.response_length, args.temperature, chunk, noise,
+                )  # fmt: skip
+                responses.append(query_responses[:, queries.size(1) :])
+                logprobs.append(chunk_logprobs)
+    responses, lengths = utils.truncate_response(torch.cat(responses), stop_token_id, pad_id)
+    return responses, lengths, utils.lengths_to_mask(lengths, args.response_length), torch.cat(logprobs)
+
+
+@torch.no_grad()
+def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, first_prompt,
+            stop_token_id, pad_id, recompute_old_logprobs):  # fmt: skip
+    """Sample rloo_k completions of each prompt and score them; the logprobs of the policy (sampling's, or the
+    training forward pass's with `recompute_old_logprobs`) and of the reference. Returns a dict of [B, ...]."""
+    responses, lengths, response_mask, logprobs = sample(
+        args, accelerator, policy, queries, query_mask, args.rloo_k, (update,), first_prompt, stop_token_id,
+        pad_id,
+    )  # fmt: skip
+    chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
+    rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+    ref_logprobs, scores, recomputed = [], [], []
+    for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
+        query_responses, mask = rows_at(idx)
+        ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask, Q, T, chunk))
+        if recompute_old_logprobs:  # the bare policy: the same forward as training, without DDP's hooks
+            bare = utils.run.bare(policy)
+            recomputed.append(utils.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk))
+        scores.append(scorer(query_responses, mask, Q, chunk))
+    return dict(
+        responses=responses, lengths=lengths, response_mask=response_mask, sampled_logprobs=logprobs,
+        logprobs=torch.cat(recomputed) if recomputed else logprobs, ref_logprobs=torch.cat(ref_logprobs),
+        scores=torch.cat(scores).float(),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
     from accelerate.utils import set_seed
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    # Everything that can be checked before loading a model.
-    precision = "bf16" if args.bf16 else None  # None: the launch config decides
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision
+    # 1. Flags, accelerator and data: everything that can be checked before a model is loaded.
+    fill_sizes(args, 1)
+    accelerator = utils.run.make_accelerator(
+        args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
-    fill_sizes(args, accelerator.num_processes)
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
@@ -314,21 +384,36 @@ def main(args: Args) -> None:
     elif args.eval_steps:
         args.num_sample_generations = max(1, args.num_total_batches // args.eval_steps)
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
+    ckpt = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path; takes its run name
+    recompute_old_logprobs = args.recompute_old_logprobs == "true" or (
+        args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
+    )
     set_seed(args.seed)
     device, rank, k = accelerator.device, accelerator.process_index, args.rloo_k
 
-    # Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
-    # logprobs of the training forward pass equal those of sampling.
-    policy_path = args.sft_model_path or args.model_name_or_path
-    policy_flag = "--sft_model_path" if args.sft_model_path else "--model_name_or_path"
-    tokenizer_path = args.model_name_or_path or policy_path
-    tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, "--model_name_or_path")
+    # 2. Tokenizer and prompts: --model_name_or_path gives the tokenizer; --sft_model_path, when given, the weights.
+    policy_path, policy_flag = (
+        (args.sft_model_path, "--sft_model_path") if args.sft_model_path else
+        (args.model_name_or_path, "--model_name_or_path")
+    )  # fmt: skip
+    tokenizer_path, tokenizer_flag = (
+        (args.model_name_or_path, "--model_name_or_path") if args.model_name_or_path else (policy_path, policy_flag)
+    )  # fmt: skip
+    tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, tokenizer_flag)
     if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
         tokenizer.pad_token = tokenizer.eos_token
     utils.data.set_chat_template(tokenizer, args.chat_template_path)
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
+    prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    if sample_prompts is not None:
+        sample_texts = utils.data.prompt_texts(sample_prompts, tokenizer, "--dataset_test_split")
+        sample_prompts = utils.data.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
+
+    # 3. Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
+    # logprobs of the training forward pass equal those of sampling. Frozen models run in the policy's precision.
     policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     ref_policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     reward_model = None
@@ -340,52 +425,36 @@ def main(args: Args) -> None:
     for model in (policy, ref_policy, reward_model):
         if model is not None:
             utils.disable_dropout(model)
-            if model is not policy:
-                model.eval().requires_grad_(False).to(device)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    if deepspeed_plugin is not None:  # there is no dataloader to read the micro-batch size from
-        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
+    reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     # Scores: the reward model reads the policy's ids, or its own tokenizer's encoding of the decoded text.
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
     accelerator.print(scorer.describe())
 
-    # Logging (main process): TensorBoard, metrics.jsonl beside it, W&B with --track.
-    run_dir = os.path.join(args.logging_dir, args.run_name)
-    if accelerator.is_main_process:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=asdict(args), sync_tensorboard=True)  # fmt: skip
-        writer = SummaryWriter(run_dir)
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
-
-    chunk, R, T = args.local_rollout_forward_batch_size, args.response_length, args.temperature
+    # 4. State of the run: the prompt order is the same on every process; sampling noise is keyed by update and
+    # prompt (sampling_generator); the shuffling generator, weights and optimizer come back from a checkpoint.
+    shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
+    checkpointed = dict(models={"policy": policy}, optimizers={"policy": optimizer},
+                        generators={"shuffle": shuffle_generator})  # fmt: skip
+    state = ckpt.resume(**checkpointed) or {"step": 0}
+    start = state["step"]
+    batches = utils.prompt_batches(
+        len(prompt_ids), args.local_dataloader_batch_size, args.world_size, rank, args.seed
+    )
+    for _ in range(state.get("prompt_batches", 0)):  # the data order continues where the checkpoint left it
+        next(batches)
+    tracker = utils.run.Tracker(args, accelerator, start_step=start)
+    chunk, T = args.local_rollout_forward_batch_size, args.temperature
     B, P = args.local_batch_size, args.local_dataloader_batch_size
 
-    def sample(queries, query_mask, prompt_of_row, generator):
-        """Sample a completion for each row (prompt index prompt_of_row[i]), repeating the prompts only chunk by
-        chunk; truncate after the stop token. Returns (responses, lengths, response mask, logprobs) [n, R]."""
-        responses, logprobs = [], []
-        policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
-        with torch.no_grad(), utils.unwrapped_for_generation(policy, accelerator) as sampler:
-            for rows in prompt_of_row.split(chunk):
-                query_responses, chunk_logprobs = utils.generate(
-                    sampler, queries[rows], query_mask[rows], R, T, chunk, generator
-                )
-                responses.append(query_responses[:, queries.size(1) :])
-                logprobs.append(chunk_logprobs)
-        responses, lengths = utils.truncate_response(torch.cat(responses), stop_token_id, pad_id)
-        return responses, lengths, utils.lengths_to_mask(lengths, R), torch.cat(logprobs)
-
     def global_whiten(values, mask, shift_mean=True):
-        """masked_whiten with the statistics of every process's completions; zero where mask is 0."""
+        """masked_whiten with the statistics of every process's completions, so N processes whiten as 1 does;
+        zero where mask is 0."""
         all_values, all_masks = accelerator.gather(values), accelerator.gather(mask.long())
         whitened = utils.masked_whiten(all_values, all_masks, shift_mean)
         return whitened[rank * B : (rank + 1) * B] * mask
@@ -393,45 +462,34 @@ def main(args: Args) -> None:
     def gathered_mean(values):
         return accelerator.gather(values.float()).mean().item()
 
-    prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
-    if sample_prompts is not None:
-        sample_texts = utils.data.prompt_texts(sample_prompts, tokenizer, "--dataset_test_split")
-        sample_prompts = utils.data.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
-    batches = utils.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
-    # Each process samples its own completions; the prompt order is the same on all of them.
-    sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
-    shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
     sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start_time, metrics = time.time(), {}
-    for update in tqdm(range(1, args.num_total_batches + 1), disable=not accelerator.is_local_main_process):
+    for update in tqdm(range(start + 1, args.num_total_batches + 1), initial=start, total=args.num_total_batches,
+                       disable=not accelerator.is_local_main_process):  # fmt: skip
         decay = 1 - (update - 1) / args.num_total_batches if args.lr_scheduler_type == "linear" else 1.0
         lr = args.learning_rate * decay
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # 1. Rollout: P prompts stored once [P, Q], k * P completions in completion-major order (row i <- prompt
-        # i % P). Reference logprobs and scores of the truncated rows, built chunk by chunk.
+        # 5. Rollout: P prompts stored once [P, Q], k * P completions in completion-major order (row i <- prompt
+        # i % P); reference logprobs and scores of the truncated rows, in the policy's precision.
         queries, query_mask = utils.left_pad([prompt_ids[i] for i in next(batches)], pad_id, device)
         context_length = queries.size(1)
-        completion_rows = torch.arange(B, device=device)
-        responses, lengths, response_mask, sampled_logprobs = sample(
-            queries, query_mask, completion_rows % P, sampling_generator
-        )
+        with accelerator.autocast():
+            data = rollout(
+                args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, rank * P,
+                stop_token_id, pad_id, recompute_old_logprobs,
+            )  # fmt: skip
+        responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
+        old_logprobs, scores = data["logprobs"], data["scores"]
+        utils.run.check_finite(update, accelerator, scores=scores)
         rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
-        ref_logprobs, scores = [], []
-        with torch.no_grad(), accelerator.autocast():  # the policy's precision, so the KL starts at 0 in bf16
-            for idx in completion_rows.split(chunk):
-                query_responses, mask = rows_at(idx)
-                ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask,
-                                                                    context_length, T, chunk))  # fmt: skip
-                scores.append(scorer(query_responses, mask, context_length, chunk))
-        ref_logprobs, scores = torch.cat(ref_logprobs), torch.cat(scores).float()
         has_eos = ((responses == eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
 
-        # 2. Rewards and leave-one-out advantages; batch statistics over every process's completions.
-        kl = (sampled_logprobs - ref_logprobs) * response_mask  # k1 estimator per token
+        # 6. Rewards and leave-one-out advantages; batch statistics over every process's completions.
+        kl = (old_logprobs - data["ref_logprobs"]) * response_mask  # k1 estimator per token
         shaped_scores = scores
         if args.normalize_reward:
             all_scores = normalize_scores(accelerator.gather(scores), args.reward_clip_range)
@@ -453,12 +511,12 @@ def main(args: Args) -> None:
         if args.normalize_advantage:
             advantages = global_whiten(advantages, action_mask)
 
-        # 3. Policy update: epochs over the shuffled batch; every gradient_accumulation_steps micro-batches make
+        # 7. Policy update: epochs over the shuffled batch; every gradient_accumulation_steps micro-batches make
         # one mini-batch and one optimizer step (accelerate counts them), num_mini_batches steps per epoch.
         policy.train()
         stats = torch.zeros(4, device=device)  # sums over micro-batches: loss, approxkl, clipfrac, entropy
         ratio_sums = torch.zeros(3, device=device)  # sums of ratio - 1, (ratio - 1)^2 (exact near 1), count
-        num_micro_batches = 0
+        grad_norms, num_micro_batches = [], 0
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(B, generator=shuffle_generator).to(device)
             for idx in order.split(args.per_device_train_batch_size):
@@ -466,30 +524,35 @@ def main(args: Args) -> None:
                     query_responses, attention_mask = rows_at(idx)
                     logits = utils.response_logits(policy, query_responses, attention_mask, context_length, T)
                     new_logprobs = utils.logprobs_from_logits(logits, responses[idx])
-                    old_logprobs, mask = sampled_logprobs[idx], response_mask[idx]
                     loss, ratio, clipfrac, approxkl = policy_loss(
-                        new_logprobs, old_logprobs, advantages[idx], mask, args.cliprange
+                        new_logprobs, old_logprobs[idx], advantages[idx], response_mask[idx], args.cliprange
                     )
                     accelerator.backward(loss)
+                    measured = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad()
+                    if accelerator.sync_gradients:
+                        grad_norms.append(utils.run.grad_norm_after_step(policy, measured))
                 with torch.no_grad():
-                    entropy = utils.masked_mean(utils.entropy_from_logits(logits), mask)
+                    entropy = utils.masked_mean(utils.entropy_from_logits(logits), response_mask[idx])
                     stats += torch.stack([loss.detach(), approxkl, clipfrac, entropy])
                     shift = ratio - 1
                     ratio_sums += torch.stack([shift.sum(), (shift**2).sum(), shift.new_tensor(len(shift))])
                 num_micro_batches += 1
 
-        # 4. Metrics, gathered over processes.
+        # 8. Metrics, gathered over processes; a non-finite loss or gradient norm stops the run before it is saved.
         with torch.no_grad():
             stats = accelerator.reduce(stats / num_micro_batches, reduction="mean")
             ratio_sums = accelerator.reduce(ratio_sums, reduction="sum")
             ratio_shift = ratio_sums[0] / ratio_sums[2]
             episode = update * args.batch_size
+            measured_norms = [n for n in grad_norms if n is not None]
+            grad_norm = sum(measured_norms) / len(measured_norms) if measured_norms else None
+            utils.run.check_finite(update, accelerator, loss=stats[0], grad_norm=grad_norm)
             metrics = {
-                "eps": int(episode / (time.time() - start_time)),
+                "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
                 "objective/kl": gathered_mean(kl.sum(1)),
-                "objective/entropy": gathered_mean((-sampled_logprobs * response_mask).sum(1)),
+                "objective/entropy": gathered_mean((-old_logprobs * response_mask).sum(1)),
                 "objective/non_score_reward": gathered_mean(non_score_reward),
                 "objective/rlhf_reward": gathered_mean(rlhf_reward),
                 "objective/scores": gathered_mean(scores),
@@ -503,37 +566,40 @@ def main(args: Args) -> None:
                 "lr": lr,
                 "episode": episode,
             }
+            if grad_norm is not None:
+                metrics["grad_norm"] = grad_norm
             if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
-        if accelerator.is_main_process:
-            for name, value in metrics.items():
-                writer.add_scalar(name, value, update)
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+        tracker.log(metrics, update)
 
         # Sample table: completions of held-out prompts (--dataset_test_split; the same noise every time), or
         # else the first completions of this rollout. Every process samples (ZeRO-3 gathers), the main one prints.
         if args.num_sample_generations and (update % sample_every == 0 or update == 1):
-            shown = torch.arange(min(P, 4), device=device)
+            shown, table_scores = torch.arange(min(P, 4), device=device), scores
             if sample_prompts is not None:
                 queries, query_mask = utils.left_pad(sample_prompts, pad_id, device)
                 shown = torch.arange(queries.size(0), device=device)
-                noise = torch.Generator(device=device).manual_seed(args.seed)
-                responses, _, response_mask, _ = sample(queries, query_mask, shown, noise)
-                query_responses, mask = query_response_rows(
-                    queries, query_mask, responses, response_mask, shown
-                )
-                scores = scorer(query_responses, mask, queries.size(1), chunk)
+                with accelerator.autocast():
+                    responses, _, response_mask, _ = sample(
+                        args, accelerator, policy, queries, query_mask, 1, (0,), 0, stop_token_id, pad_id
+                    )
+                    query_responses, mask = query_response_rows(
+                        queries, query_mask, responses, response_mask, shown
+                    )
+                    table_scores = scorer(query_responses, mask, queries.size(1), chunk)
             if accelerator.is_main_process:
                 utils.print_samples({
                     "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
                     "response": [tokenizer.decode(r[m], skip_special_tokens=True)
                                  for r, m in zip(responses[shown], response_mask[shown])],
-                    "score": scores[shown].tolist(),
+                    "score": table_scores[shown].tolist(),
                 }, title=f"update {update}")  # fmt: skip
 
-    # Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+        # 9. Checkpoint every --save_steps updates, and after SIGTERM/SIGINT (then stop).
+        ckpt.maybe_save(update, **checkpointed, state={"episode": episode, "prompt_batches": update})
+
+    # 10. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
     accelerator.wait_for_everyone()
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator.unwrap_model(policy).save_pretrained(
@@ -543,22 +609,15 @@ def main(args: Args) -> None:
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         utils.write_model_card(args.output_dir, "RLOO", policy_path, args.dataset_name, metrics)
-        writer.close()
         if args.push_to_hub:
             from huggingface_hub import HfApi
 
             repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
             HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
-        if args.track:
-            import wandb
-
-            wandb.finish()
+    tracker.close()
     accelerator.end_training()
+    return metrics
 
 
 if __name__ == "__main__":
-    cli_args = tyro.cli(Args, use_underscores=True)
-    try:
-        main(cli_args)
-    except ValueError as error:
-        raise SystemExit(f"rloo.py: error: {error}") from None
+    utils.run.run_cli(Args, main)

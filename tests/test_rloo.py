@@ -17,7 +17,7 @@ from conftest import ROOT, run_script, run_torchrun
 METRICS = {
     "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
     "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg",
-    "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode",
+    "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "grad_norm", "step",
 }  # fmt: skip
 
 
