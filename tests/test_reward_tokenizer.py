@@ -64,23 +64,24 @@ def tokenizers(world):
     return AutoTokenizer.from_pretrained(world / "policy"), word_tokenizer()
 
 
-def own_score(model, tokenizer, prompt: str, completion: str) -> float:
+def own_score(model, tokenizer, prompt: str, completion: str, finished: bool = True) -> float:
     """The reward model's own forward pass (its classifier reads the last token) on reward.py's encoding of one
-    unpadded prompt + completion + EOS."""
+    unpadded prompt + completion + EOS (no EOS for a completion the policy did not finish)."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids += tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids += tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * finished
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
 
 
-def policy_rows(policy_tok, prompts, completions, junk=3):
+def policy_rows(policy_tok, prompts, completions, junk=3, unfinished=()):
     """Rows as the RL scripts build them: left-padded prompt ids, then the completion's ids and EOS followed by
-    sampled junk that truncation replaced by padding. Returns (query_responses, mask, context_length)."""
+    sampled junk that truncation replaced by padding; rows in `unfinished` have no EOS and fill the whole width,
+    as a completion the policy did not end. Returns (query_responses, mask, context_length)."""
     eos, pad = policy_tok.eos_token_id, policy_tok.pad_token_id
     queries, query_mask = utils.left_pad(utils.tokenize_prompts(policy_tok, prompts), pad)
-    responses = [
-        policy_tok(c, add_special_tokens=False)["input_ids"] + [eos] + [7] * junk for c in completions
-    ]
+    ids = [policy_tok(c, add_special_tokens=False)["input_ids"] for c in completions]
+    responses = [row if i in unfinished else row + [eos] + [7] * junk for i, row in enumerate(ids)]
+    assert all(len(responses[i]) == max(map(len, responses)) for i in unfinished)
     responses = utils.pad(responses, pad, "right")
     truncated, lengths = utils.truncate_response(responses, eos, pad)
     mask = torch.cat([query_mask, utils.lengths_to_mask(lengths, responses.size(1))], 1)
@@ -88,6 +89,7 @@ def policy_rows(policy_tok, prompts, completions, junk=3):
 
 
 COMPLETIONS = [" landlord rent tbh", " dog", "", " boss salary promotion the a", " cat vet"]
+UNFINISHED = " car loan debt and so then but really the a very"  # sampled to the last token, no EOS
 
 
 # -------------------------------------------------------------------------------------------------- the helper
@@ -127,8 +129,9 @@ def test_fast_path_is_unchanged_when_the_tokenizers_match(world, tokenizers, mon
 def test_score_is_the_reward_models_own_score_of_the_decoded_text(tokenizers):
     policy_tok, word_tok = tokenizers
     reward_model = word_classifier(word_tok)
-    prompts = [p[i * 5 :] for i, p in enumerate(keyless_prompts(len(COMPLETIONS), seed=1))]
-    query_responses, mask, context = policy_rows(policy_tok, prompts, COMPLETIONS)
+    completions = [*COMPLETIONS, UNFINISHED]
+    prompts = [p[i * 5 :] for i, p in enumerate(keyless_prompts(len(completions), seed=1))]
+    query_responses, mask, context = policy_rows(policy_tok, prompts, completions, unfinished={5})
     assert query_responses.max() >= len(word_tok)  # fed directly, these ids index past the embedding
     with pytest.raises(IndexError):
         utils.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
@@ -136,9 +139,12 @@ def test_score_is_the_reward_models_own_score_of_the_decoded_text(tokenizers):
     scorer = scoring.RewardScorer(reward_model, word_tok, policy_tok)
     assert not scorer.same_tokenizer and "its own tokenizer" in scorer.describe()
     scores = scorer(query_responses, mask, context, 2)
-    expected = [own_score(reward_model, word_tok, p, c) for p, c in zip(prompts, COMPLETIONS)]
+    expected = [
+        own_score(reward_model, word_tok, p, c, c != UNFINISHED) for p, c in zip(prompts, completions)
+    ]
     assert scores.tolist() == pytest.approx(expected, abs=1e-5)
     assert len(set(round(s, 4) for s in expected)) == len(expected)  # the rows really differ
+    assert own_score(reward_model, word_tok, prompts[5], UNFINISHED) != pytest.approx(expected[5], abs=1e-3)
     assert scorer.take_num_truncated() == 0
 
 

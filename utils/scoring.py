@@ -9,13 +9,14 @@ Two paths, chosen once (`same_tokenizer`):
 - the reward model's tokenizer is the policy's (same vocabulary, same EOS/BOS/UNK): the policy's token ids go to
   the reward model as they are and the score is read at the last real token (`utils.compute_scores`), exactly as
   before this module existed;
-- otherwise (a DeBERTa, Llama or Qwen reward model behind a Pythia policy; TRL's `reward_processing_classes`):
-  each prompt and truncated completion is decoded with the policy's tokenizer and encoded again with the reward
-  model's, following reward.py's convention (prompt tokens, completion tokens, then EOS unless the completion
-  already ends with it; no other special tokens), or through the reward tokenizer's chat template when the
-  prompt is a list of messages and the template exists (the template closes the turn: no EOS is added). Rows
-  longer than the reward model accepts are cut from the left and counted (`take_num_truncated`). Policy ids are
-  never fed to a model whose vocabulary does not hold them, so a smaller vocabulary cannot raise an IndexError.
+- otherwise (a Llama or Qwen reward model behind a Pythia policy; TRL's `reward_processing_classes`): each
+  prompt and truncated completion is decoded with the policy's tokenizer and encoded again with the reward
+  model's, following reward.py's convention (prompt tokens, completion tokens, then the reward tokenizer's EOS
+  when the policy ended the completion with its own; no other special tokens), or through the reward tokenizer's
+  chat template when the prompt is a list of messages and the template exists (the template closes the turn:
+  no EOS is added). Rows longer than the reward model accepts are cut from the left and counted
+  (`take_num_truncated`). Policy ids are never fed to a model whose vocabulary does not hold them, so a smaller
+  vocabulary cannot raise an IndexError.
 """
 
 from __future__ import annotations
@@ -65,13 +66,15 @@ def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
 
 
 def encode_for_reward(
-    reward_tokenizer, prompt, completion: str, max_length: int | None
+    reward_tokenizer, prompt, completion: str, max_length: int | None, finished: bool = True
 ) -> tuple[list[int], bool]:
     """Reward-model ids of one prompt + completion and whether they were cut from the left to `max_length`.
 
     prompt: text, or a list of {role, content} messages (conversational data). With messages and a chat template,
     the whole conversation (the completion as the assistant's turn) goes through the template. Otherwise, as in
-    reward.py: ids(prompt) + ids(completion) + [EOS] (EOS added unless the completion already ends with it)."""
+    reward.py: ids(prompt) + ids(completion) + [EOS], the EOS added unless the completion already ends with it or
+    is not `finished` (the policy did not end it with its own EOS: the reward model sees it unfinished too, as
+    on the fast path)."""
     if not isinstance(prompt, str) and getattr(reward_tokenizer, "chat_template", None):
         messages = [*prompt, {"role": "assistant", "content": completion}]
         text = reward_tokenizer.apply_chat_template(messages, tokenize=False)
@@ -82,7 +85,7 @@ def encode_for_reward(
         ids = reward_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         completion_ids = reward_tokenizer(completion, add_special_tokens=False)["input_ids"]
         eos = reward_tokenizer.eos_token_id
-        if eos is not None and not (completion_ids and completion_ids[-1] == eos):
+        if finished and eos is not None and not (completion_ids and completion_ids[-1] == eos):
             completion_ids = completion_ids + [eos]
         ids = ids + completion_ids
     if not ids:  # an empty text under a tokenizer without EOS: score one neutral token rather than nothing
@@ -140,8 +143,12 @@ class RewardScorer:
         return count
 
     def texts(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int):
-        """(prompts, completions) decoded with the policy's tokenizer from the real tokens of each row (special
-        tokens such as EOS and padding dropped; ids the policy's tokenizer does not hold are skipped)."""
+        """(prompts, completions, finished) decoded with the policy's tokenizer from the real tokens of each row
+        (special tokens such as EOS and padding dropped; ids the policy's tokenizer does not hold are skipped);
+        finished[b]: the completion's last real token is the policy's EOS."""
+        last = utils.last_token_indices(attention_mask)
+        eos = self.policy_tokenizer.eos_token_id
+        finished = (query_responses.gather(1, last[:, None]).squeeze(1) == eos) & (last >= context_length)
         mask = attention_mask.bool() & (query_responses < len(self.policy_tokenizer))
         decode = lambda ids: self.policy_tokenizer.decode(  # noqa: E731
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
@@ -151,7 +158,7 @@ class RewardScorer:
         completions = [
             decode([t for t, m in zip(r[context_length:], k[context_length:]) if m]) for r, k in rows
         ]
-        return prompts, completions
+        return prompts, completions, finished.tolist()
 
     def encode(
         self,
@@ -162,13 +169,13 @@ class RewardScorer:
     ) -> list[list[int]]:
         """The reward model's ids of every row (decode with the policy's tokenizer, encode with the reward
         model's); `prompts` (text or message lists, one per row) replaces the decoded prompts when given."""
-        decoded_prompts, completions = self.texts(query_responses, attention_mask, context_length)
+        decoded_prompts, completions, finished = self.texts(query_responses, attention_mask, context_length)
         prompts = decoded_prompts if prompts is None else list(prompts)
         if len(prompts) != len(completions):
             raise ValueError(f"got {len(prompts)} prompts for {len(completions)} rows to score.")
         rows = []
-        for prompt, completion in zip(prompts, completions):
-            ids, cut = encode_for_reward(self.reward_tokenizer, prompt, completion, self.max_length)
+        for prompt, completion, done in zip(prompts, completions, finished):
+            ids, cut = encode_for_reward(self.reward_tokenizer, prompt, completion, self.max_length, done)
             self.num_truncated += cut
             rows.append(ids)
         return rows
