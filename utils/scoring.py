@@ -31,6 +31,11 @@ import utils
 UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report model_max_length as about 1e30
 
 
+def first_id(*ids: int | None) -> int:
+    """The first of `ids` that is set (0 when none is): a filler token for padding or an empty text."""
+    return next((i for i in ids if i is not None), 0)
+
+
 def same_tokenizer(a, b) -> bool:
     """True when tokenizers `a` and `b` map text to the same ids: the same vocabulary (added tokens included)
     and the same EOS, BOS and UNK tokens. The pad token is left out: the scripts never read it (masks come from
@@ -89,11 +94,7 @@ def encode_for_reward(
             completion_ids = completion_ids + [eos]
         ids = ids + completion_ids
     if not ids:  # an empty text under a tokenizer without EOS: score one neutral token rather than nothing
-        ids = [
-            next(
-                i for i in (reward_tokenizer.unk_token_id, reward_tokenizer.pad_token_id, 0) if i is not None
-            )
-        ]
+        ids = [first_id(reward_tokenizer.unk_token_id, reward_tokenizer.pad_token_id)]
     cut = max_length is not None and len(ids) > max_length
     return (ids[-max_length:] if cut else ids), cut
 
@@ -190,17 +191,14 @@ class RewardScorer:
     ) -> torch.Tensor:
         """Scores [B] of rows [B, T] (left-padded prompt, then the response truncated after its stop token; the
         mask marks the real tokens); `prompts` only matters for a reward model with its own tokenizer."""
-        if self.reward_fn is not None or (
-            self.same_tokenizer
-            and int(query_responses.max()) < self.vocab_rows  # the fast path, ids as they are
-        ):
+        fits = self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
+        if self.reward_fn is not None or (self.same_tokenizer and fits):  # the fast path: ids as they are
             return utils.compute_scores(
                 query_responses, attention_mask, context_length, self.policy_tokenizer, chunk_size,
                 self.reward_model, self.reward_fn,
             )  # fmt: skip
         rows = self.encode(query_responses, attention_mask, context_length, prompts)
-        pad_id = next(i for i in (self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id, 0)
-                      if i is not None)  # fmt: skip
-        ids = utils.pad(rows, pad_id, "right").to(query_responses.device)
+        pad_id = first_id(self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id)
+        ids = utils.pad(rows, pad_id, "right").to(query_responses.device)  # masks come from the lengths
         mask = utils.lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
         return utils.batched_score(self.reward_model, ids, mask.long(), chunk_size)
