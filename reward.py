@@ -18,7 +18,6 @@ Offline example on the tiny world (CPU, under a minute):
 """
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -58,6 +57,12 @@ class Args:
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
     """push --output_dir to the Hugging Face hub at the end"""
+    save_steps: int = 0
+    """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints (None: all)"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint-{step} folder, or `latest` (the newest in --output_dir), to continue exactly from"""
 
     # --- model and data ---
     model_name_or_path: str = "models/sft"
@@ -361,16 +366,16 @@ def load_data(args: Args, tokenizer) -> dict:
 
 
 def main(args: Args) -> None:
-    from accelerate import Accelerator
+    from contextlib import nullcontext
+
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
-    from torch.utils.tensorboard import SummaryWriter
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoTokenizer, get_scheduler
 
     # --- checks and data, before any model is loaded ---
     check_args(args)
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
     tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
     if tokenizer.eos_token is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
@@ -386,23 +391,42 @@ def main(args: Args) -> None:
             "a reward model has exactly one (num_labels=1)."
         )
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision="bf16" if args.bf16 else None)  # fmt: skip
+    ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
+    accelerator = utils.run.make_accelerator(args, ga, micro)
     set_seed(args.seed)
-    device, is_main = accelerator.device, accelerator.is_main_process
-    args.world_size = accelerator.num_processes
-    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    device, is_main, rank = accelerator.device, accelerator.is_main_process, accelerator.process_index
+    args.world_size = world = accelerator.num_processes
+    args.batch_size = micro * ga * world
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     for key, (rows, counts, _) in data.items():
         accelerator.print(
             f"{key}: kept {len(rows)} of {counts['rows']} rows ({counts['prompt_cut']} with the prompt cut from "
             f"the left), dropped {counts['dropped']} whose completion does not fit in --max_length"
         )
 
-    def loader(rows, batch_size, shuffle=False):
-        generator = torch.Generator().manual_seed(args.seed) if shuffle else None
+    def loader(rows, batch_size):
         collate_fn = lambda batch: collate(batch, tokenizer.pad_token_id)  # noqa: E731
-        return DataLoader(rows, batch_size, shuffle=shuffle, generator=generator, collate_fn=collate_fn)
+        return DataLoader(rows, batch_size, collate_fn=collate_fn)
+
+    train_rows = data["train"][0]
+    micro_per_epoch = len(train_rows) // (micro * world)
+    if micro_per_epoch < ga:
+        raise ValueError(
+            f"the training split has {len(train_rows)} pairs, fewer than one batch of {args.batch_size} "
+            "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
+        )
+
+    def micro_batch(m: int) -> dict:
+        """This process's m-th micro-batch: a fresh seeded shuffle of the pairs every epoch (the same order on
+        every process, each taking its slice), so that any step can be found again on resume."""
+        epoch, i = divmod(m, micro_per_epoch)
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * world + rank) * micro
+        batch = collate(
+            [train_rows[j] for j in order[start : start + micro].tolist()], tokenizer.pad_token_id
+        )
+        return {key: value.to(device) for key, value in batch.items()}
 
     # --- model: a sequence classifier with one label (a causal LM gets a newly initialised score head) ---
     model = load_reward_model(args.model_name_or_path, num_labels=1)
@@ -413,29 +437,19 @@ def main(args: Args) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                   weight_decay=args.weight_decay)  # fmt: skip
-    train_loader = loader(data["train"][0], args.per_device_train_batch_size, shuffle=True)
-    score_model, optimizer, train_loader = accelerator.prepare(ScoreModel(model), optimizer, train_loader)
+    score_model, optimizer = accelerator.prepare(ScoreModel(model), optimizer)
     if "test" in data:
         eval_loader = accelerator.prepare(loader(data["test"][0], args.per_device_eval_batch_size))
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    steps_per_epoch = micro_per_epoch // ga
     args.num_training_steps = args.total_steps or steps_per_epoch * args.num_train_epochs
     # stepped once per optimizer step, not prepared (accelerate would step it once per process)
     warmup_steps = int(args.warmup_ratio * args.num_training_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.num_training_steps)
-
-    if is_main:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=vars(args), sync_tensorboard=True, save_code=True)  # fmt: skip
-        writer = SummaryWriter(os.path.join(args.logging_dir, args.run_name))
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    def log(metrics: dict, step: int) -> None:
-        for key, value in metrics.items() if is_main else []:
-            writer.add_scalar(key, value, step)
+    resumed = checkpointer.resume({"model": score_model}, {"model": optimizer}) or {"step": 0}
+    if resumed["step"]:
+        scheduler.load_state_dict(resumed["scheduler"])
+    tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
+    log = tracker.log
 
     def evaluate(scorer: nn.Module, step: int) -> dict:
         scorer.eval()
@@ -447,20 +461,22 @@ def main(args: Args) -> None:
         return metrics
 
     # --- training: one forward pass per batch scores the chosen and the rejected completions ---
-    global_step, final_metrics, start = 0, {}, time.time()
+    global_step, final_metrics, start = resumed["step"], {}, time.time()
     # sums over the logging window: loss * pairs, correct pairs, r_c - r_r, pairs
     sums = torch.zeros(4, device=device)
-    progress = tqdm(total=args.num_training_steps, desc="reward model", disable=not is_main)
+    progress = tqdm(
+        total=args.num_training_steps, initial=global_step, desc="reward model", disable=not is_main
+    )
     score_model.train()
     while global_step < args.num_training_steps:
-        for batch in train_loader:
+        for m in range(global_step * ga, (global_step + 1) * ga):
+            batch = micro_batch(m)
             with accelerator.accumulate(score_model):
                 scores = score_model(batch["input_ids"], batch["attention_mask"]).float()
                 chosen, rejected = scores.view(2, -1)  # the batch is [chosen rows; rejected rows]
                 loss = reward_loss(chosen, rejected, batch["margin"], args.center_rewards_coefficient)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(score_model.parameters(), args.max_grad_norm)
+                grad_norm = utils.run.clip_grad_norm(accelerator, score_model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             with torch.no_grad():
@@ -468,24 +484,26 @@ def main(args: Args) -> None:
                 sums += torch.stack(
                     [loss * pairs, (chosen > rejected).sum(), (chosen - rejected).sum(), pairs]
                 )
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            global_step += 1
-            progress.update()
-            if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
-                loss_sum, correct, margin_sum, count = accelerator.reduce(sums, reduction="sum").tolist()
-                sums.zero_()
-                train = {"train/loss": loss_sum / count, "train/accuracy": correct / count}
-                train |= {"train/margin": margin_sum / count, "train/lr": scheduler.get_last_lr()[0]}
-                log(train | {"train/epoch": global_step / steps_per_epoch}, global_step)
-                progress.set_postfix(loss=train["train/loss"], accuracy=train["train/accuracy"])
-                final_metrics.update(train)
-            if "test" in data and args.eval_steps and global_step % args.eval_steps == 0:
-                if global_step < args.num_training_steps:  # the last evaluation follows the loop
-                    evaluate(score_model, global_step)
-            if global_step >= args.num_training_steps:
-                break
+        scheduler.step()
+        global_step += 1
+        progress.update()
+        grad_norm = utils.run.grad_norm_after_step(score_model, grad_norm)
+        utils.run.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
+        if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
+            loss_sum, correct, margin_sum, count = accelerator.reduce(sums, reduction="sum").tolist()
+            sums.zero_()
+            train = {"train/loss": loss_sum / count, "train/accuracy": correct / count}
+            train |= {"train/margin": margin_sum / count, "train/lr": scheduler.get_last_lr()[0]}
+            if grad_norm is not None:
+                train["train/grad_norm"] = grad_norm
+            log(train | {"train/epoch": global_step / steps_per_epoch}, global_step)
+            progress.set_postfix(loss=train["train/loss"], accuracy=train["train/accuracy"])
+            final_metrics.update(train)
+        if "test" in data and args.eval_steps and global_step % args.eval_steps == 0:
+            if global_step < args.num_training_steps:  # the last evaluation follows the loop
+                evaluate(score_model, global_step)
+        checkpointer.maybe_save(global_step, {"model": score_model}, {"model": optimizer},
+                                state={"scheduler": scheduler.state_dict()})  # fmt: skip
     progress.close()
     final_metrics["train/seconds"] = time.time() - start
     if "test" in data:
@@ -504,9 +522,13 @@ def main(args: Args) -> None:
     accelerator.free_memory()
 
     # --- normalisation: reference completions' mean score -> 0 (std -> 1), measured again after reloading ---
+    # Every process loads the whole saved model (outside ZeRO-3's sharded init) and scores its share.
+    plugin = accelerator.state.deepspeed_plugin
+    unsharded = plugin.zero3_init_context_manager(enable=False) if plugin is not None else nullcontext()
     if args.normalize:
         norm_loader = accelerator.prepare(loader(data["normalize"][0], args.per_device_eval_batch_size))
-        trained = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
+        with unsharded:
+            trained = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
         before = gather_scores(ScoreModel(trained), norm_loader, accelerator)[0][:, 0]
         mean, std = before.mean().item(), before.std().item()
         if args.normalize_std and not std > 0:
@@ -515,7 +537,8 @@ def main(args: Args) -> None:
         if is_main:
             save_reward_model(trained, args.output_dir)
         accelerator.wait_for_everyone()
-        reloaded = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
+        with unsharded:
+            reloaded = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
         after = gather_scores(ScoreModel(reloaded), norm_loader, accelerator)[0][:, 0]
         stats = {"normalize/mean_before": mean, "normalize/std_before": std}
         stats |= {"normalize/mean_after": after.mean().item(), "normalize/std_after": after.std().item()}
@@ -537,12 +560,10 @@ def main(args: Args) -> None:
 
             repo_id = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
             HfApi().upload_folder(repo_id=repo_id.repo_id, folder_path=args.output_dir)
-        writer.close()
-        if args.track:
-            wandb.finish()
         print(f"reward model written to {args.output_dir}")
+    tracker.close()
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    utils.run.run_cli(Args, main)
