@@ -452,7 +452,7 @@ def main(args: Args) -> None:
 
     # Resume (policy, optimizer, RNG streams, update counter), then logging.
     sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
-    state = ckpt.resume(models={"policy": policy}, optimizers={"optimizer": optimizer},
+    state = ckpt.resume(models={"policy": policy}, optimizers={"policy": optimizer},
                         generators={"sampling": sampling_generator})  # fmt: skip
     start_update = state["step"] if state else 0
     tracker = Tracker(args, accelerator, start_update)
@@ -625,7 +625,7 @@ def main(args: Args) -> None:
                     "response": decode_rows(responses[shown], response_mask[shown]),
                 }, title=f"update {update}")  # fmt: skip
 
-        ckpt.maybe_save(update, models={"policy": policy}, optimizers={"optimizer": optimizer},
+        ckpt.maybe_save(update, models={"policy": policy}, optimizers={"policy": optimizer},
                         generators={"sampling": sampling_generator})  # fmt: skip
 
     # Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.

@@ -364,3 +364,27 @@ def test_judge_function_is_honoured(world, lab, tmp_path):
         assert "objective/scores" not in metrics
     words = [sum(len(a.split()) + len(b.split()) for a, b in c["pairs"]) / 32 for c in calls]
     assert sum(words[-3:]) / 3 < 0.75 * sum(words[:3]) / 3, words  # measured: 2.9 -> 1.9 words
+
+
+def test_resume_from_checkpoint_continues_exactly(world, lab, tmp_path):
+    """4 updates straight (checkpoints at 2 and 4) against 2 + resume: the same final weights and metrics."""
+    flags = [
+        "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:key_words",
+        "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "4", "--max_steps", "4",
+        "--learning_rate", "1e-3", "--warmup_ratio", "0.25", "--logging_dir", str(tmp_path / "runs"),
+        "--max_new_tokens", "8", "--num_sample_generations", "0",
+    ]  # fmt: skip
+    run_script(["online_dpo.py", *flags, "--run_name", "straight", "--output_dir", str(tmp_path / "a"),
+                "--save_steps", "2"])  # fmt: skip
+    straight = read_metrics(tmp_path / "runs" / "straight")
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    run_script(["online_dpo.py", *flags, "--output_dir", str(tmp_path / "b"),
+                "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2")])  # fmt: skip
+    resumed = read_metrics(
+        tmp_path / "runs" / "straight"
+    )  # the checkpoint's run name: the same log continues
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
+    first, second = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert all(torch.equal(first[n], second[n]) for n in first)
