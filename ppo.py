@@ -18,18 +18,20 @@ Example (the offline tiny world: `python benchmark/tiny_world.py --output_dir ti
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 import utils
+import utils.checkpoint
 import utils.data
+import utils.run
 import utils.scoring
 
 
@@ -58,6 +60,12 @@ class Args:
     """push the saved policy to the Hugging Face hub"""
     hub_model_id: str | None = None
     """hub repository for push_to_hub; None: the output_dir's name"""
+    save_steps: int = 0
+    """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT)"""
+    save_total_limit: int | None = None
+    """keep only the newest this-many checkpoints (None: keep all)"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint-N folder, or `latest` (the newest in --output_dir), to continue a run exactly from"""
     bf16: bool = False
     """bf16 mixed precision"""
     gradient_checkpointing: bool = False
@@ -113,6 +121,9 @@ class Args:
     """epochs of optimisation on each batch of rollouts"""
     local_rollout_forward_batch_size: int = 64
     """rows per forward pass during rollouts (generation, reference, critic, reward)"""
+    recompute_old_logprobs: Literal["auto", "true", "false"] = "auto"
+    """recompute the logprobs of the sampled tokens with the training forward pass instead of taking sampling's
+    (cached, token by token): they differ in bf16, so the ratio would not start at 1. auto: true under bf16"""
 
     # generation
     response_length: int = 53
@@ -423,18 +434,6 @@ class PolicyAndValue(nn.Module):
         return logits, values[:, context_length - 1 : -1].float()
 
 
-def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
-    """A frozen model (reference, reward) in eval mode on the device; sharded by an inference engine under ZeRO-3."""
-    model.eval().requires_grad_(False)
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to(accelerator.device)
-    import deepspeed  # GPU-only path (untested on CPU)
-
-    config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
-    return deepspeed.initialize(model=model, config=config)[0].eval()
-
-
 def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
     """Truncate `responses` [B, R] after the stop token and score them: (mask [B, R] of the kept tokens,
     scores [B], whether each has an EOS [B]). The reward sees the truncated completion and its score is read
@@ -451,28 +450,51 @@ def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
     return mask, scores, contains_eos
 
 
+def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
+    """A generator seeded by (seed, *key). The noise of a chunk of completions depends only on which update and
+    prompts it samples, never on the number of processes or on what ran before: 1 process and N processes
+    sample the same completions, and a resumed run samples what the uninterrupted one did."""
+    state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state) % 2**63)
+
+
 @torch.no_grad()
-def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, generator):
-    """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs."""
+def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update, first_prompt,
+            recompute_old_logprobs):  # fmt: skip
+    """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs. The chunk of
+    prompts p.. is sampled with the noise of (seed, update, first_prompt + p), first_prompt being the index of
+    this process's first prompt in the update's global batch. The "old" logprobs are sampling's, or those of
+    the training forward pass with `recompute_old_logprobs`."""
     Q, chunk = queries.size(1), args.local_rollout_forward_batch_size
-    with utils.unwrapped_for_generation(model, accelerator, "policy") as policy:
-        query_responses, logprobs = utils.generate(
-            policy, queries, query_mask, args.response_length, args.temperature, chunk, generator
-        )
+    query_responses, logprobs = [], []
+    with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
+        for i in range(0, queries.size(0), chunk):
+            noise = sampling_generator(args.seed, update, first_prompt + i, device=queries.device)
+            chunk_query_responses, chunk_logprobs = utils.generate(
+                unwrapped.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
+                args.temperature, chunk, noise,
+            )  # fmt: skip
+            query_responses.append(chunk_query_responses)
+            logprobs.append(chunk_logprobs)
+    query_responses, logprobs = torch.cat(query_responses), torch.cat(logprobs)
     responses = query_responses[:, Q:]
     # Every forward pass attends to all R sampled tokens, as generation did, so logprobs match sampling's.
     attention_mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
     mask, scores, contains_eos = score_completions(args, tokenizer, scorer, queries, query_mask, responses)
-    unwrapped, ref_logprobs, values, kl_full = accelerator.unwrap_model(model), [], [], []
+    unwrapped, ref_logprobs, values, kl_full, recomputed = utils.run.bare(model), [], [], [], []
     for i in range(0, queries.size(0), chunk):
         qr, am = query_responses[i : i + chunk], attention_mask[i : i + chunk]
         # The reference's logprobs at the sampling temperature too, as the policy's.
         ref_logits = utils.response_logits(ref_model, qr, am, Q, args.temperature)
         ref_logprobs.append(utils.logprobs_from_logits(ref_logits, qr[:, Q:]))
-        if args.kl_estimator == "full":
+        if args.kl_estimator == "full" or recompute_old_logprobs:
             logits = utils.response_logits(unwrapped.policy, qr, am, Q, args.temperature)
-            kl_full.append(full_kl(logits, ref_logits))
+            recomputed.append(utils.logprobs_from_logits(logits, qr[:, Q:]))
+            if args.kl_estimator == "full":
+                kl_full.append(full_kl(logits, ref_logits))
         values.append(utils.per_token_scores(unwrapped.critic, qr, am)[:, Q - 1 : -1].float())
+    if recompute_old_logprobs:
+        logprobs = torch.cat(recomputed)
     kl = torch.cat(kl_full) if kl_full else kl_per_token(logprobs, torch.cat(ref_logprobs), args.kl_estimator)
     return dict(
         query_responses=query_responses, attention_mask=attention_mask, mask=mask, logprobs=logprobs,
@@ -485,9 +507,14 @@ def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_pr
     """Greedy completions of this process's share of the test prompts: (mean score over processes, table)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     queries, query_mask = utils.left_pad(test_rows[rank::world], tokenizer.pad_token_id, accelerator.device)
-    with utils.unwrapped_for_generation(model, accelerator, "policy") as policy:
+    with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
         query_responses, _ = utils.generate(
-            policy, queries, query_mask, args.response_length, 0.0, args.local_rollout_forward_batch_size
+            unwrapped.policy,
+            queries,
+            query_mask,
+            args.response_length,
+            0.0,
+            args.local_rollout_forward_batch_size,
         )
     responses = query_responses[:, queries.size(1) :]
     mask, scores, _ = score_completions(args, tokenizer, scorer, queries, query_mask, responses)
@@ -501,31 +528,33 @@ def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_pr
 
 # ---- Training
 def main(args: Args) -> dict:
-    from accelerate import Accelerator
-    from accelerate.utils import GradientAccumulationPlugin, set_seed
+    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+    # 1. Flags, accelerator and data: everything that can be checked before a model is loaded.
     check_args(args)
-    reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    # sync_with_dataloader=False: accumulation must follow our mini-batches, not the end of any dataloader.
-    accelerator = Accelerator(
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        mixed_precision="bf16" if args.bf16 else None,  # None: the launch config decides
+    accelerator = utils.run.make_accelerator(
+        args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
+    reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("models", args.run_name)
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
+    ckpt = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path; takes its run name
+    recompute_old_logprobs = args.recompute_old_logprobs == "true" or (
+        args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
+    )
 
-    # Data: prompts only (conversations rendered with the generation prompt), tokenized once (left-truncated to
-    # max_prompt_length). --model_name_or_path gives the tokenizer; --sft_model_path, when given, the weights.
-    tokenizer_path, tokenizer_flag = (
-        (args.model_name_or_path, "--model_name_or_path") if args.model_name_or_path else
-        (args.sft_model_path, "--sft_model_path")
+    # 2. Tokenizer and prompts (conversations rendered with the generation prompt), tokenized once (left-truncated
+    # to max_prompt_length): --model_name_or_path gives the tokenizer; --sft_model_path, when given, the weights.
+    policy_path, policy_flag = (
+        (args.sft_model_path, "--sft_model_path") if args.sft_model_path else
+        (args.model_name_or_path, "--model_name_or_path")
     )  # fmt: skip
-    args.sft_model_path = args.sft_model_path or args.model_name_or_path
+    tokenizer_path, tokenizer_flag = (
+        (args.model_name_or_path, "--model_name_or_path") if args.model_name_or_path else (policy_path, policy_flag)
+    )  # fmt: skip
     where = f"--dataset_name {args.dataset_name} split {args.dataset_train_split}"
     train = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(train, ["prompt"], where)
@@ -563,15 +592,12 @@ def main(args: Args) -> dict:
     )
     test_rows = utils.data.tokenize_prompts(tokenizer, test_prompts, args.max_prompt_length)
 
-    # Seeding: the same everywhere for model init; sampling gets a per-process stream.
+    # 3. Models: policy and reference from the SFT model; critic from the value/reward model (own head). Frozen
+    # models run in the policy's precision. Seeding: the same everywhere for model init (a new value head).
     set_seed(args.seed)
     device, rank = accelerator.device, accelerator.process_index
-    sampling_generator = torch.Generator(device=device).manual_seed(args.seed + 100003 * rank)
-    shuffle_generator = torch.Generator().manual_seed(args.seed + 100003 * rank)
-
-    # Models: policy and reference from the SFT model; critic from the value/reward model (own head).
-    policy = utils.from_pretrained(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
-    ref_model = utils.from_pretrained(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    ref_model = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     reward_model = None
     if args.reward_model_path:
         reward_model = utils.from_pretrained(
@@ -587,9 +613,7 @@ def main(args: Args) -> dict:
     if not args.value_model_path and not same_tokens:
         accelerator.print("critic: the reward model has its own tokenizer, so the critic starts from "
                           "--sft_model_path with a new value head (pass --value_model_path to choose one)")  # fmt: skip
-    critic_flag, critic_path = (
-        (critic_flag, critic_path) if critic_path else ("--sft_model_path", args.sft_model_path)
-    )
+    critic_flag, critic_path = (critic_flag, critic_path) if critic_path else (policy_flag, policy_path)
     critic = utils.from_pretrained(AutoModelForSequenceClassification, critic_path, critic_flag, num_labels=1)
     critic_rows, policy_rows = (m.get_input_embeddings().num_embeddings for m in (critic, policy))
     if critic_rows < policy_rows:  # the critic reads the policy's ids: they would index past its embedding
@@ -605,52 +629,52 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=0
     )
-    if accelerator.state.deepspeed_plugin is not None:  # no dataloader is prepared: tell DeepSpeed the batch
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     model, optimizer = accelerator.prepare(model, optimizer)
-    ref_model = prepare_frozen(ref_model, accelerator)
-    reward_model = prepare_frozen(reward_model, accelerator) if reward_model is not None else None
+    ref_model = utils.run.prepare_frozen(ref_model, accelerator)
+    reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
     accelerator.print(scorer.describe())
 
-    # Logging (main process only); metrics also go to metrics.jsonl for scripts and tests.
-    log_dir = os.path.join(args.logging_dir, args.run_name)
-    writer = metrics_file = None
-    if accelerator.is_main_process:
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                config=asdict(args), name=args.run_name, save_code=True,
-            )  # fmt: skip
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(log_dir)
-        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        metrics_file = open(os.path.join(log_dir, "metrics.jsonl"), "w")
-        with open(os.path.join(log_dir, "config.json"), "w") as f:
-            json.dump(asdict(args), f, indent=1)
-
+    # 4. State of the run: the prompt order is the same on every process; sampling noise is keyed by update and
+    # prompt (sampling_generator); weights, optimizer, the shuffling generator, the adaptive KL coefficient and
+    # the running score moments come back from a checkpoint.
     kl_controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
     moments = RunningMoments() if args.use_score_scaling else None
+    shuffle_generator = torch.Generator().manual_seed(args.seed + 100003 * rank)
+    checkpointed = dict(models={"model": model}, optimizers={"model": optimizer},
+                        generators={"shuffle": shuffle_generator})  # fmt: skip
+    state = ckpt.resume(**checkpointed) or {"step": 0}
+    start = state["step"]
+    if start:
+        kl_controller.value = state["kl_coef"]
+        if moments is not None:
+            moments.mean, moments.var, moments.count = state["score_moments"]
     batches = utils.prompt_batches(len(train_rows), args.local_batch_size, args.world_size, rank, args.seed)
+    for _ in range(state.get("prompt_batches", 0)):  # the data order continues where the checkpoint left it
+        next(batches)
+    tracker = utils.run.Tracker(args, accelerator, start_step=start)
     sample_freq = max(1, args.num_total_batches // args.num_sample_generations) if test_rows else 0
-    episode, start_time, metrics = 0, time.time(), {}
+    episode, start_time, metrics = start * args.batch_size, time.time(), {}
 
     def mean_all(x: torch.Tensor) -> float:
         return accelerator.gather(x.detach().float().reshape(1)).mean().item()
 
-    for update in tqdm(range(1, args.num_total_batches + 1), disable=not accelerator.is_local_main_process):
+    def global_whiten(values, mask, shift_mean=True):
+        """masked_whiten with the statistics of every process's response tokens, so N processes whiten as 1
+        does; zero where mask is 0."""
+        all_values, all_masks = accelerator.gather(values), accelerator.gather(mask.long())
+        whitened = utils.masked_whiten(all_values, all_masks, shift_mean)
+        return whitened[rank * values.size(0) : (rank + 1) * values.size(0)] * mask
+
+    for update in tqdm(range(start + 1, args.num_total_batches + 1), initial=start, total=args.num_total_batches,
+                       disable=not accelerator.is_local_main_process):  # fmt: skip
         episode += args.batch_size
         lr = args.learning_rate * (1.0 - (update - 1.0) / args.num_total_batches)  # linear decay
         for group in optimizer.param_groups:
             group["lr"] = lr
         kl_coef = kl_controller.value if args.adaptive_kl else args.kl_coef
 
-        # 1. Rollout: sample, truncate, score; logprobs of the policy and the reference; values of the critic.
+        # 5. Rollout: sample, truncate, score; logprobs of the policy and the reference; values of the critic.
         model.eval()
         queries, query_mask = utils.left_pad(
             [train_rows[i] for i in next(batches)], tokenizer.pad_token_id, device
@@ -658,24 +682,26 @@ def main(args: Args) -> dict:
         Q = queries.size(1)
         with accelerator.autocast():
             data = rollout(
-                args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask,
-                sampling_generator,
+                args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update,
+                rank * args.local_batch_size, recompute_old_logprobs,
             )  # fmt: skip
         mask, scores = data["mask"], data["scores"]
-        # 2. Rewards: optional score shaping, per-token KL penalty, the score on the last response token.
+        utils.run.check_finite(update, accelerator, scores=scores)
+        # 6. Rewards: optional score shaping, per-token KL penalty, the score on the last response token.
         if moments is not None:
             moments.update(accelerator.gather(scores))
         shaped_scores = shape_scores(scores, moments, args.use_score_norm, args.score_clip)
         rewards, non_score_rewards = per_token_rewards(data["kl"], shaped_scores, mask, kl_coef)
         if args.whiten_rewards:
-            rewards = utils.masked_whiten(rewards, mask, shift_mean=False) * mask
-        # 3. Advantages from GAE, whitened over this process's response tokens.
+            rewards = global_whiten(rewards, mask, shift_mean=False)
+        # 7. Advantages from GAE, whitened over every process's response tokens.
         advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
-        advantages = utils.masked_whiten(advantages, mask) * mask
+        advantages = global_whiten(advantages, mask)
 
-        # 4. PPO epochs over shuffled mini-batches; each mini-batch is gradient-accumulated micro-batches.
+        # 8. PPO epochs over shuffled mini-batches; each mini-batch is gradient-accumulated micro-batches.
         model.train()
         step_stats, ratio_sums, early_stopped = [], torch.zeros(3, device=device, dtype=torch.float64), False
+        grad_norms = []
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, generator=shuffle_generator).to(device)
             for minibatch in order.split(args.local_mini_batch_size):
@@ -693,10 +719,11 @@ def main(args: Args) -> dict:
                             vpred, data["values"][idx], returns[idx], mb_mask, args.cliprange_value
                         )
                         accelerator.backward(pg_loss + args.vf_coef * vf_loss)
-                        if args.max_grad_norm is not None and accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        measured = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
+                        if accelerator.sync_gradients:
+                            grad_norms.append(utils.run.grad_norm_after_step(model, measured))
                     with torch.no_grad():
                         entropy = utils.masked_mean(utils.entropy_from_logits(logits), mb_mask)
                         step_stats.append(
@@ -712,15 +739,20 @@ def main(args: Args) -> dict:
             if early_stopped:
                 break
 
-        # 5. Metrics, averaged over processes.
+        # 9. Metrics, averaged over processes; a non-finite loss or gradient norm stops the run before it is saved.
         with torch.no_grad():
             approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy = (
                 accelerator.gather(torch.stack(step_stats).float().mean(0)[None]).mean(0).tolist()
             )
+            measured_norms = [n for n in grad_norms if n is not None]
+            grad_norm = sum(measured_norms) / len(measured_norms) if measured_norms else None
+            utils.run.check_finite(
+                update, accelerator, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm
+            )
             ratio_sums = accelerator.reduce(ratio_sums, reduction="sum")
             ratio_mean = (ratio_sums[0] / ratio_sums[2]).item()
             metrics = {
-                "eps": int(episode / (time.time() - start_time)),
+                "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
                 "objective/kl": mean_all(data["kl"].sum(1).mean()),
                 "objective/kl_coef": kl_coef,
                 "objective/entropy": mean_all((-data["logprobs"] * mask).sum(1).mean()),
@@ -743,6 +775,8 @@ def main(args: Args) -> dict:
                 "lr": lr,
                 "episode": episode,
             }
+            if grad_norm is not None:
+                metrics["grad_norm"] = grad_norm
             if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
@@ -761,14 +795,17 @@ def main(args: Args) -> dict:
 
                     table = wandb.Table(columns=list(columns), data=list(zip(*columns.values())))
                     wandb.log({"samples": table})
-        if accelerator.is_main_process:
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, episode)
-            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-            metrics_file.flush()
+        tracker.log(metrics, update)
         del data, rewards, advantages, returns
 
-    # Save the policy alone (no value head) as a plain causal LM, with its tokenizer and a model card.
+        # 10. Checkpoint every --save_steps updates, and after SIGTERM/SIGINT (then stop).
+        moments_state = [moments.mean, moments.var, moments.count] if moments is not None else None
+        ckpt.maybe_save(update, **checkpointed, state={
+            "episode": episode, "prompt_batches": update, "kl_coef": kl_controller.value,
+            "score_moments": moments_state,
+        })  # fmt: skip
+
+    # 11. Save the policy alone (no value head) as a plain causal LM, with its tokenizer and a model card.
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # every process takes part (ZeRO-3 gathers the shards)
     if state_dict is not None:
@@ -779,21 +816,18 @@ def main(args: Args) -> dict:
     )  # fmt: skip
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
-        utils.write_model_card(args.output_dir, "PPO", args.sft_model_path, args.dataset_name, metrics)
+        utils.write_model_card(args.output_dir, "PPO", policy_path, args.dataset_name, metrics)
         if args.push_to_hub:
             from huggingface_hub import HfApi
 
             repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
             HfApi().create_repo(repo_id, exist_ok=True)
             HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo_id)
-        writer.close()
-        metrics_file.close()
+    tracker.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
 
 
 if __name__ == "__main__":
-    import tyro
-
-    main(tyro.cli(Args, use_underscores=True))
+    utils.run.run_cli(Args, main)

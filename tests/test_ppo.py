@@ -364,8 +364,7 @@ def test_reward_model_run_from_a_copy_logs_everything_and_is_deterministic(world
     assert any(m["policy/early_stopped"] == 1.0 for m in metrics)
     assert "update 3: test prompts" in out.stdout
     assert list((tmp_path / "runs" / "rm").glob("events.out.tfevents.*"))
-    config = json.loads((tmp_path / "runs" / "rm" / "config.json").read_text())
-    assert (config["batch_size"], config["mini_batch_size"], config["num_total_batches"]) == (16, 8, 3)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["grad_norm"] > 0 for m in metrics)
     saved = tmp_path / "rm"
     model = AutoModelForCausalLM.from_pretrained(saved)
     assert not any("score" in k for k in model.state_dict())
@@ -391,9 +390,8 @@ def test_two_processes(world, tmp_path):
     ]
     flags += ["--max_prompt_length", "16"]
     run_torchrun(["ppo.py", *flags])
-    config = json.loads((tmp_path / "runs" / "ddp" / "config.json").read_text())
-    assert (config["world_size"], config["batch_size"], config["num_total_batches"]) == (2, 16, 2)
     metrics = read_metrics(tmp_path, "ddp")
+    assert [m["episode"] for m in metrics] == [16, 32]  # world size 2, batch size 16, 2 updates
     assert len(metrics) == 2 and all(math.isfinite(m["loss/policy_avg"]) for m in metrics)
     assert (tmp_path / "ddp" / "model.safetensors").exists()
 
