@@ -12,6 +12,7 @@ import torch
 
 import ppo
 import utils
+import utils.run
 from conftest import ROOT, run_script, run_torchrun
 
 
@@ -416,18 +417,22 @@ def in_process_args(world, tmp_path, **overrides):
 
 
 @pytest.mark.parametrize(
-    "body,message",
+    "body,error,message",
     [
-        ("return [1.0]", "returned 1 values for 4 completions"),
-        ("return [float('nan')] * len(completions)", "NaN or infinite"),
+        ("return [1.0]", ValueError, "returned 1 values for 4 completions"),
+        (
+            "return [float('nan')] * len(completions)",
+            utils.run.NonFiniteError,
+            "step 1: scores is not finite",
+        ),
     ],
 )
-def test_bad_reward_functions(world, tmp_path, fresh_accelerate_state, body, message):
+def test_bad_reward_functions(world, tmp_path, fresh_accelerate_state, body, error, message):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("precious")
     (tmp_path / "r.py").write_text(f"def f(prompts, completions):\n    {body}\n")
     args = in_process_args(world, tmp_path, reward_fn=f"{tmp_path / 'r.py'}:f", overwrite_output_dir=True)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         ppo.main(args)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]  # a failed run destroys nothing
 

@@ -296,8 +296,8 @@ def test_reward_fn_loading_and_checks(tmp_path):
     assert utils.call_reward_fn(fn, ["p", "q"], ["ab", "c"]).tolist() == [2.0, 1.0]
     with pytest.raises(ValueError, match="returned 1 values for 2"):
         utils.call_reward_fn(utils.load_reward_fn(f"{path}:short"), ["p", "q"], ["a", "b"])
-    with pytest.raises(ValueError, match="NaN"):
-        utils.call_reward_fn(utils.load_reward_fn(f"{path}:nan"), ["p"], ["a"])
+    nan = utils.call_reward_fn(utils.load_reward_fn(f"{path}:nan"), ["p"], ["a"])  # the scripts' guard stops
+    assert nan.isnan().all()
     with pytest.raises(ValueError, match="does not exist"):
         utils.load_reward_fn(f"{tmp_path}/missing.py:f")
     with pytest.raises(ValueError, match="no function named 'g'"):
