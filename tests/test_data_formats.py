@@ -193,6 +193,21 @@ def test_eos_and_bos_follow_the_tokenizer(world, plain_tokenizer):
         data.set_eos_token(tokenizer, "<|nope|>")
 
 
+def test_the_chat_world(world, chat_tokenizer, plain_tokenizer):
+    assert (
+        chat_tokenizer.eos_token == "<|im_end|>" and chat_tokenizer.chat_template == tiny_world.CHAT_TEMPLATE
+    )
+    assert plain_tokenizer.chat_template is None  # the standard artifacts stay as they were
+    for name in ("policy_chat", "reward_chat"):
+        assert json.loads((world / name / "config.json").read_text())["vocab_size"] == len(chat_tokenizer)
+    assert (world / "chat_template.jinja").read_text() == tiny_world.CHAT_TEMPLATE
+    folders = {p.name for p in (world / "dataset_chat").iterdir()}
+    assert folders == {"language_modeling", "prompt_completion", "prompt_only", "preference",
+                       "implicit_prompt_preference"}  # fmt: skip
+    messages = data.load_split(str(world / "dataset_chat"), "train", "language_modeling")["messages"]
+    assert [len(m) for m in messages[:2]] == [5, 3]  # every other conversation has a second exchange
+
+
 def test_dataset_config_selects_a_local_configuration(world):
     split = data.load_split(str(world / "dataset_chat"), "test", "prompt_only")
     assert data.detect_format(split, "d") == ("prompt_only", True)
