@@ -13,7 +13,7 @@ import torch
 
 import online_dpo
 import utils
-from conftest import run_script, run_torchrun
+from conftest import run_deepspeed, run_script, run_torchrun
 
 METRICS = {
     "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
@@ -388,3 +388,22 @@ def test_resume_from_checkpoint_continues_exactly(world, lab, tmp_path):
         assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
     first, second = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_deepspeed_keeps_the_sampling_invariant(world, lab, tmp_path, zero_stage):
+    """2 processes under DeepSpeed ZeRO-2/3 (reference and reward model sharded under ZeRO-3, weights gathered
+    for sampling): at learning rate 0 the training forward still gives back the sampling logprobs."""
+    flags = common_flags(tmp_path, "ds") + [
+        "--model_name_or_path", str(lab / "policy"), "--reward_model_path", str(world / "reward"),
+        "--dataset_name", str(lab / "prompts.jsonl"), "--learning_rate", "0", "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "2", "--max_steps", "2", "--missing_eos_penalty", "1.0",
+    ]  # fmt: skip
+    run_deepspeed(["online_dpo.py", *flags], tmp_path, zero_stage)
+    lines = read_metrics(tmp_path / "runs" / "ds")
+    assert [m["episode"] for m in lines] == [16, 32]
+    for metrics in lines:
+        assert metrics["val/logprob_gap"] < 1e-4 and abs(metrics["objective/kl"]) < 1e-3
+    before, after = weights(lab / "policy"), weights(tmp_path / "ds")
+    assert all(torch.equal(before[n], after[n].to(before[n].dtype)) for n in before)
