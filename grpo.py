@@ -1,0 +1,590 @@
+"""Group Relative Policy Optimization (GRPO) for language models, in one file, with the variants that matter.
+
+Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models" (2024),
+https://arxiv.org/abs/2402.03300. Variants: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476: clip-higher
+and the token-level loss), Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783: no std scaling, loss
+summed over tokens and divided by a constant), two-sided clipping `--delta` (INTELLECT-2, 2025).
+
+For each prompt the policy samples a group of `--num_generations` completions. A completion's reward is the
+weighted sum of one or more reward functions and/or a reward model; its advantage is its reward minus the
+mean of its group, divided by the group's std (`--scale_rewards group`), the batch's std (`batch`) or nothing
+(`none`, Dr. GRPO). Every token of the completion gets that advantage, and the loss is PPO's clipped surrogate
+per token, `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` with r the ratio to the sampling policy, plus
+`beta` times the k3 estimate of the KL to the reference model (beta = 0 by default: no reference model is
+loaded). `--loss_type` decides how the per-token losses are averaged (see `aggregate_loss`). There is no critic
+and, unlike PPO/RLOO, no KL in the reward.
+
+Batch layout, completion-major: the G*P completions of one generation are rows `g * P + p` (completion g of
+prompt p), i.e. `rewards.view(G, P)`. Prompts are stored once ([P, Q]); the rows are built at forward time.
+Each process samples whole groups for its own prompts, so a group is never split across processes.
+
+    python grpo.py --model_name_or_path models/sft --dataset_name data/prompts --reward_funcs rewards.py:exact \
+        --num_generations 8 --per_device_train_batch_size 32 --max_completion_length 16 --learning_rate 1e-5 \
+        --loss_type dapo --epsilon_high 0.28 --max_steps 200 --output_dir models/grpo
+"""
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+import utils
+import utils.checkpoint
+import utils.run
+import utils.scoring
+
+
+@dataclass
+class Args:
+    # Run
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (model init is the checkpoint's; this seeds sampling and shuffling)"""
+    run_name: str | None = None
+    """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
+    track: bool = False
+    """log to Weights & Biases as well as TensorBoard"""
+    wandb_project_name: str = "rlhf-reference"
+    """the W&B project"""
+    wandb_entity: str | None = None
+    """the W&B entity (team)"""
+    logging_dir: str = "runs"
+    """TensorBoard logs and metrics.jsonl go to {logging_dir}/{run_name}"""
+    output_dir: str = "models/grpo"
+    """where the trained policy (weights, tokenizer, model card) and the checkpoints are saved"""
+    overwrite_output_dir: bool = False
+    """allow writing into a non-empty --output_dir"""
+    push_to_hub: bool = False
+    """push --output_dir to the hub (repo named after the folder) at the end"""
+    save_steps: int = 0
+    """save a checkpoint every this many optimizer steps (0: only when stopped by a signal)"""
+    save_total_limit: int | None = None
+    """keep only the newest this-many checkpoints (None: keep all)"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint folder to continue from, or 'latest' for the newest one in --output_dir"""
+
+    # Models and data
+    model_name_or_path: str | None = None
+    """the policy to start from (hub id or local dir) and its tokenizer; also the reference model when beta > 0"""
+    reward_funcs: list[str] | None = None
+    """reward functions, each path/to/file.py:function called as function(prompts, completions) -> floats"""
+    reward_model_path: str | None = None
+    """a sequence classifier (one label) as one more reward, after the --reward_funcs"""
+    reward_tokenizer_path: str | None = None
+    """the reward model's tokenizer when it differs from the policy's (None: the one in --reward_model_path)"""
+    reward_weights: list[float] | None = None
+    """one weight per reward (the --reward_funcs in order, then the reward model); None: all 1"""
+    dataset_name: str = "trl-lib/tldr"
+    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column"""
+    dataset_train_split: str = "train"
+    """split holding the prompts"""
+    max_prompt_length: int | None = 512
+    """keep only the last this-many tokens of each prompt (None: keep all)"""
+    bf16: bool = False
+    """bf16 mixed precision (accelerate)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # Sampling
+    num_generations: int = 8
+    """completions sampled per prompt, the group (at least 2)"""
+    max_completion_length: int = 256
+    """tokens sampled per completion (then truncated after EOS); also Dr. GRPO's loss constant"""
+    temperature: float = 1.0
+    """sampling temperature; the logprobs of the loss are taken at the same temperature"""
+    mask_truncated_completions: bool = False
+    """leave completions that reached max_completion_length without EOS out of the loss (DAPO)"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / reference / reward-model forward pass"""
+
+    # Algorithm
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    lr_scheduler_type: Literal["linear", "constant"] = "linear"
+    """'linear' decays the learning rate to 0 over the optimizer steps"""
+    max_grad_norm: float = 1.0
+    """clip the gradient norm to this (0: no clipping)"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass per process (micro-batch)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    steps_per_generation: int | None = None
+    """micro-batches per process made from one generation (None: gradient_accumulation_steps); a multiple of it"""
+    num_iterations: int = 1
+    """passes over each generation (mu in the paper); > 1 relies on the clipped ratio to the sampling policy"""
+    max_steps: int = -1
+    """optimizer steps in total (-1: from --num_train_epochs)"""
+    num_train_epochs: float = 3.0
+    """passes over the prompts, when --max_steps is -1"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide the group-centred rewards by the group's std, the whole batch's std, or nothing (Dr. GRPO)"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how per-token losses are averaged: per-sequence means (grpo), token mean of the micro-batch (bnpo), sum
+    over a constant (dr_grpo), token mean of the whole optimizer step over all processes (dapo)"""
+    epsilon: float = 0.2
+    """lower clip range of the ratio: 1 - epsilon"""
+    epsilon_high: float | None = None
+    """upper clip range of the ratio: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    delta: float | None = None
+    """two-sided clipping: cap the ratio at delta also where the advantage is negative (None: off; > 1 + eps)"""
+    beta: float = 0.0
+    """weight of the KL to the reference model (k3 estimator) in the loss; 0 loads no reference model"""
+
+    # Logging
+    logging_steps: int = 1
+    """log metrics every this many optimizer steps"""
+    num_sample_generations: int = 10
+    """print a table of sample completions at the first generation and this many times more (0: never)"""
+
+    # Filled in at runtime
+    world_size: int = 0
+    """number of processes (filled in at runtime)"""
+    local_generation_batch_size: int = 0
+    """completions per process per generation = per_device_train_batch_size * steps_per_generation (filled in)"""
+    generation_batch_size: int = 0
+    """completions per generation over all processes (filled in at runtime)"""
+    local_prompts_per_generation: int = 0
+    """prompts per process per generation = local_generation_batch_size / num_generations (filled in)"""
+    steps_per_generation_round: int = 0
+    """optimizer steps made from one generation = steps_per_generation / gradient_accumulation_steps *
+    num_iterations (filled in at runtime)"""
+    total_steps: int = 0
+    """optimizer steps of the run: --max_steps, or from --num_train_epochs (filled in at runtime)"""
+
+
+def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
+    """Check the flags and compute the derived batch sizes; ValueError with one sentence on a bad value."""
+    if args.num_generations < 2:
+        raise ValueError(
+            f"--num_generations must be at least 2 (a group needs a mean), got {args.num_generations}."
+        )
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                 "max_completion_length", "local_rollout_forward_batch_size", "logging_steps"):  # fmt: skip
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    if args.temperature <= 0:
+        raise ValueError(
+            f"--temperature must be positive (GRPO needs sampled completions), got {args.temperature}."
+        )
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
+    if not 0 < args.epsilon < 1 or args.epsilon_high <= 0:
+        raise ValueError("--epsilon must lie in (0, 1) and --epsilon_high must be positive.")
+    if args.delta is not None and args.delta <= 1 + args.epsilon_high:
+        raise ValueError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
+    if args.beta < 0:
+        raise ValueError(f"--beta must be at least 0, got {args.beta}.")
+    if args.model_name_or_path is None:
+        raise ValueError("pass the policy to train with --model_name_or_path.")
+    num_rewards = len(args.reward_funcs or []) + (args.reward_model_path is not None)
+    if num_rewards == 0:
+        raise ValueError(
+            "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
+        )
+    if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
+        raise ValueError(
+            f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the --reward_funcs, "
+            "then the reward model)."
+        )
+    if args.max_steps == 0 or args.max_steps < -1 or (args.max_steps == -1 and args.num_train_epochs <= 0):
+        raise ValueError("set --max_steps to a positive number, or -1 with a positive --num_train_epochs.")
+    if args.steps_per_generation is None:
+        args.steps_per_generation = args.gradient_accumulation_steps
+    if args.steps_per_generation < 1 or args.steps_per_generation % args.gradient_accumulation_steps:
+        raise ValueError(
+            f"--steps_per_generation {args.steps_per_generation} must be a positive multiple of "
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps}."
+        )
+    args.world_size = world_size
+    args.local_generation_batch_size = args.per_device_train_batch_size * args.steps_per_generation
+    args.generation_batch_size = args.local_generation_batch_size * world_size
+    if args.local_generation_batch_size % args.num_generations:
+        raise ValueError(
+            f"--num_generations {args.num_generations} must divide the completions per process per generation, "
+            f"per_device_train_batch_size * steps_per_generation = {args.local_generation_batch_size}, so that "
+            "groups stay whole on one process; change one of these flags."
+        )
+    args.local_prompts_per_generation = args.local_generation_batch_size // args.num_generations
+    args.steps_per_generation_round = (
+        args.steps_per_generation // args.gradient_accumulation_steps * args.num_iterations
+    )
+    if args.save_steps % args.steps_per_generation_round:
+        raise ValueError(
+            f"--save_steps {args.save_steps} must be a multiple of the {args.steps_per_generation_round} optimizer "
+            "steps made from one generation (checkpoints fall between generations)."
+        )
+    if num_prompts is not None:
+        prompts_per_generation = args.local_prompts_per_generation * world_size
+        if num_prompts < prompts_per_generation:
+            raise ValueError(
+                f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_generation} of one generation; "
+                "lower the batch flags or use a larger split."
+            )
+        if args.max_steps > 0:
+            args.total_steps = args.max_steps
+        else:
+            generations = math.ceil(args.num_train_epochs * (num_prompts // prompts_per_generation))
+            args.total_steps = generations * args.steps_per_generation_round
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The math (pure functions; B = G * P completions in completion-major order, R completion tokens)
+# ----------------------------------------------------------------------------------------------------------------
+ADVANTAGE_EPS = 1e-4  # added to the std before dividing (TRL's value); a group of equal rewards gets A = 0
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+                     batch_std: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """A_i = (r_i - mean of r's group) / (std + eps). rewards [B] completion-major (row g * P + p) -> [B].
+
+    scale_rewards: 'group' divides by the std of the group (unbiased, as torch.std), 'batch' by the std of the
+    whole batch (`batch_std`, for a batch spread over processes; default the std of `rewards`), 'none' by
+    nothing (Dr. GRPO: the std scaling weights easy and hard prompts unequally)."""
+    grouped = rewards.view(num_generations, -1)  # [G, P]: row g holds completion g of every prompt
+    centered = grouped - grouped.mean(0, keepdim=True)
+    if scale_rewards == "group":
+        centered = centered / (grouped.std(0, keepdim=True) + ADVANTAGE_EPS)
+    elif scale_rewards == "batch":
+        std = rewards.std() if batch_std is None else batch_std
+        centered = centered / (std + ADVANTAGE_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
+    return centered.flatten()
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The reward of each completion: sum_f weights[f] * rewards_per_func[:, f]. [B, F], [F] -> [B]."""
+    return (rewards_per_func * weights[None, :]).sum(1)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman 2020): exp(d) - d - 1 with d = ref - logprob; >= 0."""
+    diff = ref_logprobs - logprobs
+    return diff.exp() - diff - 1
+
+
+def clipped_token_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high, delta=None):
+    """Per-token loss [B, R] = -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A), r = exp(logp - logp_old).
+
+    advantages [B] (one per completion, the same for all its tokens). With `delta` the unclipped ratio is also
+    capped at delta, so a token with A < 0 whose ratio has run away cannot give an unbounded loss (two-sided
+    clipping); DAPO's clip-higher is epsilon_high > epsilon_low."""
+    ratio = (logprobs - old_logprobs).exp()
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    advantages = advantages[:, None]
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values [B, R] over the masked tokens; 0 when none is (every completion masked as truncated)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def clip_fractions(ratio, advantages, mask, epsilon_low, epsilon_high):
+    """Fractions of the masked tokens whose gradient the clip removed: (low, high, region). Low: r < 1 - eps_low
+    with A < 0; high: r > 1 + eps_high with A > 0; region: either. ratio, mask [B, R]; advantages [B]."""
+    advantages = advantages[:, None]
+    low = (ratio < 1 - epsilon_low) & (advantages < 0)
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return tuple(token_mean(x.float(), mask) for x in (low, high, low | high))
+
+
+def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_items=None):
+    """One number from the per-token losses [B, R] of the kept tokens (mask [B, R]), L = max_completion_length:
+
+    grpo    (1/B) sum_i (1/|o_i|) sum_t l_it       each completion weighs the same (Shao et al. 2024);
+                                                    long completions' tokens weigh less (a length bias)
+    bnpo    sum_it l_it / sum_i |o_i|               token mean of this micro-batch
+    dr_grpo sum_it l_it / (B * L)                   a constant normalizer (Liu et al. 2025)
+    dapo    sum_it l_it / num_items                 token mean over every token of the optimizer step, all
+                                                    micro-batches and processes (Yu et al. 2025); `num_items`
+                                                    is that count (default: this micro-batch's tokens)"""
+    mask = mask.to(per_token_loss.dtype)
+    total = (per_token_loss * mask).sum()
+    if loss_type == "grpo":
+        return ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    if loss_type == "bnpo":
+        return total / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return total / (per_token_loss.size(0) * max_completion_length)
+    if loss_type == "dapo":
+        return total / (mask.sum().clamp(min=1) if num_items is None else max(num_items, 1))
+    raise ValueError(f"unknown loss_type {loss_type!r}.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------
+def query_response_rows(queries, query_mask, responses, response_mask, idx):
+    """Rows `idx` of the completion-major batch, built at forward time from the prompts stored once: completion
+    row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
+    prompt = idx % queries.size(0)
+    return (
+        torch.cat([queries[prompt], responses[idx]], 1),
+        torch.cat([query_mask[prompt], response_mask[idx]], 1),
+    )
+
+
+def reward_name(spec: str) -> str:
+    """The name a reward is logged under: the function's name, or the reward model folder's."""
+    return spec.rpartition(":")[2] if ":" in spec else os.path.basename(os.path.normpath(spec))
+
+
+def main(args: Args) -> None:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    # 0. Checks and data: everything that can be checked before loading a model.
+    accelerator = utils.run.make_accelerator(
+        args, args.gradient_accumulation_steps, args.per_device_train_batch_size
+    )
+    fill_sizes(args, accelerator.num_processes)
+    if not args.resume_from_checkpoint:
+        utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    reward_fns = [utils.load_reward_fn(spec) for spec in args.reward_funcs or []]
+    reward_names = [reward_name(s) for s in (args.reward_funcs or []) + [args.reward_model_path] if s]
+    dataset = utils.load_split(args.dataset_name, args.dataset_train_split)
+    utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    fill_sizes(args, accelerator.num_processes, len(dataset))
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device, rank, G = accelerator.device, accelerator.process_index, args.num_generations
+
+    # 1. Models: the policy; the frozen reference only when beta > 0; the reward model if any. Dropout off, so
+    # the logprobs of the training forward pass equal those of sampling.
+    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
+    if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
+    utils.disable_dropout(policy)
+    ref_policy = reward_model = None
+    if args.beta > 0:
+        ref_policy = utils.from_pretrained(
+            AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
+        )
+        utils.disable_dropout(ref_policy)
+    if args.reward_model_path:
+        reward_model = utils.from_pretrained(
+            AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
+        )
+        utils.score_head(reward_model)  # refuses a model with more than one label
+        utils.disable_dropout(reward_model)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    if ref_policy is not None:
+        ref_policy = utils.run.bare(utils.run.prepare_frozen(ref_policy, accelerator))
+    if reward_model is not None:
+        reward_model = utils.run.bare(utils.run.prepare_frozen(reward_model, accelerator))
+    scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
+    if reward_model is not None:
+        reward_tokenizer = utils.scoring.load_reward_tokenizer(
+            args.reward_tokenizer_path, args.reward_model_path
+        )
+        scorers.append(utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
+    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
+
+    # Resume: the weights, optimizer and random generators; the prompt iterator is replayed to its place.
+    prompt_ids = utils.tokenize_prompts(tokenizer, dataset["prompt"], args.max_prompt_length)
+    P, B = args.local_prompts_per_generation, args.local_generation_batch_size
+    batches = utils.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
+    sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
+    shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
+    generators = {"sampling": sampling_generator, "shuffle": shuffle_generator}
+    ckpt = utils.checkpoint.Checkpointer(accelerator, args)
+    checkpointed = dict(models={"policy": policy}, optimizers={"policy": optimizer}, generators=generators)
+    state = ckpt.resume(**checkpointed)
+    step, generation = (state["step"], state["generation"]) if state else (0, 0)  # generations made so far
+    for _ in range(generation):
+        next(batches)
+    tracker = utils.run.Tracker(args, accelerator, start_step=step)
+
+    chunk, R, T = args.local_rollout_forward_batch_size, args.max_completion_length, args.temperature
+
+    def gathered_mean(values):
+        return accelerator.gather(values.float()).mean().item()
+
+    sample_every = max(
+        1, args.total_steps // args.steps_per_generation_round // max(1, args.num_sample_generations)
+    )
+    start_time, start_generation, metrics = time.time(), generation, {}
+    progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
+    while step < args.total_steps:
+        # 2. Generation: P prompts stored once [P, Q], G * P completions in completion-major order (row i <-
+        # prompt i % P), sampled with their logprobs and truncated after EOS. The groups stay on this process.
+        queries, query_mask = utils.left_pad([prompt_ids[i] for i in next(batches)], pad_id, device)
+        generation += 1
+        context_length = queries.size(1)
+        completion_rows = torch.arange(B, device=device)
+        policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
+        responses, sampled_logprobs = [], []
+        with (
+            torch.no_grad(),
+            accelerator.autocast(),
+            utils.run.gathered_for_generation(policy, accelerator) as model,
+        ):
+            for rows in completion_rows.split(chunk):  # prompts repeated chunk by chunk, not G times at once
+                prompt = rows % P
+                query_responses, logprobs = utils.generate(
+                    model, queries[prompt], query_mask[prompt], R, T, chunk, sampling_generator
+                )
+                responses.append(query_responses[:, context_length:])
+                sampled_logprobs.append(logprobs)
+        sampled_logprobs = torch.cat(sampled_logprobs)
+        responses, lengths = utils.truncate_response(torch.cat(responses), eos_id, pad_id)
+        response_mask = utils.lengths_to_mask(lengths, R)
+        has_eos = ((responses == eos_id) & response_mask).any(1)
+        rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+
+        # 3. Rewards of every reward function / model, their weighted sum, and the group-relative advantages.
+        rewards_per_func, ref_logprobs = [], []
+        with torch.no_grad(), accelerator.autocast():
+            for idx in completion_rows.split(chunk):
+                rows, mask = rows_at(idx)
+                scores = [scorer(rows, mask, context_length, chunk) for scorer in scorers]
+                rewards_per_func.append(torch.stack(scores, 1).float())
+                if ref_policy is not None:
+                    ref_logprobs.append(utils.batched_response_logprobs(ref_policy, rows, mask, context_length,
+                                                                        T, chunk))  # fmt: skip
+        rewards_per_func = torch.cat(rewards_per_func)
+        rewards = combine_rewards(rewards_per_func, weights)
+        ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else None
+        batch_std = accelerator.gather(rewards).std() if args.scale_rewards == "batch" else None
+        advantages = group_advantages(rewards, G, args.scale_rewards, batch_std)
+        loss_mask = response_mask & has_eos[:, None] if args.mask_truncated_completions else response_mask
+        group_std = rewards.view(G, -1).std(0)
+        generation_metrics = {
+            "reward": gathered_mean(rewards),
+            "reward_std": gathered_mean(group_std),
+            "frac_reward_zero_std": gathered_mean(group_std < 1e-6),
+            **{
+                f"rewards/{n}/mean": gathered_mean(rewards_per_func[:, f]) for f, n in enumerate(reward_names)
+            },
+            "completions/mean_length": gathered_mean(lengths),
+            "completions/clipped_ratio": gathered_mean(~has_eos),
+        }
+
+        # 4. Policy update: num_iterations passes over the generation, each freshly shuffled, cut into
+        # micro-batches; gradient_accumulation_steps of them make one optimizer step (accelerate counts them).
+        policy.train()
+        ga = args.gradient_accumulation_steps
+        orders = [
+            torch.randperm(B, generator=shuffle_generator).to(device) for _ in range(args.num_iterations)
+        ]
+        micro_batches = [idx for order in orders for idx in order.split(args.per_device_train_batch_size)]
+        for first in range(0, len(micro_batches), ga):
+            if step >= args.total_steps:
+                break
+            lr = args.learning_rate * (
+                1 - step / args.total_steps if args.lr_scheduler_type == "linear" else 1
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step_batches = micro_batches[first : first + ga]
+            # DAPO divides by the number of tokens of the whole optimizer step on all processes; the backward
+            # averages over micro-batches and processes, so each micro-batch divides by count / (ga * processes).
+            step_tokens = accelerator.reduce(sum(loss_mask[idx].sum().float() for idx in step_batches), "sum")
+            num_items = step_tokens.item() / (ga * args.world_size)
+            stats = torch.zeros(7, device=device)  # loss, kl, entropy, clip low, high, region, ratio
+            grad_norm = None
+            for idx in step_batches:
+                with accelerator.accumulate(policy):
+                    query_responses, attention_mask = rows_at(idx)
+                    logits = utils.response_logits(policy, query_responses, attention_mask, context_length, T)
+                    logprobs = utils.logprobs_from_logits(logits, responses[idx])
+                    mask, old = loss_mask[idx], sampled_logprobs[idx]
+                    per_token_loss = clipped_token_loss(
+                        logprobs, old, advantages[idx], args.epsilon, args.epsilon_high, args.delta
+                    )
+                    kl = (
+                        k3_kl(logprobs, ref_logprobs[idx])
+                        if ref_policy is not None
+                        else torch.zeros_like(old)
+                    )
+                    per_token_loss = per_token_loss + args.beta * kl
+                    loss = aggregate_loss(per_token_loss, mask, args.loss_type, R, num_items)
+                    accelerator.backward(loss)
+                    grad_norm = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm) or grad_norm
+                    optimizer.step()
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    ratio = (logprobs - old).exp()
+                    stats += torch.stack([
+                        loss.detach(), token_mean(kl, mask), token_mean(utils.entropy_from_logits(logits), mask),
+                        *clip_fractions(ratio, advantages[idx], mask, args.epsilon, args.epsilon_high),
+                        token_mean(ratio, mask),
+                    ]) / len(step_batches)  # fmt: skip
+            step += 1
+            progress.update(1)
+            grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
+            utils.run.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+
+            # 5. Metrics, averaged over processes, under TRL's names.
+            if step % args.logging_steps == 0 or step == args.total_steps:
+                low_high = accelerator.gather(stats[3:5][None]).view(-1, 2)
+                stats = accelerator.reduce(stats, reduction="mean")
+                metrics = {
+                    **generation_metrics,
+                    "loss": stats[0].item(),
+                    "kl": stats[1].item(),
+                    "entropy": stats[2].item(),
+                    "clip_ratio/low_mean": stats[3].item(),
+                    "clip_ratio/low_min": low_high[:, 0].min().item(),
+                    "clip_ratio/high_mean": stats[4].item(),
+                    "clip_ratio/high_max": low_high[:, 1].max().item(),
+                    "clip_ratio/region_mean": stats[5].item(),
+                    "ratio": stats[6].item(),
+                    **({"grad_norm": grad_norm} if grad_norm is not None else {}),
+                    "learning_rate": lr,
+                    "episode": generation * args.generation_batch_size,
+                    "eps": int((generation - start_generation) * args.generation_batch_size
+                               / (time.time() - start_time)),
+                }  # fmt: skip
+                tracker.log(metrics, step)
+
+        # Checkpoints at the end of a generation only, so a resumed run starts with the next one.
+        ckpt.maybe_save(step, **checkpointed, state={"generation": generation})
+
+        if args.num_sample_generations and (generation % sample_every == 0 or generation == 1):
+            if accelerator.is_main_process:
+                shown = torch.arange(min(P, 4), device=device)
+                utils.print_samples({
+                    "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
+                    "completion": [tokenizer.decode(r[m], skip_special_tokens=True)
+                                   for r, m in zip(responses[shown], response_mask[shown])],
+                    "reward": rewards[shown].tolist(),
+                    "advantage": advantages[shown].tolist(),
+                }, title=f"generation {generation}, step {step}")  # fmt: skip
+    progress.close()
+
+    # 6. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    accelerator.wait_for_everyone()
+    os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.unwrap_model(policy).save_pretrained(
+        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(policy),
+    )  # fmt: skip
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
+        utils.write_model_card(args.output_dir, "GRPO", args.model_name_or_path, args.dataset_name, metrics)
+        if args.push_to_hub:
+            from huggingface_hub import HfApi
+
+            repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
+            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
+    tracker.close()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    utils.run.run_cli(Args, main)

@@ -1,0 +1,369 @@
+"""grpo.py: group advantages and every loss aggregation against loops written from the papers' equations,
+clip-higher and two-sided clipping by hand, the batch arithmetic, and runs through the command line on the tiny
+world (ratio 1 at the first step, a rule reward learned, groups kept whole on 2 processes, exact resume)."""
+
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+import utils
+import utils.run
+from conftest import run_script, run_torchrun
+
+
+# ---------------------------------------------------------------------------------------------------- advantages
+def loop_advantages(rewards, G, scale, eps=1e-4):
+    """Shao et al. eq. (outcome supervision): A_i = (r_i - mean(r_group)) / std(r_group); rows g * P + p."""
+    P = len(rewards) // G
+    out = [0.0] * len(rewards)
+    batch_std = statistics.stdev(rewards)
+    for p in range(P):
+        group = [rewards[g * P + p] for g in range(G)]
+        mean, std = sum(group) / G, statistics.stdev(group)
+        for g in range(G):
+            centered = rewards[g * P + p] - mean
+            out[g * P + p] = {"group": centered / (std + eps), "batch": centered / (batch_std + eps),
+                              "none": centered}[scale]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("G,P", [(2, 1), (4, 3), (3, 5)])
+def test_group_advantages_match_loop(scale, G, P):
+    rewards = torch.randn(G * P, generator=torch.Generator().manual_seed(G * 10 + P), dtype=torch.float64)
+    out = grpo.group_advantages(rewards, G, scale)
+    assert out.tolist() == pytest.approx(loop_advantages(rewards.tolist(), G, scale), rel=1e-9, abs=1e-12)
+    # each group's advantages sum to zero
+    torch.testing.assert_close(out.view(G, P).sum(0), torch.zeros(P, dtype=torch.float64))
+
+
+def test_group_advantages_by_hand():
+    # 2 prompts, 3 completions each, completion-major: prompt 0 got 0, 1, 2 and prompt 1 got 1, 1, 1
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 1.0])
+    out = grpo.group_advantages(rewards, 3, "group")
+    # prompt 0: mean 1, sample std 1 -> -1, 0, 1 (over 1 + 1e-4); prompt 1: all equal -> 0, no division by 0
+    assert out.tolist() == pytest.approx([-1 / 1.0001, 0.0, 0.0, 0.0, 1 / 1.0001, 0.0])
+    assert grpo.group_advantages(rewards, 3, "none").tolist() == pytest.approx([-1, 0, 0, 0, 1, 0])
+    # the batch's std comes from outside when the batch is spread over processes
+    out = grpo.group_advantages(rewards, 3, "batch", batch_std=torch.tensor(2.0))
+    assert out.tolist() == pytest.approx([-1 / 2.0001, 0, 0, 0, 1 / 2.0001, 0])
+
+
+def test_combine_rewards_and_kl():
+    per_func = torch.tensor([[1.0, 10.0], [0.0, 20.0]])
+    assert grpo.combine_rewards(per_func, torch.tensor([1.0, 0.5])).tolist() == [6.0, 10.0]
+    logp, ref = torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0])
+    # KL k3: exp(d) - d - 1 with d = ref - logp = log 0.5; zero where the policies agree
+    assert grpo.k3_kl(logp, ref).tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0], abs=1e-7)
+    g = torch.Generator().manual_seed(0)
+    assert (grpo.k3_kl(torch.randn(50, generator=g), torch.randn(50, generator=g)) >= 0).all()
+
+
+# ------------------------------------------------------------------------------------------ clipped per-token loss
+def test_clipped_token_loss_matches_loop():
+    g = torch.Generator().manual_seed(1)
+    new, old = torch.randn(4, 5, generator=g) * 0.3, torch.randn(4, 5, generator=g) * 0.3
+    advantages = torch.randn(4, generator=g)
+    for eps_low, eps_high, delta in [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 1.5)]:
+        out = grpo.clipped_token_loss(new, old, advantages, eps_low, eps_high, delta)
+        for i in range(4):
+            for t in range(5):
+                r, a = math.exp(new[i, t] - old[i, t]), float(advantages[i])
+                unclipped = min(r, delta) * a if delta is not None else r * a
+                expected = -min(unclipped, min(max(r, 1 - eps_low), 1 + eps_high) * a)
+                assert out[i, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def loss_and_grad(ratio, advantage, eps_low, eps_high, delta=None):
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss = grpo.clipped_token_loss(
+        logp, torch.zeros(1, 1), torch.tensor([advantage]), eps_low, eps_high, delta
+    )
+    loss.sum().backward()
+    return loss.item(), logp.grad.item()
+
+
+def test_clip_higher_by_hand():
+    # ratio 1.25 with A = 1: symmetric clipping (0.2) caps it at 1.2 and stops the gradient; DAPO's clip-higher
+    # (0.28) lets it through: the low-probability token keeps being pushed up
+    assert loss_and_grad(1.25, 1.0, 0.2, 0.2) == pytest.approx((-1.2, 0.0))
+    assert loss_and_grad(1.25, 1.0, 0.2, 0.28) == pytest.approx((-1.25, -1.25))
+    # above 1 + eps_high it is clipped again
+    assert loss_and_grad(1.3, 1.0, 0.2, 0.28) == pytest.approx((-1.28, 0.0))
+    # the lower side is unchanged by epsilon_high: ratio 0.75 with A = -1 is clipped at 0.8
+    assert loss_and_grad(0.75, -1.0, 0.2, 0.28) == pytest.approx((0.8, 0.0))
+    # ratio 0.75 with A = +1: pessimistic min takes the unclipped term, the gradient flows
+    assert loss_and_grad(0.75, 1.0, 0.2, 0.28) == pytest.approx((-0.75, -0.75))
+    # A < 0 and a runaway ratio 5: PPO's min keeps 5 * A (loss 5, gradient 5); delta = 2 caps it (two-sided)
+    assert loss_and_grad(5.0, -1.0, 0.2, 0.28) == pytest.approx((5.0, 5.0))
+    assert loss_and_grad(5.0, -1.0, 0.2, 0.28, delta=2.0) == pytest.approx((2.0, 0.0))
+
+
+def test_clip_fractions_by_hand():
+    ratio = torch.tensor([[0.7, 0.7, 1.3, 1.3], [1.0, 1.25, 0.5, 9.0]])
+    advantages = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    low, high, region = grpo.clip_fractions(ratio, advantages, mask, 0.2, 0.28)
+    # row 0 (A < 0): both 0.7 are low-clipped, 1.3 is not clipped (pessimistic side); row 1 (A > 0): nothing
+    # at 1.0 / 1.25 (< 1.28) / 0.5; the 9.0 is masked
+    assert (low.item(), high.item(), region.item()) == pytest.approx((2 / 7, 0.0, 2 / 7))
+    low, high, region = grpo.clip_fractions(ratio, advantages, mask, 0.2, 0.2)
+    assert (low.item(), high.item(), region.item()) == pytest.approx((2 / 7, 1 / 7, 3 / 7))
+
+
+# ------------------------------------------------------------------------------------------------ loss aggregation
+def loop_aggregate(losses, lengths, loss_type, L):
+    """The papers' normalizations written as sums over completions i and their tokens t < |o_i|."""
+    per_seq = [sum(row[:n]) for row, n in zip(losses, lengths)]
+    if loss_type == "grpo":  # Shao et al.: (1/G) sum_i (1/|o_i|) sum_t
+        return sum(s / max(n, 1) for s, n in zip(per_seq, lengths)) / len(losses)
+    if loss_type in ("bnpo", "dapo"):  # Yu et al.: (1 / sum_i |o_i|) sum_i sum_t
+        return sum(per_seq) / sum(lengths)
+    return sum(per_seq) / (len(losses) * L)  # Liu et al.: a constant, the generation budget
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_loss_aggregation_matches_loop(loss_type):
+    g = torch.Generator().manual_seed(2)
+    lengths = [
+        5,
+        1,
+        3,
+        0,
+        2,
+        5,
+    ]  # one completion fully masked (a truncated one under mask_truncated_completions)
+    losses = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = utils.lengths_to_mask(torch.tensor(lengths), 5)
+    out = grpo.aggregate_loss(losses, mask, loss_type, max_completion_length=8)
+    assert out.item() == pytest.approx(loop_aggregate(losses.tolist(), lengths, loss_type, 8), rel=1e-12)
+
+
+def test_dapo_over_micro_batches_is_the_token_mean_of_the_step():
+    """Each micro-batch divides by the step's token count / number of micro-batches; the accumulated mean of
+    the micro-batch losses is then the token mean of the whole step (bnpo's micro-batch means are not)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([5, 1, 1, 1, 4, 5, 2, 3])
+    losses, mask = torch.randn(8, 5, generator=g, dtype=torch.float64), utils.lengths_to_mask(lengths, 5)
+    micro = [slice(0, 4), slice(4, 8)]
+    whole = loop_aggregate(losses.tolist(), lengths.tolist(), "dapo", 5)
+    num_items = mask.sum().item() / len(micro)
+    accumulated = sum(grpo.aggregate_loss(losses[s], mask[s], "dapo", 5, num_items) for s in micro) / len(
+        micro
+    )
+    assert accumulated.item() == pytest.approx(whole, rel=1e-12)
+    bnpo = sum(grpo.aggregate_loss(losses[s], mask[s], "bnpo", 5) for s in micro) / len(micro)
+    assert bnpo.item() != pytest.approx(whole, rel=1e-3)
+    for loss_type in ("grpo", "dr_grpo"):  # equal-sized micro-batches: their mean is the whole batch's value
+        accumulated = sum(grpo.aggregate_loss(losses[s], mask[s], loss_type, 5) for s in micro) / len(micro)
+        assert accumulated.item() == pytest.approx(
+            loop_aggregate(losses.tolist(), lengths.tolist(), loss_type, 5)
+        )
+
+
+def test_grpo_aggregation_weighs_long_completions_tokens_less():
+    """The length bias Dr. GRPO removes: with A > 0 a short completion's tokens get more gradient under 'grpo'."""
+    mask = utils.lengths_to_mask(torch.tensor([1, 4]), 4)
+    logp = torch.zeros(2, 4, requires_grad=True)
+    loss = grpo.aggregate_loss(grpo.clipped_token_loss(logp, torch.zeros(2, 4), torch.ones(2), 0.2, 0.2), mask,
+                               "grpo", 4)  # fmt: skip
+    loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(-0.5) and logp.grad[1, 0].item() == pytest.approx(-0.125)
+    logp.grad = None
+    loss = grpo.aggregate_loss(grpo.clipped_token_loss(logp, torch.zeros(2, 4), torch.ones(2), 0.2, 0.2), mask,
+                               "dr_grpo", 4)  # fmt: skip
+    loss.backward()
+    assert logp.grad[0, 0].item() == logp.grad[1, 0].item() == pytest.approx(-0.125)
+
+
+# ---------------------------------------------------------------------------------------------- batch arithmetic
+def parse(flags):
+    return utils.run.parse_args(grpo.Args, ["--model_name_or_path", "m", "--reward_funcs", "f.py:f", *flags])
+
+
+def test_sizes_follow_trl_meanings():
+    args = parse("--num_generations 8 --per_device_train_batch_size 16 --gradient_accumulation_steps 2 "
+                 "--steps_per_generation 8 --num_iterations 2 --num_train_epochs 2".split())  # fmt: skip
+    grpo.fill_sizes(args, world_size=4, num_prompts=1000)
+    assert (args.local_generation_batch_size, args.generation_batch_size) == (128, 512)
+    assert args.local_prompts_per_generation == 16  # whole groups of 8 per process
+    assert args.steps_per_generation_round == 8  # 8 micro-batches / 2 per step * 2 iterations
+    assert args.total_steps == math.ceil(2 * (1000 // 64)) * 8
+    assert args.epsilon_high == args.epsilon == 0.2
+    args = parse(["--max_steps", "7", "--epsilon_high", "0.28"])
+    grpo.fill_sizes(args, world_size=1, num_prompts=100)
+    assert args.steps_per_generation == 1 and args.total_steps == 7 and args.epsilon_high == 0.28
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num_generations", "1"], "--num_generations must be at least 2"),
+        (["--num_generations", "3"], "--num_generations 3 must divide .* = 8, so that groups stay whole"),
+        (
+            ["--gradient_accumulation_steps", "2", "--steps_per_generation", "3"],
+            "must be a positive multiple",
+        ),
+        (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 rewards"),
+        (["--delta", "1.1"], "--delta must exceed 1 \\+ epsilon_high"),
+        (["--max_steps", "0"], "--max_steps to a positive number"),
+        (["--steps_per_generation", "2", "--num_generations", "2", "--save_steps", "3"], "multiple of the 2"),
+        (["--temperature", "0"], "--temperature must be positive"),
+    ],
+)
+def test_bad_flags_are_refused_with_one_sentence(flags, message):
+    with pytest.raises(ValueError, match=message):
+        grpo.fill_sizes(parse(flags), world_size=1)
+
+
+def test_no_reward_and_too_few_prompts():
+    args = utils.run.parse_args(grpo.Args, ["--model_name_or_path", "m"])
+    with pytest.raises(ValueError, match="at least one reward"):
+        grpo.fill_sizes(args, world_size=1)
+    with pytest.raises(ValueError, match="3 prompts, fewer than the 4 of one generation"):
+        grpo.fill_sizes(parse(["--num_generations", "4"]), world_size=2, num_prompts=3)
+
+
+# ------------------------------------------------------------------------------------------- runs on the tiny world
+REWARD_FNS = '''
+KEYS = set("""landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt credit
+car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher doctor surgery insurance
+lawyer contract neighbor party birthday gift phone laptop job interview""".split())
+
+
+def key_words(prompts, completions):
+    """Number of key words in the completion: the random policy averages about 0.2."""
+    return [float(sum(word in KEYS for word in c.split())) for c in completions]
+
+
+def prompt_only(prompts, completions):
+    """Depends on the prompt alone: every completion of a prompt gets the same score."""
+    return [float(len(p) % 7) for p in prompts]
+
+
+def chars(prompts, completions):
+    return [len(c) / 10 for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def lab(world, tmp_path_factory):
+    """Prompts of different lengths, a policy that often stops early with dropout in its config, reward fns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("grpo_lab")
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    model = AutoModelForCausalLM.from_pretrained(world / "policy")
+    rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:32]
+    prompts = [row["prompt"][(i % 4) * 9 :] for i, row in enumerate(rows)]  # left padding in every batch
+    with open(out / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    # EOS embedding (tied with the output layer) along the mean hidden state: EOS comes at varied positions.
+    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
+        mean = hidden.mean((0, 1))
+        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 0.4 * mean / mean.norm()
+    model.config.attention_dropout = 0.1  # the script must switch it off, or the ratio drifts from 1
+    model.save_pretrained(out / "policy")
+    tokenizer.save_pretrained(out / "policy")
+    (out / "reward_fns.py").write_text(REWARD_FNS)
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def weights(path: Path) -> dict:
+    return load_file(path / "model.safetensors")
+
+
+def common_flags(tmp_path, name):
+    return ["--logging_dir", str(tmp_path / "runs"), "--run_name", name, "--output_dir", str(tmp_path / name),
+            "--max_completion_length", "8", "--num_sample_generations", "0"]  # fmt: skip
+
+
+def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
+    """Learning rate 0, two iterations over each generation, accumulation, a reference model (beta > 0), a reward
+    model next to a function: the training forward gives back the sampling logprobs (ratio 1, KL 0, nothing
+    clipped) under left padding, truncation after EOS, a temperature and dropout in the config."""
+    flags = common_flags(tmp_path, "invariant") + [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{lab / 'reward_fns.py'}:chars", "--reward_model_path", str(world / "reward"),
+        "--reward_weights", "1", "0.5", "--learning_rate", "0", "--num_generations", "4",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--steps_per_generation", "4",
+        "--num_iterations", "2", "--epsilon", "0.001", "--beta", "0.1", "--max_steps", "4", "--temperature", "0.7",
+        "--local_rollout_forward_batch_size", "6", "--num_sample_generations", "1", "--loss_type", "grpo",
+    ]  # fmt: skip
+    proc = run_script(["grpo.py", *flags], timeout=300)
+    assert "generation 1" in proc.stdout  # the sample table
+    lines = read_metrics(tmp_path / "runs" / "invariant")
+    assert [m["step"] for m in lines] == [1, 2, 3, 4] and [m["episode"] for m in lines] == [16, 16, 16, 16]
+    for metrics in lines:
+        assert metrics["ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert metrics["clip_ratio/region_mean"] == 0.0
+        assert abs(metrics["kl"]) < 1e-6
+        assert 0 < metrics["completions/clipped_ratio"] < 1  # some completions end with EOS, some not
+        assert {"rewards/chars/mean", "rewards/reward/mean", "reward_std", "frac_reward_zero_std"} <= set(
+            metrics
+        )
+        assert metrics["learning_rate"] == 0.0
+    out = tmp_path / "invariant"
+    assert "GRPO" in (out / "README.md").read_text()
+    before, after = weights(lab / "policy"), weights(out)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_rule_reward_is_learned_and_resume_is_exact(world, lab, tmp_path):
+    """From the random tiny policy, a reward for emitting key words rises within 16 steps (dapo, clip-higher);
+    a run resumed from its step-8 checkpoint ends with the same weights as the uninterrupted one."""
+    flags = [
+        "--model_name_or_path", str(world / "policy"), "--reward_funcs", f"{lab / 'reward_fns.py'}:key_words",
+        "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--num_generations", "4",
+        "--per_device_train_batch_size", "16", "--learning_rate", "1e-2", "--max_grad_norm", "0", "--max_steps", "16",
+        "--lr_scheduler_type", "constant", "--epsilon_high", "0.28", "--save_steps", "8", "--seed", "2",
+    ]  # fmt: skip
+    run_script(["grpo.py", *flags, *common_flags(tmp_path, "learn")], timeout=300)
+    rewards = [m["reward"] for m in read_metrics(tmp_path / "runs" / "learn")]
+    assert len(rewards) == 16
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert first < 1.0 and last > first + 1.0, rewards
+    # resume: the step-8 checkpoint copied into a fresh output dir, continued to step 16
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "learn" / "checkpoint-8", resumed / "checkpoint-8")
+    run_script(["grpo.py", *flags, *common_flags(tmp_path, "resumed"), "--resume_from_checkpoint", "latest"])
+    here, there = weights(tmp_path / "learn"), weights(resumed)
+    assert all(torch.equal(here[n], there[n]) for n in here)
+    # the resumed run continues the log of the run it resumes: every step once
+    assert [m["step"] for m in read_metrics(tmp_path / "runs" / "learn")] == list(range(1, 17))
+
+
+def test_two_processes_keep_each_group_whole(world, lab, tmp_path):
+    """2 processes, batch-std scaling. The reward depends on the prompt alone: if every group of G completions
+    is one prompt's, every advantage is exactly 0, the loss is 0 and nothing moves."""
+    flags = common_flags(tmp_path, "ddp") + [
+        "--model_name_or_path", str(world / "policy"), "--reward_funcs", f"{lab / 'reward_fns.py'}:prompt_only",
+        "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--num_generations", "4",
+        "--per_device_train_batch_size", "4", "--steps_per_generation", "2", "--learning_rate", "1e-2",
+        "--scale_rewards", "batch", "--max_steps", "2",
+    ]  # fmt: skip
+    run_torchrun(["grpo.py", *flags], nproc=2)
+    lines = read_metrics(tmp_path / "runs" / "ddp")
+    assert [m["episode"] for m in lines] == [
+        16,
+        16,
+    ]  # one generation: 2 processes x 2 prompts x 4 completions
+    for metrics in lines:
+        assert metrics["loss"] == 0.0 and metrics["frac_reward_zero_std"] == 1.0
+        assert metrics["reward_std"] == 0.0
+    before, after = weights(world / "policy"), weights(tmp_path / "ddp")
+    assert all(torch.equal(before[n], after[n]) for n in before)
