@@ -254,7 +254,8 @@ def test_rloo_and_ppo_run_with_a_reward_model_of_another_tokenizer(world, word_r
 def train_key_word_classifier(tokenizer, policy_tok, prompts, steps=300, seed=0):
     """Train the word-level classifier, on prompt + completion texts, to score completions that name a key word
     of the tiny world above those that do not. Completions mix the world's words with decoded random policy
-    tokens, as a random policy writes them. Returns (model, held-out accuracy)."""
+    tokens, as a random policy writes them, and half of them end with EOS (the scorer adds it only to the
+    completions the policy finished). Returns (model, held-out accuracy)."""
     import tiny_world
 
     rng = random.Random(seed)
@@ -269,9 +270,8 @@ def train_key_word_classifier(tokenizer, policy_tok, prompts, steps=300, seed=0)
             words.insert(rng.randrange(len(words) + 1), rng.choice(tiny_world.KEY_WORDS))
         words = [w for w in words if w not in tiny_world.KEY_WORDS or label]
         ids = tokenizer(rng.choice(prompts), add_special_tokens=False)["input_ids"]
-        ids += tokenizer(" " + " ".join(words), add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
+        ids += tokenizer(" " + " ".join(words), add_special_tokens=False)["input_ids"]
+        ids += [tokenizer.eos_token_id] * (rng.random() < 0.5)  # finished, or cut at the response length
         return ids, float(label)
 
     model = word_classifier(tokenizer, seed=seed)
