@@ -1,0 +1,169 @@
+"""ppo.py and rloo.py survive long runs: kill -9 at an arbitrary point and resume from `latest` gives the weights of
+an uninterrupted run bit for bit (1 process and 2 processes), metrics.jsonl holds every update once, SIGTERM
+saves and names the checkpoint, and a NaN score or a diverging learning rate stops the run with one line naming
+the update while the last good checkpoint stays intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import OFFLINE_ENV, ROOT, free_port, run_script, run_torchrun
+
+UPDATES = 6
+
+
+def flags(script, world, tmp_path, name, *extra):
+    """6 updates of 8 completions (batch 8 on one process, 4 + 4 on two), a checkpoint after every update."""
+    common = [
+        "--sft_model_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
+        "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--response_length", "6",
+        "--max_prompt_length", "16", "--local_rollout_forward_batch_size", "8", "--num_ppo_epochs", "2",
+        "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--max_grad_norm", "1.0",
+        "--num_sample_generations", "0", "--total_episodes", str(8 * UPDATES), "--save_steps", "1",
+        "--save_total_limit", "2", "--logging_dir", str(tmp_path / "runs"), "--run_name", name,
+        "--output_dir", str(tmp_path / name),
+    ]  # fmt: skip
+    if script == "ppo.py":  # every piece of state a checkpoint must carry
+        common += ["--use_score_scaling", "--use_score_norm", "--adaptive_kl", "--target_kl", "0.01",
+                   "--kl_horizon", "100", "--whiten_rewards"]  # fmt: skip
+    else:
+        common += ["--rloo_k", "2", "--normalize_advantage", "--token_level_kl"]
+    return common + list(extra)
+
+
+def per_device(nproc):
+    return ["--per_device_train_batch_size", str(4 // nproc)]
+
+
+def launch(script_args, nproc):
+    """Start a run in its own process group (so kill -9 reaches torchrun's workers too)."""
+    env = {**os.environ, **OFFLINE_ENV}
+    command = [sys.executable, *script_args]
+    if nproc > 1:
+        env["ACCELERATE_USE_CPU"] = "true"
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={free_port()}", *script_args]  # fmt: skip
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def wait_for(path, proc, timeout=400):
+    start = time.time()
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(
+                f"the run ended ({proc.returncode}) before {path.name}:\n{proc.stderr.read()[-3000:]}"
+            )
+        if time.time() - start > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {path.name} after {timeout} s")
+        time.sleep(0.02)
+
+
+def run(script_args, nproc):
+    if nproc > 1:
+        return run_torchrun(script_args, nproc=nproc)
+    return run_script(script_args)
+
+
+def steps_logged(tmp_path, name):
+    return [json.loads(line)["step"] for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
+
+
+def same_weights(a, b):
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def kill_sigterm_resume(script, world, tmp_path, nproc):
+    """Uninterrupted run; then a run killed with kill -9 once checkpoint-2 exists, resumed from `latest`,
+    stopped by SIGTERM once it wrote a checkpoint of its own, and resumed again to the end."""
+    args = [script, *per_device(nproc)]
+    run([*args, *flags(script, world, tmp_path, "whole")], nproc)
+    out = tmp_path / "cut"
+    proc = launch([*args, *flags(script, world, tmp_path, "cut")], nproc)
+    wait_for(out / "checkpoint-2", proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resume = ["--resume_from_checkpoint", "latest"]
+    resumed_from = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    proc = launch([*args, *flags(script, world, tmp_path, "cut", *resume)], nproc)
+    wait_for(out / f"checkpoint-{resumed_from + 1}", proc)
+    proc.send_signal(signal.SIGTERM) if nproc == 1 else os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    message = (
+        lines[-1] if nproc == 1 else next(line for line in lines if ": interrupted: " in line)
+    )  # torchrun
+    assert (
+        message.startswith(f"{script}: interrupted: SIGTERM received; saved ")
+        and "--resume_from_checkpoint" in message
+    )
+    assert len(list(out.glob("checkpoint-*"))) == 2  # --save_total_limit 2
+    run([*args, *flags(script, world, tmp_path, "cut", *resume)], nproc)
+    assert same_weights(tmp_path / "whole", out)
+    assert steps_logged(tmp_path, "cut") == list(range(1, UPDATES + 1)) == steps_logged(tmp_path, "whole")
+    whole = [json.loads(line) for line in open(tmp_path / "runs" / "whole" / "metrics.jsonl")]
+    cut = [json.loads(line) for line in open(tmp_path / "runs" / "cut" / "metrics.jsonl")]
+    for a, b in zip(whole, cut):  # the same run, metric for metric (the speed aside)
+        assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_kill_sigterm_and_resume_is_bit_exact(script, world, tmp_path):
+    kill_sigterm_resume(script, world, tmp_path, nproc=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_kill_sigterm_and_resume_is_bit_exact_on_two_processes(script, world, tmp_path):
+    kill_sigterm_resume(script, world, tmp_path, nproc=2)
+
+
+NAN_AT_THIRD_CALL = """
+calls = 0
+
+
+def f(prompts, completions):
+    global calls
+    calls += 1
+    return [float("nan") if calls == 3 else float(len(c) % 5) for c in completions]
+"""
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_nan_score_stops_with_the_update_and_keeps_the_checkpoint(script, world, tmp_path):
+    """The reward function is called once per update here: NaN at update 3 stops the run with one line; the
+    checkpoint of update 2 is complete and nothing else was written."""
+    (tmp_path / "nan.py").write_text(NAN_AT_THIRD_CALL)
+    args = flags(script, world, tmp_path, "nan", "--reward_fn", f"{tmp_path / 'nan.py'}:f")
+    args[args.index("--reward_model_path") : args.index("--reward_model_path") + 2] = []
+    proc = run_script([script, *per_device(1), *args], check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    checkpoint = tmp_path / "nan" / "checkpoint-2"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"{script}: stopped: step 3: scores is not finite (NaN or inf); the last good checkpoint is {checkpoint}."
+    )
+    assert sorted(p.name for p in (tmp_path / "nan").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["episode"] == 16
+    assert steps_logged(tmp_path, "nan") == [1, 2]
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+def test_diverging_learning_rate_is_caught(script, world, tmp_path):
+    args = flags(script, world, tmp_path, "div", "--learning_rate", "1e6", "--max_grad_norm", "0")
+    proc = run_script([script, *per_device(1), *args], check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: stopped: step ") and "is not finite (NaN or inf)" in last, last
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "div" / "model.safetensors").exists()
