@@ -23,9 +23,12 @@ the behaviour model) plus `ilql_heads.safetensors` beside it, holding the heads;
     model = ilql.ILQLModel.from_pretrained("models/ilql")
     responses, lengths = ilql.complete(model, tokenizer, prompt_ids, response_length=53, chunk_size=16)
 
-    python ilql.py --model_name_or_path models/sft --dataset_name data/ilql --dataset_train_split train \
-        --dataset_test_split validation --learning_rate 1e-4 --per_device_train_batch_size 32 \
-        --num_train_epochs 2 --alpha 0.1 --steps_for_target_q_sync 1 --beta 4 --output_dir models/ilql
+Offline, on the tiny world (benchmark/ilql_data.py writes the SFT model's samples with their rewards):
+    python benchmark/ilql_data.py --model_path models/sft --judge gold --dataset_name tiny_world/dataset \
+        --response_length 8 --num_completions 2 --output_dir data/ilql
+    python ilql.py --model_name_or_path models/sft --dataset_name data/ilql --dataset_test_split validation \
+        --max_length 128 --max_prompt_length 112 --per_device_train_batch_size 32 --learning_rate 3e-4 \
+        --alpha 0.01 --steps_for_target_q_sync 1 --beta 4 --response_length 8 --output_dir models/ilql
 """
 
 import copy
