@@ -234,12 +234,11 @@ def prompt_only(prompts, completions):
     return [float(len(p) % 7) for p in prompts]
 
 
-def fewer_words(prompts, pairs):
-    """A judge preferring the completion with fewer words; records what it was asked."""
+def fewer_characters(prompts, pairs):
+    """A judge preferring the shorter completion; records what it was asked."""
     with open(os.environ["JUDGE_LOG"], "a") as f:
         f.write(json.dumps({"prompts": prompts, "pairs": pairs}) + "\\n")
-    counts = [(len(a.split()), len(b.split())) for a, b in pairs]
-    return [-1 if a == b else int(b < a) for a, b in counts]
+    return [-1 if len(a) == len(b) else int(len(b) < len(a)) for a, b in pairs]
 '''
 
 
@@ -344,28 +343,28 @@ def test_rule_based_reward_rises(world, lab, tmp_path):
 
 
 def test_judge_function_is_honoured(world, lab, tmp_path):
-    """A judge preferring fewer words: it sees each pair of one prompt, its ties are counted, and the policy
-    learns to stop early."""
+    """A judge preferring the shorter completion: it sees the two completions of one prompt, its ties are
+    counted, and its choice is the one trained toward: at learning rate 0 the chosen (shorter) completions have
+    the higher summed logprob (fewer tokens, each with a negative logprob)."""
     log = tmp_path / "judge.jsonl"
     flags = common_flags(tmp_path, "judged") + [
-        "--model_name_or_path", str(lab / "policy"), "--judge", f"{lab / 'rules.py'}:fewer_words",
+        "--model_name_or_path", str(lab / "policy"), "--judge", f"{lab / 'rules.py'}:fewer_characters",
         "--dataset_name", str(lab / "prompts.jsonl"), "--temperature", "1.0", "--per_device_train_batch_size",
-        "16", "--max_steps", "12", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+        "16", "--max_steps", "2", "--learning_rate", "0",
     ]  # fmt: skip
     run_script(["online_dpo.py", *flags], timeout=300, env={"JUDGE_LOG": str(log)})
     calls = [json.loads(line) for line in open(log)]
     lines = read_metrics(tmp_path / "runs" / "judged")
-    assert len(calls) == len(lines) == 12
+    assert len(calls) == len(lines) == 2
     prompts = {json.loads(line)["prompt"] for line in open(lab / "prompts.jsonl")}
     for call, metrics in zip(calls, lines):
         assert len(call["prompts"]) == len(call["pairs"]) == 16 and set(call["prompts"]) <= prompts
-        ties = sum(len(a.split()) == len(b.split()) for a, b in call["pairs"])
-        assert metrics["val/num_ties"] == ties
+        assert metrics["val/num_ties"] == sum(len(a) == len(b) for a, b in call["pairs"]) < 16
         assert "objective/scores" not in metrics
-    words = [sum(len(a.split()) + len(b.split()) for a, b in c["pairs"]) / 32 for c in calls]
-    assert sum(words[-3:]) / 3 < 0.75 * sum(words[:3]) / 3, words  # measured: 2.9 -> 1.9 words
+        assert metrics["logps/chosen"] > metrics["logps/rejected"] + 1.0, metrics  # measured: about 10 apart
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_exactly(world, lab, tmp_path):
     """4 updates straight (checkpoints at 2 and 4) against 2 + resume: the same final weights and metrics."""
     flags = [
