@@ -34,6 +34,7 @@ import torch
 
 import utils
 import utils.checkpoint
+import utils.data
 import utils.run
 import utils.scoring
 
@@ -80,9 +81,14 @@ class Args:
     reward_weights: list[float] | None = None
     """one weight per reward (the --reward_funcs in order, then the reward model); None: all 1"""
     dataset_name: str = "trl-lib/tldr"
-    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column"""
+    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
+    or conversations rendered with the chat template and its generation prompt); other columns are ignored"""
+    dataset_config: str | None = None
+    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split holding the prompts"""
+    chat_template_path: str | None = None
+    """Jinja file (or tokenizer directory) whose chat template renders conversational prompts"""
     max_prompt_length: int | None = 512
     """keep only the last this-many tokens of each prompt (None: keep all)"""
     bf16: bool = False
@@ -352,7 +358,7 @@ def main(args: Args) -> None:
         utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_fns = [utils.load_reward_fn(spec) for spec in args.reward_funcs or []]
     reward_names = [reward_name(s) for s in (args.reward_funcs or []) + [args.reward_model_path] if s]
-    dataset = utils.load_split(args.dataset_name, args.dataset_train_split)
+    dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -364,6 +370,9 @@ def main(args: Args) -> None:
     if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
         tokenizer.pad_token = tokenizer.eos_token
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
+    prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     utils.disable_dropout(policy)
     ref_policy = reward_model = None
@@ -395,7 +404,6 @@ def main(args: Args) -> None:
     weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
 
     # Resume: the weights, optimizer and random generators; the prompt iterator is replayed to its place.
-    prompt_ids = utils.tokenize_prompts(tokenizer, dataset["prompt"], args.max_prompt_length)
     P, B = args.local_prompts_per_generation, args.local_generation_batch_size
     batches = utils.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
     sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
