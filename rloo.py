@@ -568,6 +568,13 @@ def main(args: Args) -> dict:
             }
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
+            if (
+                utils.run.zero_stage(accelerator) == 3
+            ):  # the share of the weights this process holds (sharded: 1/N)
+                params = list(policy.parameters())
+                metrics["zero3/local_param_share"] = sum(p.ds_tensor.numel() for p in params) / sum(
+                    p.ds_numel for p in params
+                )
             if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()

@@ -171,7 +171,10 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return model.to(accelerator.device)
-    model.to(accelerator.device, dtype=training_dtype(accelerator))
+    model.to(accelerator.device)
+    dtype = training_dtype(accelerator)
+    for param in model.parameters():  # as DeepSpeed casts the trained model: buffers (rotary inv_freq) stay
+        param.data = param.data.to(dtype)
     if plugin.zero_stage != 3:
         return model
     import deepspeed
