@@ -1,0 +1,533 @@
+"""Speed and memory of the scripts side by side with TRL's trainers, on the same workload, in one run.
+
+    python benchmark/speed.py --trl_python .venv-trl/bin/python --trl_ppo_python .venv-trl-ppo/bin/python
+
+For each algorithm (sft, reward, dpo, rloo, ppo, and grpo when grpo.py exists) the same workload runs three ways,
+each in its own process, alternating ours, TRL, bare, ours, TRL, bare, ... `--runs` times:
+    ours   the script's real command line (sft.py, reward.py, ...);
+    trl    TRL's trainer with the same model, data, batch sizes, lengths and number of optimizer steps
+           (TRL runs in its own environment, see requirements-trl.txt: the project never imports TRL);
+    bare   the same generation and forward/backward passes as a minimal loop (benchmark/bare_work.py): the work
+           no implementation can avoid, so `ours / bare` says how much the script adds on top of it.
+
+Counted the same way on all three sides: every optimizer step is timed by a hook on torch's optimizers, so the
+in-loop throughput is (updates - 1) * examples per update / (time from the end of the first update to the end of
+the last), with examples = sequences (sft), preference pairs (reward, dpo) or completions (rloo, ppo, grpo);
+the first update (warm-up) and everything before and after the loop are left out. The whole-process wall time
+(imports, loading, data preparation, training, saving) and the peak resident memory (`ru_maxrss` of the child)
+are measured by this process. Each figure is reported as our median, TRL's median and the median of the
+per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).
+
+Writes `--output` (every run, the medians, the ratios, the commands, package and TRL versions) and a bar plot
+beside it. On a shared machine, absolute numbers move with the load; the ratios of interleaved runs are the
+figures to read. Evaluation, sample tables and tracking are off on every side: the loop is training only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ALGORITHMS = ["sft", "reward", "dpo", "rloo", "ppo", "grpo"]
+SIDES = ["ours", "trl", "bare"]
+
+
+@dataclass
+class Args:
+    # Run
+    runs: int = 3
+    """runs of each side per algorithm (ours, TRL and bare interleaved)"""
+    algorithms: list[str] = field(default_factory=lambda: list(ALGORITHMS))
+    """algorithms to measure (grpo is skipped when grpo.py does not exist)"""
+    trl_python: str = ".venv-trl/bin/python"
+    """python of the environment with TRL 1.16 (sft, reward, dpo, rloo, grpo); see requirements-trl.txt"""
+    trl_ppo_python: str = ".venv-trl-ppo/bin/python"
+    """python of the environment with the newest TRL that still ships PPO (1.12, trl.experimental.ppo)"""
+    no_bare: bool = False
+    """skip the bare-work runs"""
+    work_dir: str = "benchmark/work/speed"
+    """the world, the trained models and the logs of every run (not committed)"""
+    output: str = "benchmark/results/speed.json"
+    """the results; the plot goes beside it with the extension .png"""
+    threads: int = 1
+    """torch threads in every run (OMP_NUM_THREADS too)"""
+    parallel: int = 1
+    """sides of one algorithm run at once (1: ours, TRL, bare one after the other; 3: all three at the same
+    time, so each pair sees the same load on a shared machine)"""
+
+    # Model and workload
+    hidden_size: int = 128
+    """hidden size of the tiny world's models (tiny_world.py --hidden_size)"""
+    num_layers: int = 4
+    """layers of the tiny world's models"""
+    intermediate_size: int = 512
+    """MLP width of the tiny world's models"""
+    batch_size: int = 32
+    """sequences (sft), pairs (reward, dpo) or completions (rl) per optimizer step"""
+    steps: int = 60
+    """optimizer steps of sft, reward and dpo"""
+    updates: int = 12
+    """rollout-and-train updates of rloo, ppo and grpo (each 2 mini-batches of --batch_size completions)"""
+    rloo_k: int = 4
+    """completions per prompt (rloo_k, num_generations)"""
+    response_length: int = 8
+    """tokens sampled per completion"""
+    max_length: int = 128
+    """longest tokenized sequence for sft, reward and dpo (no example of the tiny world is longer)"""
+    learning_rate: float = 1e-4
+    """learning rate on every side"""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The workload: one description per algorithm, turned into our command line, TRL's config and the bare loop's
+# ----------------------------------------------------------------------------------------------------------------
+def workload(algorithm: str, args: Args, world: str, out: str) -> dict:
+    """Everything one run needs: the sizes shared by the three sides, and our script's command line.
+
+    `unit` is what the throughput counts, `per_update` how many of them one update trains on and
+    `steps_per_update` how many optimizer steps that takes (TRL and the bare loop take the same)."""
+    data = f"{world}/dataset"
+    B, k, R, lr = args.batch_size, args.rloo_k, args.response_length, str(args.learning_rate)
+    common = ["--output_dir", out, "--overwrite_output_dir", "--logging_dir", f"{out}-runs", "--seed", "1"]
+    spec = {"algorithm": algorithm, "world": world, "output_dir": out, "batch_size": B, "learning_rate": lr,
+            "max_length": args.max_length, "response_length": R, "k": k, "temperature": 0.7, "kl_coef": 0.05,
+            "beta": 0.1}  # fmt: skip
+    if algorithm in ("sft", "reward", "dpo"):
+        spec |= {
+            "updates": args.steps,
+            "steps_per_update": 1,
+            "per_update": B,
+            "epochs": 1,
+            "mini_batches": 1,
+        }
+        spec["unit"] = "examples" if algorithm == "sft" else "pairs"
+        train = ["--per_device_train_batch_size", str(B), "--learning_rate", lr, "--max_length", str(args.max_length),
+                 "--max_steps", str(args.steps), "--eval_strategy", "no", "--logging_steps", "10"]  # fmt: skip
+        if algorithm == "sft":
+            cmd = ["sft.py", "--model_name_or_path", f"{world}/policy", "--dataset_name", data,
+                   "--dataset_train_split", "sft", *train]  # fmt: skip
+        elif algorithm == "reward":
+            cmd = ["reward.py", "--model_name_or_path", f"{world}/policy", "--dataset_name", data,
+                   "--dataset_train_split", "preference", "--normalize", "False", *train]  # fmt: skip
+        else:
+            cmd = ["dpo.py", "--model_name_or_path", f"{world}/policy", "--dataset_name", data,
+                   "--dataset_train_split", "preference", "--beta", "0.1", "--max_prompt_length", str(args.max_length - 1),
+                   *train]  # fmt: skip
+    else:
+        epochs = {"rloo": 2, "ppo": 4, "grpo": 2}[algorithm]
+        spec |= {"updates": args.updates, "steps_per_update": 2 * epochs, "per_update": 2 * B, "epochs": epochs,
+                 "mini_batches": 2, "unit": "episodes"}  # fmt: skip
+        episodes = str(args.updates * 2 * B)
+        rollout = ["--dataset_name", data, "--dataset_train_split", "sft", "--temperature", "0.7",
+                   "--learning_rate", lr, "--per_device_train_batch_size", str(B),
+                   "--local_rollout_forward_batch_size", str(2 * B)]  # fmt: skip
+        if algorithm == "grpo":
+            cmd = ["grpo.py", "--model_name_or_path", f"{world}/policy", "--reward_model_path", f"{world}/reward",
+                   *rollout, "--num_generations", str(k), "--max_completion_length", str(R),
+                   "--steps_per_generation", "2", "--num_iterations", str(epochs),
+                   "--max_steps", str(args.updates * 2 * epochs), "--num_sample_generations", "0"]  # fmt: skip
+        else:
+            cmd = [f"{algorithm}.py", "--sft_model_path", f"{world}/policy", "--reward_model_path", f"{world}/reward",
+                   *rollout, "--response_length", str(R), "--stop_token", "eos", "--kl_coef", "0.05",
+                   "--num_mini_batches", "2", "--num_ppo_epochs", str(epochs), "--total_episodes", episodes,
+                   "--eval_strategy", "no"]  # fmt: skip
+            if algorithm == "rloo":
+                cmd += ["--rloo_k", str(k)]
+    spec["ours_command"] = [*cmd, *common]
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Child processes: the step-timing hook, then our script, TRL's trainer or the bare loop
+# ----------------------------------------------------------------------------------------------------------------
+def child(side: str, spec_path: str, timing_path: str) -> None:
+    """Run one side of one workload with every optimizer step timed; write the times to `timing_path`."""
+    import runpy
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with open(spec_path) as f:
+        spec = json.load(f)
+    step_times, step_cpu_times = [], []
+
+    def timed(optimizer, args, kwargs):
+        step_times.append(time.time())
+        step_cpu_times.append(time.process_time())
+
+    register_optimizer_step_post_hook(timed)
+    try:
+        if side == "ours":
+            sys.argv = list(spec["ours_command"])
+            sys.path.insert(0, ROOT)
+            runpy.run_path(os.path.join(ROOT, sys.argv[0]), run_name="__main__")
+        elif side == "trl":
+            run_trl(spec)
+        else:
+            sys.path.insert(0, HERE)
+            import bare_work
+
+            bare_work.run(spec)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+    finally:
+        with open(timing_path, "w") as f:
+            json.dump({"step_times": step_times, "step_cpu_times": step_cpu_times}, f)
+
+
+def run_trl(spec: dict) -> None:
+    """TRL's trainer on the workload: fp32, no gradient checkpointing (TRL's defaults turn on bf16 and
+    checkpointing; the scripts' defaults do neither), no evaluation, no tracking, the model saved at the end."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    datasets.disable_caching()  # every run prepares its data, as a first run would (ours have no cache)
+    algorithm, world, B = spec["algorithm"], spec["world"], spec["batch_size"]
+    data = datasets.load_from_disk(f"{world}/dataset")
+    tokenizer = AutoTokenizer.from_pretrained(f"{world}/policy")
+    steps = spec["updates"] * spec["steps_per_update"]
+    common = dict(output_dir=spec["output_dir"], per_device_train_batch_size=B, learning_rate=float(spec["learning_rate"]),
+                  max_steps=steps, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
+                  use_cpu=True, seed=1, disable_tqdm=False)  # fmt: skip
+    if algorithm == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        config = SFTConfig(
+            **common, max_length=spec["max_length"], logging_steps=10, completion_only_loss=True
+        )
+        train = data["sft"].select_columns(["prompt", "completion"])
+        trainer = SFTTrainer(f"{world}/policy", args=config, train_dataset=train, processing_class=tokenizer)
+    elif algorithm == "reward":
+        from trl import RewardConfig, RewardTrainer
+
+        config = RewardConfig(**common, max_length=spec["max_length"], logging_steps=10)
+        train = data["preference"].select_columns(["prompt", "chosen", "rejected"])
+        trainer = RewardTrainer(
+            f"{world}/policy", args=config, train_dataset=train, processing_class=tokenizer
+        )
+    elif algorithm == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        config = DPOConfig(**common, max_length=spec["max_length"], logging_steps=10, beta=spec["beta"])
+        train = data["preference"].select_columns(["prompt", "chosen", "rejected"])
+        trainer = DPOTrainer(f"{world}/policy", args=config, train_dataset=train, processing_class=tokenizer)
+    elif algorithm in ("rloo", "grpo"):
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+        Config, Trainer = (RLOOConfig, RLOOTrainer) if algorithm == "rloo" else (GRPOConfig, GRPOTrainer)
+        kl = {"beta": spec["kl_coef"]} if algorithm == "rloo" else {}  # GRPO: beta 0 on both sides
+        config = Config(**common, num_generations=spec["k"], max_completion_length=spec["response_length"],
+                        temperature=spec["temperature"], steps_per_generation=spec["mini_batches"],
+                        num_iterations=spec["epochs"], logging_steps=spec["steps_per_update"], **kl)  # fmt: skip
+        train = data["sft"].select_columns(["prompt"])
+        trainer = Trainer(f"{world}/policy", reward_funcs=f"{world}/reward", args=config, train_dataset=train,
+                          processing_class=tokenizer)  # fmt: skip
+    elif algorithm == "ppo":
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        # TRL 1.12 splits per_device_train_batch_size * gradient_accumulation_steps into the mini-batches (ours
+        # multiplies by num_mini_batches), so the same rollout of per_update completions is per_device = per_update.
+        common.pop("max_steps")
+        common["per_device_train_batch_size"] = spec["per_update"]
+        config = PPOConfig(**common, num_mini_batches=spec["mini_batches"], num_ppo_epochs=spec["epochs"],
+                           total_episodes=spec["updates"] * spec["per_update"], response_length=spec["response_length"],
+                           temperature=spec["temperature"], stop_token="eos", kl_coef=spec["kl_coef"],
+                           local_rollout_forward_batch_size=spec["per_update"], num_sample_generations=0)  # fmt: skip
+        tokenizer.padding_side = "left"
+        train = data["sft"].map(lambda row: tokenizer(row["prompt"]), remove_columns=data["sft"].column_names)
+        policy = AutoModelForCausalLM.from_pretrained(f"{world}/policy")
+        ref_policy = AutoModelForCausalLM.from_pretrained(f"{world}/policy")
+        reward = AutoModelForSequenceClassification.from_pretrained(f"{world}/reward", num_labels=1)
+        value = AutoModelForSequenceClassification.from_pretrained(f"{world}/reward", num_labels=1)
+        trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref_policy,
+                             reward_model=reward, value_model=value, train_dataset=train)  # fmt: skip
+    else:
+        raise ValueError(f"no TRL trainer for {algorithm}")
+    trainer.train()
+    trainer.save_model(spec["output_dir"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring and summarizing
+# ----------------------------------------------------------------------------------------------------------------
+def in_loop_throughput(step_times: list[float], spec: dict) -> float:
+    """(updates - 1) * per_update / (end of the last update - end of the first), from the optimizer-step times."""
+    S, n = spec["steps_per_update"], spec["updates"]
+    if len(step_times) != n * S:
+        raise RuntimeError(f"expected {n * S} optimizer steps, timed {len(step_times)}: the workloads differ")
+    return (n - 1) * spec["per_update"] / (step_times[n * S - 1] - step_times[S - 1])
+
+
+def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> dict:
+    """One child process; returns throughput, wall time, peak RSS and the time before/after the loop."""
+    spec_path, timing_path = log_path + ".spec.json", log_path + ".timing.json"
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONHASHSEED": "0"}  # fmt: skip
+    command = [python, os.path.abspath(__file__), "child", side, spec_path, timing_path]
+    with open(log_path, "w") as log:
+        start = time.time()
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except KeyboardInterrupt:
+            proc.kill()
+            raise
+        wall = time.time() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{side} {spec['algorithm']} exited {proc.returncode}; log {log_path}:\n{tail}")
+    with open(timing_path) as f:
+        timing = json.load(f)
+    times = timing["step_times"]
+    return {
+        "throughput": in_loop_throughput(times, spec),
+        "throughput_cpu": in_loop_throughput(timing["step_cpu_times"], spec),
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "wall_s": wall,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "before_loop_s": times[0] - start,
+        "loop_s": times[-1] - times[0],
+        "after_loop_s": start + wall - times[-1],
+    }
+
+
+def pair_ratios(ours: list[float], other: list[float]) -> dict:
+    """Median and min-max of ours[i] / other[i] over the pairs."""
+    ratios = [a / b for a, b in zip(ours, other) if a is not None and b is not None]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def summarize(runs: dict) -> dict:
+    """Per algorithm and figure: each side's median and the ratios ours/TRL and ours/bare over the pairs."""
+    summary = {}
+    for algorithm, sides in runs.items():
+        entry = {}
+        for figure in (
+            "throughput",
+            "throughput_cpu",
+            "wall_s",
+            "cpu_s",
+            "peak_rss_mib",
+            "before_loop_s",
+            "after_loop_s",
+        ):
+            values = {side: [run and run[figure] for run in sides[side]] for side in sides}
+            entry[figure] = {side: statistics.median([x for x in v if x is not None])
+                             for side, v in values.items() if any(x is not None for x in v)}  # fmt: skip
+            for other in ("trl", "bare"):
+                if other in values:
+                    entry[figure][f"ours/{other}"] = pair_ratios(values["ours"], values[other])
+        summary[algorithm] = entry
+    return summary
+
+
+def fmt_ratio(ratio: dict | None) -> str:
+    return "-" if ratio is None else f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
+def table(summary: dict, units: dict) -> str:
+    """The README's table (markdown)."""
+    lines = [
+        "| algorithm | in-loop: ours | TRL | ours / TRL | bare | ours / bare | wall s: ours | TRL | ours / TRL "
+        "| peak MiB: ours | TRL | ours / TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for algorithm, entry in summary.items():
+        tp, wall, rss = entry["throughput"], entry["wall_s"], entry["peak_rss_mib"]
+
+        def num(figure, side, digits=0):
+            return f"{figure[side]:.{digits}f}" if side in figure else "-"
+
+        lines.append(
+            f"| {algorithm} ({units[algorithm]}/s) | {num(tp, 'ours')} | {num(tp, 'trl')} | "
+            f"{fmt_ratio(tp.get('ours/trl'))} | {num(tp, 'bare')} | {fmt_ratio(tp.get('ours/bare'))} | "
+            f"{num(wall, 'ours', 1)} | {num(wall, 'trl', 1)} | {fmt_ratio(wall.get('ours/trl'))} | "
+            f"{num(rss, 'ours')} | {num(rss, 'trl')} | {fmt_ratio(rss.get('ours/trl'))} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: str, title: str) -> None:
+    """Three panels of ratios (in-loop throughput, wall time, peak memory), one bar group per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    panels = [("throughput", "in-loop throughput, ours / other\n(higher is better)"),
+              ("wall_s", "whole-process wall time, ours / TRL\n(lower is better)"),
+              ("peak_rss_mib", "peak memory, ours / TRL\n(lower is better)")]  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, (figure, label) in zip(axes, panels):
+        others = ["trl", "bare"] if figure == "throughput" else ["trl"]
+        width = 0.8 / len(others)
+        for j, other in enumerate(others):
+            ratios = [summary[n][figure].get(f"ours/{other}") for n in names]
+            xs = [i + (j - (len(others) - 1) / 2) * width for i in range(len(names))]
+            heights = [r["median"] if r else 0 for r in ratios]
+            errors = [
+                [r["median"] - r["min"] if r else 0 for r in ratios],
+                [r["max"] - r["median"] if r else 0 for r in ratios],
+            ]
+            bars = ax.bar(
+                xs,
+                heights,
+                width,
+                yerr=errors,
+                capsize=3,
+                label=f"ours / {'TRL' if other == 'trl' else 'bare work'}",
+            )
+            for bar, h in zip(bars, heights):
+                ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=8,
+                            xytext=(0, 2), textcoords="offset points")  # fmt: skip
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(label, fontsize=10)
+        if len(others) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def versions(python: str, names: list[str]) -> dict:
+    """Package versions in the environment of `python`."""
+    code = ("import importlib.metadata as m, json, platform, sys\n"
+            "out = {'python': platform.python_version()}\n"
+            "for n in sys.argv[1:]:\n"
+            "    try: out[n] = m.version(n)\n"
+            "    except m.PackageNotFoundError: out[n] = None\n"
+            "print(json.dumps(out))")  # fmt: skip
+    result = subprocess.run([python, "-c", code, *names], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def main(args: Args) -> dict:
+    unknown = set(args.algorithms) - set(ALGORITHMS)
+    if unknown:
+        raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {ALGORITHMS}.")
+    algorithms = [a for a in args.algorithms if a != "grpo" or os.path.exists(os.path.join(ROOT, "grpo.py"))]
+    pythons = {"ours": sys.executable, "bare": sys.executable}
+    for name in ("trl_python", "trl_ppo_python"):
+        path = getattr(args, name)
+        needed = (
+            any(a == "ppo" for a in algorithms)
+            if name == "trl_ppo_python"
+            else any(a != "ppo" for a in algorithms)
+        )
+        if needed and not os.path.exists(path):
+            raise ValueError(
+                f"--{name} {path} does not exist; create the TRL environment (requirements-trl.txt)."
+            )
+    work = os.path.abspath(args.work_dir)
+    world = os.path.join(work, "world")
+    size = ["--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers),
+            "--intermediate_size", str(args.intermediate_size)]  # fmt: skip
+    world_config = os.path.join(world, "world.json")
+    wanted = {
+        "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers,
+        "intermediate_size": args.intermediate_size,
+    }
+    if not os.path.exists(world_config) or any(
+        json.load(open(world_config)).get(k) != v for k, v in wanted.items()
+    ):
+        print(f"building the tiny world in {world}", flush=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "tiny_world.py"), "--output_dir", world, *size],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    sides = [s for s in SIDES if s != "bare" or not args.no_bare]
+    runs = {a: {s: [] for s in sides} for a in algorithms}
+    failures, specs = [], {}
+    started = time.time()
+
+    def measure(i, algorithm, side):
+        spec = workload(algorithm, args, world, os.path.join(work, f"{algorithm}-{side}"))
+        specs[algorithm] = spec
+        python = pythons.get(side) or (args.trl_ppo_python if algorithm == "ppo" else args.trl_python)
+        log_path = os.path.join(work, "logs", f"{algorithm}-{side}-{i}.log")
+        try:
+            result = run_one(side, spec, python, args, log_path)
+        except RuntimeError as error:
+            failures.append(str(error))
+            print(f"FAILED {error}", flush=True)
+            return None
+        print(f"run {i + 1}/{args.runs} {algorithm:6s} {side:4s}: {result['throughput']:8.1f} {spec['unit']}/s "
+              f"in-loop ({result['throughput_cpu']:8.1f} per CPU second), {result['wall_s']:6.1f} s wall, "
+              f"{result['cpu_s']:5.1f} s CPU, {result['peak_rss_mib']:5.0f} MiB peak", flush=True)  # fmt: skip
+        return result
+
+    os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for i in range(args.runs):
+            for algorithm in algorithms:
+                results = list(pool.map(measure, [i] * len(sides), [algorithm] * len(sides), sides))
+                for side, result in zip(sides, results):
+                    runs[algorithm][side].append(result)
+    summary = summarize(runs)
+    units = {a: specs[a]["unit"] for a in algorithms}
+    names = ["torch", "transformers", "accelerate", "datasets", "tokenizers", "trl"]
+    trl_versions = {}
+    for name, algos in (("trl_python", [a for a in algorithms if a != "ppo"]), ("trl_ppo_python", ["ppo"])):
+        if set(algos) & set(algorithms):
+            trl_versions[", ".join(a for a in algos if a in algorithms)] = versions(
+                getattr(args, name), names
+            )
+    result = {
+        "command": "python benchmark/speed.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "args": asdict(args),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),
+        },  # fmt: skip
+        "versions": {"ours": versions(sys.executable, names), "trl": trl_versions},
+        "units": units,
+        "commands": {a: {"ours": specs[a]["ours_command"]} for a in algorithms},
+        "workloads": {a: {k: v for k, v in specs[a].items() if k != "ours_command"} for a in algorithms},
+        "summary": summary,
+        "runs": runs,
+        "failures": failures,
+        "total_seconds": time.time() - started,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=1)
+    trl_names = ", ".join(f"TRL {v['trl']} ({k})" for k, v in trl_versions.items())
+    plot(summary, os.path.splitext(args.output)[0] + ".png",
+         f"median over {args.runs} interleaved runs (bars: min-max over pairs), 2-core CPU; {trl_names}")  # fmt: skip
+    print(table(summary, units))
+    print(f"TRL: {trl_names}; {len(failures)} failed runs; {result['total_seconds']:.0f} s in all")
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        child(*sys.argv[2:5])
+    else:
+        import tyro
+
+        main(tyro.cli(Args, use_underscores=True))
