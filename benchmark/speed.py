@@ -61,7 +61,7 @@ class Args:
     """the results; the plot goes beside it with the extension .png"""
     threads: int = 1
     """torch threads in every run (OMP_NUM_THREADS too)"""
-    parallel: int = 1
+    parallel: int = 3
     """sides of one algorithm run at once (1: ours, TRL, bare one after the other; 3: all three at the same
     time, so each pair sees the same load on a shared machine)"""
 
@@ -74,9 +74,9 @@ class Args:
     """MLP width of the tiny world's models"""
     batch_size: int = 32
     """sequences (sft), pairs (reward, dpo) or completions (rl) per optimizer step"""
-    steps: int = 60
+    steps: int = 16
     """optimizer steps of sft, reward and dpo"""
-    updates: int = 12
+    updates: int = 4
     """rollout-and-train updates of rloo, ppo and grpo (each 2 mini-batches of --batch_size completions)"""
     rloo_k: int = 4
     """completions per prompt (rloo_k, num_generations)"""
@@ -346,41 +346,53 @@ def fmt_ratio(ratio: dict | None) -> str:
 
 
 def table(summary: dict, units: dict) -> str:
-    """The README's table (markdown)."""
+    """The README's table (markdown): in-loop throughput per CPU second and per wall second, whole-process wall
+    and CPU time, peak memory."""
     lines = [
-        "| algorithm | in-loop: ours | TRL | ours / TRL | bare | ours / bare | wall s: ours | TRL | ours / TRL "
-        "| peak MiB: ours | TRL | ours / TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| algorithm | in-loop per CPU s: ours | TRL | ours / TRL | bare | ours / bare | in-loop per wall s: ours / TRL "
+        "| ours / bare | process wall s: ours | TRL | ours / TRL | process CPU s: ours / TRL | peak MiB: ours | TRL "
+        "| ours / TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for algorithm, entry in summary.items():
-        tp, wall, rss = entry["throughput"], entry["wall_s"], entry["peak_rss_mib"]
 
-        def num(figure, side, digits=0):
-            return f"{figure[side]:.{digits}f}" if side in figure else "-"
+    def num(figure, side, digits=0):
+        return f"{figure[side]:.{digits}f}" if side in figure else "-"
 
+    for algorithm, e in summary.items():
+        cpu, tp, wall, rss = e["throughput_cpu"], e["throughput"], e["wall_s"], e["peak_rss_mib"]
         lines.append(
-            f"| {algorithm} ({units[algorithm]}/s) | {num(tp, 'ours')} | {num(tp, 'trl')} | "
-            f"{fmt_ratio(tp.get('ours/trl'))} | {num(tp, 'bare')} | {fmt_ratio(tp.get('ours/bare'))} | "
+            f"| {algorithm} ({units[algorithm]}) | {num(cpu, 'ours')} | {num(cpu, 'trl')} | "
+            f"{fmt_ratio(cpu.get('ours/trl'))} | {num(cpu, 'bare')} | {fmt_ratio(cpu.get('ours/bare'))} | "
+            f"{fmt_ratio(tp.get('ours/trl'))} | {fmt_ratio(tp.get('ours/bare'))} | "
             f"{num(wall, 'ours', 1)} | {num(wall, 'trl', 1)} | {fmt_ratio(wall.get('ours/trl'))} | "
+            f"{fmt_ratio(e['cpu_s'].get('ours/trl'))} | "
             f"{num(rss, 'ours')} | {num(rss, 'trl')} | {fmt_ratio(rss.get('ours/trl'))} |"
         )
     return "\n".join(lines)
 
 
 def plot(summary: dict, path: str, title: str) -> None:
-    """Three panels of ratios (in-loop throughput, wall time, peak memory), one bar group per algorithm."""
+    """Four panels of ratios (in-loop throughput per CPU second and per wall second, whole-process wall and CPU
+    time, peak memory), one bar group per algorithm, whiskers min-max over the pairs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(summary)
-    panels = [("throughput", "in-loop throughput, ours / other\n(higher is better)"),
-              ("wall_s", "whole-process wall time, ours / TRL\n(lower is better)"),
-              ("peak_rss_mib", "peak memory, ours / TRL\n(lower is better)")]  # fmt: skip
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for ax, (figure, label) in zip(axes, panels):
-        others = ["trl", "bare"] if figure == "throughput" else ["trl"]
+    panels = [
+        (
+            "throughput_cpu",
+            ["trl", "bare"],
+            "in-loop examples per CPU second\nours / other (higher is better)",
+        ),
+        ("throughput", ["trl", "bare"], "in-loop examples per wall second\nours / other (higher is better)"),
+        ("wall_s", ["trl"], "whole process, wall time\nours / TRL (lower is better)"),
+        ("peak_rss_mib", ["trl"], "peak resident memory\nours / TRL (lower is better)"),
+    ]
+    colors = {"trl": "tab:blue", "bare": "tab:gray"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(17, 4.2))
+    for ax, (figure, others, label) in zip(axes, panels):
         width = 0.8 / len(others)
         for j, other in enumerate(others):
             ratios = [summary[n][figure].get(f"ours/{other}") for n in names]
@@ -390,16 +402,10 @@ def plot(summary: dict, path: str, title: str) -> None:
                 [r["median"] - r["min"] if r else 0 for r in ratios],
                 [r["max"] - r["median"] if r else 0 for r in ratios],
             ]
-            bars = ax.bar(
-                xs,
-                heights,
-                width,
-                yerr=errors,
-                capsize=3,
-                label=f"ours / {'TRL' if other == 'trl' else 'bare work'}",
-            )
+            label_other = "ours / TRL" if other == "trl" else "ours / bare work"
+            bars = ax.bar(xs, heights, width, yerr=errors, capsize=3, color=colors[other], label=label_other)
             for bar, h in zip(bars, heights):
-                ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=8,
+                ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=7,
                             xytext=(0, 2), textcoords="offset points")  # fmt: skip
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(names)), names)
@@ -408,7 +414,7 @@ def plot(summary: dict, path: str, title: str) -> None:
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -467,8 +473,10 @@ def main(args: Args) -> dict:
         specs[algorithm] = spec
         python = pythons.get(side) or (args.trl_ppo_python if algorithm == "ppo" else args.trl_python)
         log_path = os.path.join(work, "logs", f"{algorithm}-{side}-{i}.log")
+        load = os.getloadavg()[0]
         try:
             result = run_one(side, spec, python, args, log_path)
+            result["load_average"] = load
         except RuntimeError as error:
             failures.append(str(error))
             print(f"FAILED {error}", flush=True)
@@ -486,6 +494,9 @@ def main(args: Args) -> dict:
                 for side, result in zip(sides, results):
                     runs[algorithm][side].append(result)
     summary = summarize(runs)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     units = {a: specs[a]["unit"] for a in algorithms}
     names = ["torch", "transformers", "accelerate", "datasets", "tokenizers", "trl"]
     trl_versions = {}
@@ -497,6 +508,7 @@ def main(args: Args) -> dict:
     result = {
         "command": "python benchmark/speed.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "args": asdict(args),
+        "git_commit_at_end": commit,
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
