@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import grpo
 import utils
 import utils.run
-from conftest import run_script, run_torchrun
+from conftest import run_deepspeed, run_script, run_torchrun
 
 
 # ---------------------------------------------------------------------------------------------------- advantages
@@ -367,3 +367,23 @@ def test_two_processes_keep_each_group_whole(world, lab, tmp_path):
         assert metrics["reward_std"] == 0.0
     before, after = weights(world / "policy"), weights(tmp_path / "ddp")
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_deepspeed_keeps_the_ratio_at_one(world, lab, tmp_path, zero_stage):
+    """2 processes under DeepSpeed ZeRO-2/3 (reference and reward model sharded under ZeRO-3, weights gathered
+    for sampling): at learning rate 0 the training forward still gives back the sampling logprobs."""
+    flags = common_flags(tmp_path, "ds") + [
+        "--model_name_or_path", str(lab / "policy"), "--reward_model_path", str(world / "reward"),
+        "--dataset_name", str(lab / "prompts.jsonl"), "--learning_rate", "0", "--num_generations", "2",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "2",
+        "--beta", "0.1", "--temperature", "0.7",
+    ]  # fmt: skip
+    run_deepspeed(["grpo.py", *flags], tmp_path, zero_stage)
+    lines = read_metrics(tmp_path / "runs" / "ds")
+    assert [m["episode"] for m in lines] == [8, 16]
+    for metrics in lines:
+        assert metrics["ratio"] == pytest.approx(1.0, abs=1e-4) and abs(metrics["kl"]) < 1e-4
+    before, after = weights(lab / "policy"), weights(tmp_path / "ds")
+    assert all(torch.equal(before[n], after[n].to(before[n].dtype)) for n in before)
