@@ -61,6 +61,12 @@ class Args:
     """allow a non-empty --output_dir (its files are replaced only once training has finished)"""
     push_to_hub: bool = False
     """push --output_dir to the Hugging Face hub at the end (repository named after --output_dir)"""
+    save_steps: int = 0
+    """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints (None: all)"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint-{step} folder, or `latest` (the newest in --output_dir), to continue exactly from"""
 
     # --- model and data ---
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
@@ -79,7 +85,8 @@ class Args:
     max_length: int = 1024
     """most tokens of prompt + completion: completions are cut to fit; rows with no room left are dropped"""
     max_prompt_length: int | None = 512
-    """most prompt tokens (see --truncation_mode); None keeps whole prompts"""
+    """most prompt tokens (see --truncation_mode), lowered to max_length // 2 when --max_length is smaller; None
+    keeps whole prompts"""
     max_completion_length: int | None = None
     """most completion tokens kept (None: only --max_length limits them); also the eval sample length"""
     truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
@@ -193,6 +200,7 @@ def ipo_loss(pi_c, pi_r, ref_c, ref_r, len_c, len_r, beta):
     """IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences"):
     (h - 1/(2 tau))^2 with tau = beta. Here each log-ratio is AVERAGED over its completion's tokens
     (summed logprob / number of tokens), not summed, as TRL does and the IPO authors confirmed."""
+    len_c, len_r = len_c.clamp(min=1), len_r.clamp(min=1)  # an empty completion: no NaN
     h = (pi_c - ref_c) / len_c - (pi_r - ref_r) / len_r
     return (h - 1 / (2 * beta)) ** 2
 
@@ -201,6 +209,7 @@ def simpo_loss(pi_c, pi_r, len_c, len_r, beta, gamma, label_smoothing=0.0):
     """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward"):
     -log sig(beta * (pi_c/len_c - pi_r/len_r) - gamma), no reference, length-normalized, target margin gamma;
     label smoothing e as in conservative DPO."""
+    len_c, len_r = len_c.clamp(min=1), len_r.clamp(min=1)  # an empty completion: no NaN
     z = beta * (pi_c / len_c - pi_r / len_r) - gamma
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
@@ -223,7 +232,7 @@ def preference_loss(args: Args, pi_c, pi_r, ref_c, ref_r, len_c, len_r):
         losses = simpo_loss(pi_c, pi_r, len_c, len_r, beta, args.simpo_gamma, e)
     ratio_c, ratio_r = (pi_c - ref_c).detach(), (pi_r - ref_r).detach()
     if args.loss_type in ("ipo", "simpo"):
-        ratio_c, ratio_r = ratio_c / len_c, ratio_r / len_r
+        ratio_c, ratio_r = ratio_c / len_c.clamp(min=1), ratio_r / len_r.clamp(min=1)
     return losses, beta * ratio_c, beta * ratio_r
 
 
@@ -328,22 +337,22 @@ def check_args(args: Args) -> None:
 
 
 def main(args: Args) -> dict:
-    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
-    from torch.utils.tensorboard import SummaryWriter
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+    if args.max_prompt_length == Args.max_prompt_length and args.max_prompt_length >= args.max_length:
+        args.max_prompt_length = max(1, args.max_length // 2)  # the default follows a smaller --max_length
     check_args(args)
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    precision = "bf16" if args.bf16 else None  # None: the launch config decides
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision
-    )
-    is_main, device = accelerator.is_main_process, accelerator.device
+    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
+    ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
+    accelerator = utils.run.make_accelerator(args, ga, micro)
+    is_main, device, rank = accelerator.is_main_process, accelerator.device, accelerator.process_index
+    world = accelerator.num_processes
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.run_name = broadcast_object_list([run_name])[0]  # the same name on every process
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     set_seed(args.seed)
 
     # Data first: missing columns and impossible lengths fail before any model is loaded.
@@ -366,17 +375,27 @@ def main(args: Args) -> dict:
     if is_main:
         print(f"train split: {train_counts}\ntest split: {eval_counts}")
     collate_fn = partial(collate, pad_token_id=tokenizer.pad_token_id)
-    shuffle = torch.Generator().manual_seed(args.seed)
-    train_loader = DataLoader(
-        train_rows, args.per_device_train_batch_size, True, collate_fn=collate_fn, generator=shuffle
-    )
     eval_loader = DataLoader(eval_rows, args.per_device_eval_batch_size, collate_fn=collate_fn)
+    micro_per_epoch = len(train_rows) // (micro * world)
+    if micro_per_epoch < ga:
+        raise ValueError(
+            f"the training split has {len(train_rows)} pairs, fewer than one batch of {micro * ga * world} "
+            "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
+        )
+
+    def micro_batch(m: int) -> dict:
+        """This process's m-th micro-batch: a fresh seeded shuffle every epoch, the same on every process,
+        each taking its slice, so that any step can be found again on resume."""
+        epoch, i = divmod(m, micro_per_epoch)
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * world + rank) * micro
+        batch = collate_fn([train_rows[j] for j in order[start : start + micro].tolist()])
+        return {key: value.to(device) for key, value in batch.items()}
 
     load_model = partial(
         utils.from_pretrained, AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
     )
     model = load_model()
-    utils.disable_dropout(model)  # the implicit reward must be a deterministic function of the weights
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.use_peft:
@@ -386,22 +405,20 @@ def main(args: Args) -> dict:
         lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                           target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
         model = get_peft_model(model, lora)
+    utils.disable_dropout(model)  # after LoRA wrapping, so the adapters' dropout is off too: the implicit
+    # reward must be a deterministic function of the weights
     needs_reference = not args.reference_free and args.loss_type != "simpo"
     ref_model = None  # with LoRA or precomputed logprobs no second copy of the model is held
     if needs_reference and not args.use_peft and not args.precompute_ref_log_probs:
         ref_model = load_model()
         utils.disable_dropout(ref_model)
-        ref_model = ref_model.eval().requires_grad_(False).to(device)
+        ref_model = utils.run.prepare_frozen(ref_model, accelerator)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader
-    )
+    model, optimizer, eval_loader = accelerator.prepare(model, optimizer, eval_loader)
 
-    args.batch_size = (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
-    )
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    args.batch_size = micro * ga * world
+    steps_per_epoch = micro_per_epoch // ga
     epoch_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
     args.num_training_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     # Stepped by hand once per optimizer step (a prepared scheduler would step once per process).
@@ -447,16 +464,11 @@ def main(args: Args) -> dict:
         metrics += [logps[:n], logps[n:], mean_logits[:n], mean_logits[n:]]
         return losses.mean(), torch.stack([m.detach().float() for m in metrics], 1)
 
-    writer = None
-    if is_main:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=vars(args), sync_tensorboard=True, save_code=True)  # fmt: skip
-        writer = SummaryWriter(os.path.join(args.logging_dir, args.run_name))
-        table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    # Resumed after the reference logprobs were precomputed: they come from the initial weights.
+    resumed = checkpointer.resume({"model": model}, {"model": optimizer}) or {"step": 0}
+    if resumed["step"]:
+        scheduler.load_state_dict(resumed["scheduler"])
+    tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
 
     def evaluate(step: int) -> dict:
         """Metrics over the whole test split (gathered from every process) and a table of greedy samples."""
@@ -473,12 +485,11 @@ def main(args: Args) -> dict:
             length = args.max_completion_length or max(len(r["chosen"]) for r in rows)
             with accelerator.autocast():
                 samples = sample_table(accelerator.unwrap_model(model), rows, tokenizer, length)
+        tracker.log(result, step)
         if is_main:
-            for key, value in result.items():
-                writer.add_scalar(key, value, step)
             if args.generate_during_eval:
                 utils.print_samples(samples, f"step {step}: accuracy {result['eval/rewards/accuracies']:.3f}")
-                writer.add_text("eval/samples", "\n\n".join(map(repr, samples["greedy"])), step)
+                tracker.writer.add_text("eval/samples", "\n\n".join(map(repr, samples["greedy"])), step)
         model.train()
         return result
 
@@ -486,44 +497,47 @@ def main(args: Args) -> dict:
         print(
             f"{args.num_training_steps} steps of {args.batch_size} pairs on {accelerator.num_processes} process(es)"
         )
-    progress = tqdm(total=args.num_training_steps, disable=not is_main)
+    global_step = resumed["step"]
+    progress = tqdm(total=args.num_training_steps, initial=global_step, disable=not is_main)
     sums, micro_batches, tokens = torch.zeros(len(METRICS), device=device), 0, torch.zeros((), device=device)
-    global_step, train_start, log_start, train_metrics = 0, time.time(), time.time(), {}
+    train_start, log_start, train_metrics = time.time(), time.time(), {}
     model.train()
     while global_step < args.num_training_steps:
-        for batch in train_loader:
+        for m in range(global_step * ga, (global_step + 1) * ga):
+            batch = micro_batch(m)
             with accelerator.accumulate(model):
                 loss, metrics = batch_metrics(batch, "train")
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             sums, micro_batches = sums + metrics.mean(0), micro_batches + 1
             tokens = tokens + batch["attention_mask"].sum()  # policy tokens: prompts and both completions
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            global_step += 1
-            progress.update(1)
-            if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
-                means = accelerator.reduce(sums / micro_batches, reduction="mean").tolist()
-                tokens_per_second = accelerator.reduce(tokens, reduction="sum").item() / (
-                    time.time() - log_start
-                )
-                train_metrics = dict(
-                    zip(METRICS, means), lr=scheduler.get_last_lr()[0], epoch=global_step / steps_per_epoch
-                )
-                train_metrics["perf/tokens_per_second"] = tokens_per_second
-                if is_main:
-                    for key, value in train_metrics.items():
-                        writer.add_scalar(key, value, global_step)
-                    progress.set_postfix(loss=f"{means[0]:.4f}", accuracy=f"{means[4]:.3f}")
-                sums, micro_batches, tokens, log_start = sums * 0, 0, tokens * 0, time.time()
-            if global_step >= args.num_training_steps:
-                break
-            if args.eval_steps > 0 and global_step % args.eval_steps == 0:
-                evaluate(global_step)
+        scheduler.step()
+        global_step += 1
+        progress.update(1)
+        grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
+        utils.run.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
+        if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
+            means = accelerator.reduce(sums / micro_batches, reduction="mean").tolist()
+            tokens_per_second = accelerator.reduce(tokens, reduction="sum").item() / (time.time() - log_start)
+            train_metrics = dict(
+                zip(METRICS, means), lr=scheduler.get_last_lr()[0], epoch=global_step / steps_per_epoch
+            )
+            train_metrics["perf/tokens_per_second"] = tokens_per_second
+            if grad_norm is not None:
+                train_metrics["grad_norm"] = grad_norm
+            tracker.log(train_metrics, global_step)
+            progress.set_postfix(loss=f"{means[0]:.4f}", accuracy=f"{means[4]:.3f}")
+            sums, micro_batches, tokens, log_start = sums * 0, 0, tokens * 0, time.time()
+        if (
+            args.eval_steps > 0
+            and global_step % args.eval_steps == 0
+            and global_step < args.num_training_steps
+        ):
+            evaluate(global_step)
+        checkpointer.maybe_save(global_step, {"model": model}, {"model": optimizer},
+                                state={"scheduler": scheduler.state_dict()})  # fmt: skip
     progress.close()
     final = {f"train/{k}": v for k, v in train_metrics.items()} | {"train_seconds": time.time() - train_start}
     final |= evaluate(global_step) | {f"data/train_{k}": v for k, v in train_counts.items()}
@@ -559,15 +573,11 @@ def main(args: Args) -> dict:
 
             repo_id = HfApi().create_repo(name, exist_ok=True).repo_id
             HfApi().upload_folder(repo_id=repo_id, folder_path=args.output_dir)
-        writer.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
+    tracker.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    utils.run.run_cli(Args, main)

@@ -76,7 +76,8 @@ def weights(directory):
 
 
 def logged_steps(run_dir):
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open() if "train/loss" in line]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return [r["step"] for r in records if any(key.endswith("lr") for key in r)]  # the training lines
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
