@@ -337,6 +337,10 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(f"--max_steps must be at least 1, got {args.max_steps}.")
     if args.max_steps is None and args.num_train_epochs <= 0:
         raise ValueError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
+    if args.reward_tokenizer_path is not None and args.reward_model_path is None:
+        raise ValueError(
+            "--reward_tokenizer_path is the reward model's tokenizer; pass --reward_model_path too."
+        )
     if args.missing_eos_penalty is not None and args.judge is not None:
         raise ValueError(
             "--missing_eos_penalty changes scores; a --judge gives none, so leave the penalty out."

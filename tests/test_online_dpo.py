@@ -5,6 +5,7 @@ on the tiny world (sampling invariant, 2 processes, a rule reward learned, a jud
 import http.server
 import json
 import math
+import shutil
 import threading
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 import online_dpo
 import utils
-from conftest import run_deepspeed, run_script, run_torchrun
+from conftest import ROOT, run_deepspeed, run_script, run_torchrun
 
 METRICS = {
     "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
@@ -327,14 +328,21 @@ def test_two_processes_keep_each_pair_within_its_prompt(world, lab, tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
-def test_rule_based_reward_rises(world, lab, tmp_path):
+def test_rule_based_reward_is_learned_by_a_copy_of_the_script(world, lab, tmp_path):
+    """online_dpo.py + utils/ alone in an empty folder (as researchers copy it): --help, and a run whose rule
+    reward (key words in the completion) rises."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(ROOT / "online_dpo.py", copy)
+    shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
+    assert "--loss_type" in run_script(["online_dpo.py", "--help"], cwd=copy).stdout
     flags = common_flags(tmp_path, "learn") + [
         "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:key_words",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--temperature", "1.0",
         "--per_device_train_batch_size", "16", "--max_steps", "20", "--learning_rate", "3e-3",
         "--lr_scheduler_type", "constant", "--beta", "0.1",
     ]  # fmt: skip
-    run_script(["online_dpo.py", *flags], timeout=300)
+    run_script(["online_dpo.py", *flags], cwd=copy, timeout=300)
     lines = read_metrics(tmp_path / "runs" / "learn")
     scores = [m["objective/scores"] for m in lines]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
