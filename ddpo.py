@@ -20,19 +20,23 @@ Stable Diffusion v1.5 on GPUs:
 import collections
 import importlib.util
 import io
+import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import tyro
 from PIL import Image, ImageDraw
+
+import utils
 
 # Built-in prompts: the "simple animals" setting of the paper.
 ANIMALS = (
@@ -68,12 +72,12 @@ class Args:
     """push --output_dir (without checkpoints/) to a hub repository named like it, at the end"""
     num_epochs: int = 100
     """number of epochs; each samples a batch of images and then trains on it"""
-    save_freq: int = 1
-    """save a checkpoint every this many epochs (in <output_dir>/checkpoints/checkpoint_<epoch>)"""
-    num_checkpoint_limit: int = 5
-    """keep only the newest this many checkpoints"""
-    resume_from: str | None = None
-    """a checkpoint directory, or a checkpoints/ directory (its latest checkpoint is used), to resume from"""
+    save_steps: Annotated[int, tyro.conf.arg(aliases=("--save_freq",))] = 1
+    """save a checkpoint every this many epochs (in <output_dir>/checkpoints/checkpoint_<epoch>; alias --save_freq)"""
+    save_total_limit: Annotated[int, tyro.conf.arg(aliases=("--num_checkpoint_limit",))] = 5
+    """keep only the newest this many checkpoints (alias --num_checkpoint_limit)"""
+    resume_from_checkpoint: Annotated[str | None, tyro.conf.arg(aliases=("--resume_from",))] = None
+    """a checkpoint directory, a checkpoints/ directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     mixed_precision: Literal["no", "fp16", "bf16"] = "fp16"
     """mixed precision of the frozen weights and the forward passes; fp16 falls back to "no" without a GPU"""
     allow_tf32: bool = True
@@ -415,13 +419,17 @@ def read_prompts(args: Args) -> list[str]:
     return prompts
 
 
-def find_checkpoint(path: str) -> str:
-    """`path` itself if it is a checkpoint, else the newest checkpoint_<epoch> inside it."""
+def find_checkpoint(path: str, output_dir: str) -> str:
+    """`path` itself if it is a checkpoint, else the newest checkpoint_<epoch> inside it (`latest`: inside
+    <output_dir>/checkpoints). Only complete checkpoints count (they are renamed into place when written)."""
+    path = os.path.join(output_dir, "checkpoints") if path == "latest" else path
     if os.path.isfile(os.path.join(path, "checkpoint.pt")):
         return path
-    names = [n for n in os.listdir(path) if n.startswith("checkpoint_")] if os.path.isdir(path) else []
+    names = [n for n in os.listdir(path) if re.fullmatch(r"checkpoint_\d+", n)] if os.path.isdir(path) else []
     if not names:
-        raise ValueError(f"--resume_from {path} is neither a checkpoint nor a folder of checkpoint_<epoch>.")
+        raise ValueError(
+            f"--resume_from_checkpoint {path} is neither a checkpoint nor a folder of checkpoint_<epoch>."
+        )
     return os.path.join(path, max(names, key=lambda n: int(n.split("_")[-1])))
 
 
@@ -440,8 +448,8 @@ def check_args(args: Args) -> list[str]:
         raise ValueError(f"{msg} --train_gradient_accumulation_steps.")
     if args.per_prompt_stat_tracking_min_count > args.per_prompt_stat_tracking_buffer_size:
         raise ValueError("--per_prompt_stat_tracking_min_count must not exceed its buffer size.")
-    if min(args.save_freq, args.num_checkpoint_limit, args.max_workers, args.lora_rank) < 1:
-        raise ValueError("--save_freq, --num_checkpoint_limit, --max_workers and --lora_rank must be >= 1.")
+    if min(args.save_steps, args.save_total_limit, args.max_workers, args.lora_rank) < 1:
+        raise ValueError("--save_steps, --save_total_limit, --max_workers and --lora_rank must be >= 1.")
     head = args.aesthetic_head_path
     if args.reward_fn == "aesthetic" and not (head and os.path.isfile(head)):
         raise ValueError(f"--reward_fn aesthetic needs --aesthetic_head_path, a .pth file (got {head}).")
@@ -453,40 +461,48 @@ def check_args(args: Args) -> list[str]:
         raise ValueError(f"--pretrained_model {args.pretrained_model} does not exist.")
     if args.train_use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError("--train_use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes).")
-    if args.resume_from is not None:
-        args.resume_from = find_checkpoint(args.resume_from)
+    if args.resume_from_checkpoint is not None:
+        args.resume_from_checkpoint = find_checkpoint(args.resume_from_checkpoint, args.output_dir)
     elif os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {args.output_dir} is not empty: pass --overwrite_output_dir.")
     return read_prompts(args)
 
 
 def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Args, epoch: int, step: int):
-    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states: an exact restart."""
+    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states (JSON, no pickle): an
+    exact restart. Written to tmp_checkpoint_<epoch> and renamed when complete, so a kill never leaves a
+    half-written checkpoint that a resume would pick."""
     checkpoints = os.path.join(args.output_dir, "checkpoints")
-    directory = os.path.join(checkpoints, f"checkpoint_{epoch}")
+    directory = os.path.join(checkpoints, f"tmp_checkpoint_{epoch}")
     if accelerator.is_main_process:
-        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
         params = accelerator.unwrap_model(unet).named_parameters()
         state = {"trained": {n: p.detach().cpu() for n, p in params if p.requires_grad}, "epoch": epoch}
         tracker_state = tracker.state_dict() if tracker else None
         state.update(optimizer=optimizer.state_dict(), global_step=step, tracker=tracker_state)
         torch.save(state, os.path.join(directory, "checkpoint.pt"))
     accelerator.wait_for_everyone()
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    rng["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    rng["prompts"] = prompt_rng.getstate()
-    torch.save(rng, os.path.join(directory, f"rng_state_{accelerator.process_index}.pt"))
+    version, internal, gauss = prompt_rng.getstate()
+    rng = utils.checkpoint.rng_state({}) | {"prompts": [version, list(internal), gauss]}
+    with open(os.path.join(directory, f"rng_state_{accelerator.process_index}.json"), "w") as f:
+        json.dump(rng, f)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        names = [n for n in os.listdir(checkpoints) if n.startswith("checkpoint_")]
+        final = os.path.join(checkpoints, f"checkpoint_{epoch}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(directory, final)
+        names = [n for n in os.listdir(checkpoints) if re.fullmatch(r"checkpoint_\d+", n)]
         names.sort(key=lambda n: int(n.split("_")[-1]))
-        for name in names[: -args.num_checkpoint_limit]:
+        for name in names[: -args.save_total_limit]:
             shutil.rmtree(os.path.join(checkpoints, name))
+    accelerator.wait_for_everyone()
+    return os.path.join(checkpoints, f"checkpoint_{epoch}")
 
 
 def load_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, directory: str) -> tuple[int, int]:
     """Restore what save_checkpoint wrote; returns (first epoch to run, global step)."""
-    rng_path = os.path.join(directory, f"rng_state_{accelerator.process_index}.pt")
+    rng_path = os.path.join(directory, f"rng_state_{accelerator.process_index}.json")
     if not os.path.isfile(rng_path):
         raise ValueError(f"{directory} lacks {rng_path}: resume with as many processes.")
     state = torch.load(os.path.join(directory, "checkpoint.pt"), map_location="cpu", weights_only=True)
@@ -499,15 +515,11 @@ def load_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, directory
     optimizer.load_state_dict(state["optimizer"])
     if tracker is not None:
         tracker.load_state_dict(state["tracker"] or {})
-    rng = torch.load(
-        rng_path, weights_only=False
-    )  # our own file; python and numpy RNG states are not tensors
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    prompt_rng.setstate(rng["prompts"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    with open(rng_path) as f:
+        rng = json.load(f)
+    utils.checkpoint.set_rng_state(rng, {})
+    version, internal, gauss = rng["prompts"]
+    prompt_rng.setstate((version, tuple(internal), gauss))
     return state["epoch"] + 1, state["global_step"]
 
 
@@ -534,7 +546,6 @@ Final metrics:
 
 def main(args: Args) -> None:
     prompts = check_args(args)  # before the heavy imports: bad input fails at once
-    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list, gather_object, set_seed
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from torch.utils.tensorboard import SummaryWriter
@@ -545,7 +556,8 @@ def main(args: Args) -> None:
         args.mixed_precision = "no"
     # one optimizer step per train_gradient_accumulation_steps batches, each over all its trained timesteps
     accumulation = args.train_gradient_accumulation_steps * args.num_train_timesteps
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=accumulation)
+    accelerator = utils.run.make_accelerator(args, accumulation, args.train_batch_size, args.mixed_precision)
+    stop = utils.checkpoint.StopSignal(accelerator)
     device, args.world_size = accelerator.device, accelerator.num_processes
     args.samples_per_epoch = args.sample_batch_size * args.sample_num_batches_per_epoch * args.world_size
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -562,7 +574,7 @@ def main(args: Args) -> None:
             args.pretrained_model, revision=args.pretrained_revision, dtype=dtype, safety_checker=None
         )
     except OSError as error:
-        raise SystemExit(
+        raise ValueError(
             f"Could not load the pipeline {args.pretrained_model} ({type(error).__name__}): pass "
             "--pretrained_model a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py)."
         ) from None
@@ -619,9 +631,9 @@ def main(args: Args) -> None:
         buffer_size = args.per_prompt_stat_tracking_buffer_size
         tracker = PerPromptStatTracker(buffer_size, args.per_prompt_stat_tracking_min_count)
     first_epoch, global_step = 0, 0
-    if args.resume_from is not None:
+    if args.resume_from_checkpoint is not None:
         resumable = (accelerator, unet, optimizer, tracker, prompt_rng)
-        first_epoch, global_step = load_checkpoint(*resumable, args.resume_from)
+        first_epoch, global_step = load_checkpoint(*resumable, args.resume_from_checkpoint)
     executor = ThreadPoolExecutor(args.max_workers) if args.async_reward_computation else None
     final_metrics, clipping = {}, (args.train_clip_range, args.train_adv_clip_max)
     train_names = ("loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "epoch", "inner_epoch")
@@ -649,6 +661,7 @@ def main(args: Args) -> None:
 
         # 2. advantages, from the rewards of all processes
         all_rewards = accelerator.gather(torch.tensor(local_rewards, device=device)).cpu().numpy()
+        utils.run.check_finite(global_step, rewards=torch.as_tensor(all_rewards))  # the same on every process
         all_prompts = gather_object(local_prompts)
         if tracker is not None:
             all_advantages = tracker.update(all_prompts, all_rewards)
@@ -689,14 +702,14 @@ def main(args: Args) -> None:
                         old_log_prob, advantages = batch["log_probs"][:, step], batch["advantages"]
                         loss, approx_kl, clipfrac = ddpo_loss(log_prob, old_log_prob, advantages, *clipping)
                         accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(trainable, args.train_max_grad_norm)
+                        utils.run.clip_grad_norm(accelerator, unet, args.train_max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                     step_stats.append(torch.stack([loss, approx_kl, clipfrac]).detach())
                     if accelerator.sync_gradients:  # an optimizer step was taken: log its averages
                         means = accelerator.reduce(torch.stack(step_stats).mean(0), reduction="mean").tolist()
                         step_stats, global_step = [], global_step + 1
+                        utils.run.check_finite(global_step, accelerator, loss=means[0])
                         final_metrics.update(zip(train_names, means + [epoch, inner_epoch]))
                         if accelerator.is_main_process:
                             for name in train_names:
@@ -704,8 +717,13 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             speed = args.samples_per_epoch / (time.time() - start_time)
             writer.add_scalar("time/samples_per_second", speed, global_step)
-        if (epoch + 1) % args.save_freq == 0:
-            save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args, epoch, global_step)
+        stopping = stop.requested()
+        if (epoch + 1) % args.save_steps == 0 or stopping:
+            path = save_checkpoint(
+                accelerator, unet, optimizer, tracker, prompt_rng, args, epoch, global_step
+            )
+            if stopping:
+                raise stop.interrupt(path, epoch)
 
     # 4. the trained weights, loadable into the pipeline, and a model card
     if executor is not None:
@@ -737,4 +755,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    utils.run.run_cli(Args, main)

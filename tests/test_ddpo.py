@@ -252,7 +252,7 @@ def test_bad_input_gets_one_clear_error(tmp_path):
         ({"train_gradient_accumulation_steps": 3}, "divisible by --train_gradient_accumulation_steps"),
         ({"train_timestep_fraction": 0.01}, "--train_timestep_fraction"),
         ({"pretrained_model": str(tmp_path / "nowhere")}, "does not exist"),
-        ({"resume_from": str(tmp_path)}, "neither a checkpoint"),
+        ({"resume_from_checkpoint": str(tmp_path)}, "neither a checkpoint"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -354,7 +354,7 @@ def test_two_processes_full_unet(tiny_sd, tmp_path):
     args = [str(ROOT / "ddpo.py"), "--pretrained_model", str(tiny_sd), *TINY_RUN, "--num_epochs", "1"]
     run_torchrun([*args, "--no_use_lora", "--output_dir", "out", "--run_name", "r"], cwd=tmp_path)
     checkpoint = tmp_path / "out" / "checkpoints" / "checkpoint_0"
-    assert {p.name for p in checkpoint.iterdir()} == {"checkpoint.pt", "rng_state_0.pt", "rng_state_1.pt"}
+    assert {p.name for p in checkpoint.iterdir()} == {"checkpoint.pt", "rng_state_0.json", "rng_state_1.json"}
     card = (tmp_path / "out" / "README.md").read_text()
     assert "of 8 images, the full UNet" in card  # 2 processes x 2 batches x 2 images
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "out")

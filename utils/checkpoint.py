@@ -98,6 +98,39 @@ def set_rng_state(state: dict, generators: dict[str, torch.Generator]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Stop signals
+# ----------------------------------------------------------------------------------------------------------------
+class StopSignal:
+    """Catches SIGTERM and SIGINT (preemption, Ctrl-C) so the run can finish its step and save first."""
+
+    def __init__(self, accelerator):
+        self.accelerator, self.name = accelerator, None
+        try:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        except ValueError:  # not the main thread (e.g. a notebook runner): no handlers
+            pass
+
+    def _on_signal(self, signum, frame) -> None:
+        self.name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """True on every process when any process received a signal (they must save together)."""
+        flag = torch.tensor([float(self.name is not None)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        return flag.item() > 0
+
+    def interrupt(self, path: str, step: int) -> TrainingInterrupted:
+        """The exception that ends the run after the checkpoint `path` was written."""
+        return TrainingInterrupted(
+            f"{self.name or 'a signal'} received; saved {path} at step {step}; continue with "
+            f"--resume_from_checkpoint {path}",
+            self.name or "SIGTERM",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The checkpointer
 # ----------------------------------------------------------------------------------------------------------------
 class Checkpointer:
@@ -115,7 +148,6 @@ class Checkpointer:
         if self.save_steps < 0 or (self.limit is not None and self.limit < 1):
             raise ValueError("--save_steps must be >= 0 and --save_total_limit >= 1.")
         self.resume_path = None
-        self.signal_name: str | None = None
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
             self.resume_path = find_checkpoint(resume_from, args.output_dir)
@@ -127,21 +159,7 @@ class Checkpointer:
                     f"(this run has {accelerator.num_processes})."
                 )
             args.run_name = saved["run_name"]
-        try:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
-        except ValueError:  # not the main thread (e.g. a notebook runner): no handlers
-            pass
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-
-    def stop_requested(self) -> bool:
-        """True on every process when any process received SIGTERM/SIGINT (they must save together)."""
-        flag = torch.tensor([float(self.signal_name is not None)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        return flag.item() > 0
+        self.stop = StopSignal(accelerator)
 
     # -- resume
     def resume(self, models: dict[str, nn.Module], optimizers: dict | None = None,
@@ -178,16 +196,12 @@ class Checkpointer:
                    state: dict | None = None) -> str | None:  # fmt: skip
         """At every `save_steps`-th step, and whenever a stop signal arrived, save a checkpoint; after a signal,
         raise TrainingInterrupted naming it. Every process must call this at the same steps."""
-        stop = self.stop_requested()
+        stop = self.stop.requested()
         path = None
         if stop or (self.save_steps and step % self.save_steps == 0):
             path = self.save(step, models, optimizers, generators, state)
         if stop:
-            raise TrainingInterrupted(
-                f"{self.signal_name or 'a signal'} received; saved {path} at step {step}; continue with "
-                f"--resume_from_checkpoint {path}",
-                self.signal_name or "SIGTERM",
-            )
+            raise self.stop.interrupt(path, step)
         return path
 
     def save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,

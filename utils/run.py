@@ -112,7 +112,9 @@ def run_cli(args_class, main: Callable) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Accelerator and models
 # ----------------------------------------------------------------------------------------------------------------
-def make_accelerator(args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None):
+def make_accelerator(
+    args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None, mixed_precision=None
+):
     """The Accelerator of a run. Precision: bf16 with `--bf16`, else what `accelerate launch` configured.
     On CPU the process group uses gloo (without it every process believes it is rank 0 of 1). Under DeepSpeed
     the micro-batch size, accumulation and `--max_grad_norm` go into its config: DeepSpeed clips gradients
@@ -123,7 +125,7 @@ def make_accelerator(args, gradient_accumulation_steps: int = 1, micro_batch_siz
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun / accelerate launch set it
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     accelerator = Accelerator(
-        mixed_precision="bf16" if getattr(args, "bf16", False) else None,
+        mixed_precision=mixed_precision or ("bf16" if getattr(args, "bf16", False) else None),
         gradient_accumulation_steps=gradient_accumulation_steps,
         kwargs_handlers=handlers,
     )
