@@ -61,9 +61,9 @@ class Args:
     """the results; the plot goes beside it with the extension .png"""
     threads: int = 1
     """torch threads in every run (OMP_NUM_THREADS too)"""
-    parallel: int = 3
-    """sides of one algorithm run at once (1: ours, TRL, bare one after the other; 3: all three at the same
-    time, so each pair sees the same load on a shared machine)"""
+    parallel: int = 6
+    """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
+    so each pair sees the same load on a shared machine; 6: two algorithms at a time)"""
 
     # Model and workload
     hidden_size: int = 128
@@ -74,7 +74,7 @@ class Args:
     """MLP width of the tiny world's models"""
     batch_size: int = 32
     """sequences (sft), pairs (reward, dpo) or completions (rl) per optimizer step"""
-    steps: int = 16
+    steps: int = 12
     """optimizer steps of sft, reward and dpo"""
     updates: int = 4
     """rollout-and-train updates of rloo, ppo and grpo (each 2 mini-batches of --batch_size completions)"""
@@ -487,12 +487,16 @@ def main(args: Args) -> dict:
         return result
 
     os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    # One round = every side of every algorithm once, in this order (ours, TRL, bare of one algorithm next to each
+    # other); with --parallel > 1 the next runs of the round start as earlier ones end.
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for i in range(args.runs):
-            for algorithm in algorithms:
-                results = list(pool.map(measure, [i] * len(sides), [algorithm] * len(sides), sides))
-                for side, result in zip(sides, results):
-                    runs[algorithm][side].append(result)
+            jobs = [(algorithm, side) for algorithm in algorithms for side in sides]
+            results = list(pool.map(lambda job, i=i: measure(i, *job), jobs))
+            for (algorithm, side), result in zip(jobs, results):
+                runs[algorithm][side].append(result)
+            with open(os.path.join(work, "runs.json"), "w") as f:  # kept if a later round is interrupted
+                json.dump(runs, f)
     summary = summarize(runs)
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
