@@ -464,6 +464,7 @@ def main(args: Args) -> dict:
         metrics += [logps[:n], logps[n:], mean_logits[:n], mean_logits[n:]]
         return losses.mean(), torch.stack([m.detach().float() for m in metrics], 1)
 
+    print(utils.run.describe_sharding(model, accelerator), flush=True)
     # Resumed after the reference logprobs were precomputed: they come from the initial weights.
     resumed = checkpointer.resume({"model": model}, {"model": optimizer}) or {"step": 0}
     if resumed["step"]:

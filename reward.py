@@ -445,6 +445,7 @@ def main(args: Args) -> None:
     # stepped once per optimizer step, not prepared (accelerate would step it once per process)
     warmup_steps = int(args.warmup_ratio * args.num_training_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.num_training_steps)
+    print(utils.run.describe_sharding(score_model, accelerator), flush=True)
     resumed = checkpointer.resume({"model": score_model}, {"model": optimizer}) or {"step": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])

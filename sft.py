@@ -353,6 +353,7 @@ def main(args: Args) -> dict:
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped here, once per step
     set_seed(args.seed + rank)  # different dropout masks on each process
+    print(utils.run.describe_sharding(model, accelerator), flush=True)
     resumed = checkpointer.resume({"model": model}, {"model": optimizer}) or {"step": 0, "num_tokens": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])

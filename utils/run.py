@@ -216,6 +216,22 @@ def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module
         yield bare(model)
 
 
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(parameters of the model, parameters this process holds): equal unless ZeRO-3 sharded the weights."""
+    total = held = 0
+    for param in model.parameters():
+        full = getattr(param, "ds_numel", None)
+        total += full if full is not None else param.numel()
+        held += param.ds_tensor.numel() if full is not None else param.numel()
+    return total, held
+
+
+def describe_sharding(model: nn.Module, accelerator) -> str:
+    """One line for the log: how many of the model's parameters this process holds."""
+    total, held = parameter_counts(model)
+    return f"process {accelerator.process_index}: holds {held} of the model's {total} parameters"
+
+
 def clip_grad_norm(accelerator, model: nn.Module, max_norm: float | None) -> float | None:
     """Clip the gradients to `max_norm` (when set) and return their norm before clipping; call it after
     `accelerator.backward` and before `optimizer.step()`. Under DeepSpeed the engine clips by its config
