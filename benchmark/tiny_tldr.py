@@ -37,8 +37,9 @@ class Args:
     """a minute-long version that checks the plumbing, not the numbers"""
     work_dir: str = "benchmark/work"
     """where worlds, models and logs go (large; not committed)"""
-    results_dir: str = "benchmark/results"
-    """where the json summary and the plots go"""
+    results_dir: str = "benchmark/work/results"
+    """where the json summary and the plots go; the committed results are in benchmark/results: write there
+    only deliberately (--results_dir benchmark/results), a default run never replaces them"""
     jobs: int = 2
     """stages run at once where they do not depend on each other (PPO, RLOO, DPO; the evaluations)"""
     parallel_seeds: int = 1
