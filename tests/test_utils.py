@@ -253,7 +253,9 @@ def test_disable_dropout():
 def test_load_split_from_every_local_format(world, tmp_path):
     ds_dir = world / "dataset"
     from_disk = utils.load_split(str(ds_dir), "sft")
-    from_jsonl = utils.load_split(str(ds_dir / "sft.jsonl"), "ignored")
+    from_jsonl = utils.load_split(str(ds_dir / "sft.jsonl"), "train")
+    with pytest.raises(ValueError, match="is one file, whose only split is 'train'"):
+        utils.load_split(str(ds_dir / "sft.jsonl"), "validation")  # never the training rows as a test split
     assert from_disk["prompt"] == from_jsonl["prompt"]
     rows = [json.loads(line) for line in open(ds_dir / "test.jsonl")]
     (tmp_path / "files").mkdir()
@@ -261,7 +263,7 @@ def test_load_split_from_every_local_format(world, tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in rows)
     assert utils.load_split(str(tmp_path / "files"), "train")["prompt"] == [r["prompt"] for r in rows]
     utils.load_split(str(ds_dir), "test").to_parquet(str(tmp_path / "t.parquet"))
-    assert utils.load_split(str(tmp_path / "t.parquet"), "x")["prompt"] == [r["prompt"] for r in rows]
+    assert utils.load_split(str(tmp_path / "t.parquet"), "t")["prompt"] == [r["prompt"] for r in rows]
     with pytest.raises(ValueError, match=r"no split 'nope'.*'sft'"):
         utils.load_split(str(ds_dir), "nope")
     with pytest.raises(ValueError, match="does not exist"):

@@ -452,7 +452,8 @@ def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
 
 def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
     """A `datasets.Dataset` from a hub id, a `save_to_disk` directory, a directory of `{split}.jsonl/json/parquet`
-    files, or one json/jsonl/parquet/csv file (whose only split is its content)."""
+    files, or one json/jsonl/parquet/csv file (whose only split, named 'train' or like the file, is its
+    content; any other split name is refused, so a test split never silently holds the training rows)."""
     import datasets
 
     builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -463,6 +464,13 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
         if ext not in builders:
             raise ValueError(
                 f"{flag} {name_or_path}: unknown file type {ext!r}; use json, jsonl, parquet or csv."
+            )
+        stem = os.path.splitext(os.path.basename(name_or_path))[0]
+        if split not in ("train", stem):  # one file is one split: never evaluate on the training rows
+            raise ValueError(
+                f"{flag} {name_or_path} is one file, whose only split is 'train' (or {stem!r}), not {split!r}; "
+                "turn evaluation off (--eval_strategy no or --dataset_test_split None) or pass a folder of "
+                f"{{split}}.jsonl files."
             )
         return datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
     if os.path.isdir(name_or_path):
