@@ -62,9 +62,25 @@ def wait_for(path, proc, timeout=400):
                 f"the run ended ({proc.returncode}) before {path.name}:\n{proc.stderr.read()[-3000:]}"
             )
         if time.time() - start > timeout:
+            for pid in children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"no {path.name} after {timeout} s")
         time.sleep(0.02)
+
+
+def children(pid):
+    """The processes whose parent is `pid` (torchrun's workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return sorted(found)
 
 
 def run(script_args, nproc):
@@ -90,19 +106,21 @@ def kill_sigterm_resume(script, world, tmp_path, nproc):
     out = tmp_path / "cut"
     proc = launch([*args, *flags(script, world, tmp_path, "cut")], nproc)
     wait_for(out / "checkpoint-2", proc)
+    for pid in children(proc.pid):  # torchrun starts its workers in sessions of their own
+        os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     resume = ["--resume_from_checkpoint", "latest"]
     resumed_from = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     proc = launch([*args, *flags(script, world, tmp_path, "cut", *resume)], nproc)
     wait_for(out / f"checkpoint-{resumed_from + 1}", proc)
-    proc.send_signal(signal.SIGTERM) if nproc == 1 else os.killpg(proc.pid, signal.SIGTERM)
+    # One process gets SIGTERM (with torchrun: one worker); they agree to save together and stop.
+    os.kill(proc.pid if nproc == 1 else children(proc.pid)[0], signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0, stderr[-2000:]
-    lines = stderr.strip().splitlines()
-    message = (
-        lines[-1] if nproc == 1 else next(line for line in lines if ": interrupted: " in line)
-    )  # torchrun
+    lines = [line for line in stderr.strip().splitlines() if nproc == 1 or ": interrupted: " in line]
+    assert lines, stderr[-3000:]
+    message = lines[-1]
     assert (
         message.startswith(f"{script}: interrupted: SIGTERM received; saved ")
         and "--resume_from_checkpoint" in message

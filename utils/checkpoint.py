@@ -175,8 +175,11 @@ class Checkpointer:
                 continue
             from safetensors.torch import load_model
 
+            device = self.accelerator.device  # "cpu:0" (MULTI_CPU) is not a device name safetensors takes
             load_model(
-                bare(model), os.path.join(path, f"{name}.safetensors"), device=str(self.accelerator.device)
+                bare(model),
+                os.path.join(path, f"{name}.safetensors"),
+                device=str(device) if device.type != "cpu" else "cpu",
             )
             if name in optimizers:
                 state = torch.load(
