@@ -12,12 +12,12 @@ no padding differs; responses are never truncated, so every micro-batch loss is 
 of tokens and the mean over processes and micro-batches is the mean over the global batch; whitening and
 normalisation use statistics gathered over every process. What still differs is the order of float32 sums:
 one process sums a micro-batch of 4 rows, two processes sum 2 rows each and all-reduce, ZeRO reduce-scatters
-flat gradient buffers. Those are relative differences of about 1e-7 in each gradient; Adam (learning rate
-1e-3, 2 steps per update) divides each gradient by its own running norm, so tiny gradients amplify them, and
-after 3 updates the metrics agree to about 1e-5 relative (measured, largest 2e-4 on the KL, a difference of
-log-probabilities). TOLERANCE below (relative 2e-3, absolute 1e-6) leaves a margin of 10 over that and is still
-far below any real change: a wrong gradient scale, a process dropping its rows or whitening per process
-changes these metrics by 1e-2 or more from the second update on.
+flat gradient buffers. Measured over the 3 updates (largest relative difference of any compared metric to the
+1-process run): RLOO 5e-6 (the KL, a difference of log-probabilities), PPO 2e-6; final weights within 5e-5
+(RLOO) and 6e-6 (PPO), Adam dividing each gradient by its own running norm so tiny gradients amplify the
+rounding. TOLERANCE (relative 1e-4) leaves a margin of 20 and is far below any real defect: a wrong gradient
+scale, a process dropping its rows or whitening per process moves these metrics by 1e-2 or more from the second
+update on; the weights must agree within 5e-4, half of one Adam step at learning rate 1e-3.
 """
 
 import json
@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from conftest import run_deepspeed, run_script, run_torchrun
 
-TOLERANCE = dict(rel=2e-3, abs=1e-6)
+TOLERANCE = dict(rel=1e-4, abs=1e-6)
 COMPARED = ["loss/policy_avg", "loss/value_avg", "objective/kl", "objective/scores", "policy/entropy_avg",
             "policy/approxkl_avg", "grad_norm"]  # fmt: skip
 UPDATES = 3
@@ -117,8 +117,8 @@ def test_one_process_ddp_zero2_zero3_agree_at_equal_global_batch(script, runs):
                 if name in expected:
                     assert got[name] == pytest.approx(expected[name], **TOLERANCE), (launch, step, name)
         weights = load_file(out / "model.safetensors")
-        for name, value in reference_weights.items():  # Adam steps of 1e-3: weights agree to about 1e-6
-            torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-4)
+        for name, value in reference_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=5e-4)
 
 
 @pytest.mark.parametrize(
