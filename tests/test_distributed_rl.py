@@ -15,9 +15,9 @@ one process sums a micro-batch of 4 rows, two processes sum 2 rows each and all-
 flat gradient buffers. Measured over the 3 updates (largest relative difference of any compared metric to the
 1-process run): RLOO 5e-6 (the KL, a difference of log-probabilities), PPO 2e-6; final weights within 5e-5
 (RLOO) and 6e-6 (PPO), Adam dividing each gradient by its own running norm so tiny gradients amplify the
-rounding. TOLERANCE (relative 1e-4) leaves a margin of 20 and is far below any real defect: a wrong gradient
-scale, a process dropping its rows or whitening per process moves these metrics by 1e-2 or more from the second
-update on; the weights must agree within 5e-4, half of one Adam step at learning rate 1e-3.
+rounding. TOLERANCE (relative 1e-4) leaves a margin of 20 over rounding, while a real defect (a wrong gradient
+scale, a process dropping its rows, whitening per process) changes the update itself, not its last bits; the
+weights must agree within 5e-4, half of one Adam step at learning rate 1e-3.
 """
 
 import json
