@@ -32,6 +32,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -86,6 +87,8 @@ class Args:
     """longest tokenized sequence for sft, reward and dpo (no example of the tiny world is longer)"""
     learning_rate: float = 1e-4
     """learning rate on every side"""
+    from_runs: str | None = None
+    """summarize the runs.json of an earlier (possibly interrupted) run instead of running anything"""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,6 +170,16 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
         step_cpu_times.append(time.process_time())
 
     register_optimizer_step_post_hook(timed)
+    peak_anon = [0]
+
+    def watch_memory():  # private memory (heap, tensors), free of the shared-library pages that RSS also counts
+        while True:
+            with open("/proc/self/status") as f:
+                anon = next((int(line.split()[1]) for line in f if line.startswith("RssAnon:")), 0)
+            peak_anon[0] = max(peak_anon[0], anon)
+            time.sleep(0.02)
+
+    threading.Thread(target=watch_memory, daemon=True).start()
     try:
         if side == "ours":
             sys.argv = list(spec["ours_command"])
@@ -184,7 +197,9 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
             raise
     finally:
         with open(timing_path, "w") as f:
-            json.dump({"step_times": step_times, "step_cpu_times": step_cpu_times}, f)
+            json.dump(
+                {"step_times": step_times, "step_cpu_times": step_cpu_times, "peak_anon_kib": peak_anon[0]}, f
+            )
 
 
 def run_trl(spec: dict) -> None:
@@ -303,6 +318,7 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "wall_s": wall,
         "peak_rss_mib": usage.ru_maxrss / 1024,
+        "peak_anon_mib": timing["peak_anon_kib"] / 1024,
         "before_loop_s": times[0] - start,
         "loop_s": times[-1] - times[0],
         "after_loop_s": start + wall - times[-1],
@@ -350,23 +366,26 @@ def table(summary: dict, units: dict) -> str:
     and CPU time, peak memory."""
     lines = [
         "| algorithm | in-loop per CPU s: ours | TRL | ours / TRL | bare | ours / bare | in-loop per wall s: ours / TRL "
-        "| ours / bare | process wall s: ours | TRL | ours / TRL | process CPU s: ours / TRL | peak MiB: ours | TRL "
-        "| ours / TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours / bare | process wall s: ours | TRL | ours / TRL | process CPU s: ours / TRL | peak RSS MiB: ours | TRL "
+        "| ours / TRL | peak private MiB: ours | TRL | ours / TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def num(figure, side, digits=0):
         return f"{figure[side]:.{digits}f}" if side in figure else "-"
 
     for algorithm, e in summary.items():
-        cpu, tp, wall, rss = e["throughput_cpu"], e["throughput"], e["wall_s"], e["peak_rss_mib"]
+        cpu, tp, wall, rss, anon = (
+            e[x] for x in ("throughput_cpu", "throughput", "wall_s", "peak_rss_mib", "peak_anon_mib")
+        )
         lines.append(
             f"| {algorithm} ({units[algorithm]}) | {num(cpu, 'ours')} | {num(cpu, 'trl')} | "
             f"{fmt_ratio(cpu.get('ours/trl'))} | {num(cpu, 'bare')} | {fmt_ratio(cpu.get('ours/bare'))} | "
             f"{fmt_ratio(tp.get('ours/trl'))} | {fmt_ratio(tp.get('ours/bare'))} | "
             f"{num(wall, 'ours', 1)} | {num(wall, 'trl', 1)} | {fmt_ratio(wall.get('ours/trl'))} | "
             f"{fmt_ratio(e['cpu_s'].get('ours/trl'))} | "
-            f"{num(rss, 'ours')} | {num(rss, 'trl')} | {fmt_ratio(rss.get('ours/trl'))} |"
+            f"{num(rss, 'ours')} | {num(rss, 'trl')} | {fmt_ratio(rss.get('ours/trl'))} | "
+            f"{num(anon, 'ours')} | {num(anon, 'trl')} | {fmt_ratio(anon.get('ours/trl'))} |"
         )
     return "\n".join(lines)
 
@@ -388,7 +407,7 @@ def plot(summary: dict, path: str, title: str) -> None:
         ),
         ("throughput", ["trl", "bare"], "in-loop examples per wall second\nours / other (higher is better)"),
         ("wall_s", ["trl"], "whole process, wall time\nours / TRL (lower is better)"),
-        ("peak_rss_mib", ["trl"], "peak resident memory\nours / TRL (lower is better)"),
+        ("peak_anon_mib", ["trl"], "peak private (anonymous) memory\nours / TRL (lower is better)"),
     ]
     colors = {"trl": "tab:blue", "bare": "tab:gray"}
     fig, axes = plt.subplots(1, len(panels), figsize=(17, 4.2))
@@ -483,14 +502,21 @@ def main(args: Args) -> dict:
             return None
         print(f"run {i + 1}/{args.runs} {algorithm:6s} {side:4s}: {result['throughput']:8.1f} {spec['unit']}/s "
               f"in-loop ({result['throughput_cpu']:8.1f} per CPU second), {result['wall_s']:6.1f} s wall, "
-              f"{result['cpu_s']:5.1f} s CPU, {result['peak_rss_mib']:5.0f} MiB peak", flush=True)  # fmt: skip
+              f"{result['cpu_s']:5.1f} s CPU, {result['peak_rss_mib']:5.0f} MiB peak RSS, "
+              f"{result['peak_anon_mib']:5.0f} MiB private", flush=True)  # fmt: skip
         return result
 
     os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    if args.from_runs:
+        with open(args.from_runs) as f:
+            runs = json.load(f)
+        runs = {a: sides_runs for a, sides_runs in runs.items() if a in algorithms}
+        for algorithm in runs:
+            specs[algorithm] = workload(algorithm, args, world, os.path.join(work, f"{algorithm}-ours"))
     # One round = every side of every algorithm once, in this order (ours, TRL, bare of one algorithm next to each
     # other); with --parallel > 1 the next runs of the round start as earlier ones end.
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        for i in range(args.runs):
+        for i in range(0 if args.from_runs else args.runs):
             jobs = [(algorithm, side) for algorithm in algorithms for side in sides]
             results = list(pool.map(lambda job, i=i: measure(i, *job), jobs))
             for (algorithm, side), result in zip(jobs, results):
