@@ -81,6 +81,8 @@ def lab(tmp_path_factory):
     accelerator = Accelerator(cpu=True)
     engine = utils.vllm.Engine(vllm_args(), accelerator, str(path), max_model_len=256)
     yield types.SimpleNamespace(model=model, engine=engine, accelerator=accelerator, path=path)
+    engine.close()  # and its process group, so later tests in this process start clean
+    assert not torch.distributed.is_initialized()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 

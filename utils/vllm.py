@@ -1,5 +1,5 @@
 """Sampling with vLLM for the RL scripts (`--use_vllm`): one engine per process (or per group of
-`--vllm_tensor_parallel_size` processes), colocated with training, its weights refreshed after every update.
+`--vllm_tensor_parallel_size` processes), colocated with training, given the policy's weights before every rollout.
 
 The flags keep TRL's names and meanings:
 - `use_vllm`: sample the rollouts with vLLM instead of `utils.generate`;
@@ -12,13 +12,14 @@ The flags keep TRL's names and meanings:
 
 A script uses three calls:
 
-    engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len)    # after the models are prepared
+    engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len)    # once, after the models
+    engine.sync_weights(model, accelerator)      # before every rollout: the weights of the last update (or of
+                                                 # the checkpoint resumed from), outside any gathering context
     query_responses, logprobs = engine.generate(model, queries, query_mask, R, T, chunk, generator)
-    engine.sync_weights(model, accelerator)                  # after the optimizer steps of every update
 
 `Engine.generate` returns what `utils.generate` returns. The logprobs are NOT vLLM's: they are recomputed by a
 forward pass of the training model over the sampled rows. vLLM's kernels differ from the training forward's
-(measured: 5e-6 nats in float32, about 0.09 in bf16), and the update's ratio must be exactly 1 on its first step;
+(measured here: 1e-6 nats in float32, 0.01 to 0.1 in bf16), and the update's ratio must be exactly 1 on its first step;
 vLLM's own logprobs stay in `engine.last_engine_logprobs` for comparison. Sampling noise comes from the caller's
 generator (seeded per process): one vLLM seed per row, so equal prompts get independent completions and a run
 is repeatable.
@@ -97,6 +98,7 @@ class Engine:
         if world > 1:
             # vLLM's "external launcher" joins the process group torchrun / accelerate started; it needs these.
             os.environ.setdefault("LOCAL_RANK", str(accelerator.local_process_index))
+        self.owns_process_group = not torch.distributed.is_initialized()
         # Creating the engine reseeds the global random generators and disables torch.set_num_threads: keep
         # the training process's state as it was.
         set_num_threads, python_state, numpy_state = (
@@ -200,6 +202,18 @@ class Engine:
             )
         # Cached prefixes hold keys and values of the old weights.
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Free the engine, and the process group it started when there was none (a single-process run)."""
+        import gc
+
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        del self.llm
+        gc.collect()
+        if self.owns_process_group and torch.distributed.is_initialized():
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
