@@ -176,7 +176,7 @@ def test_nan_score_stops_with_the_update_and_keeps_the_checkpoint(script, world,
     assert steps_logged(tmp_path, "nan") == [1, 2]
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+@pytest.mark.parametrize("script", [pytest.param("ppo.py", marks=pytest.mark.slow), "rloo.py"])
 def test_diverging_learning_rate_is_caught(script, world, tmp_path):
     args = flags(script, world, tmp_path, "div", "--learning_rate", "1e6", "--max_grad_norm", "0")
     proc = run_script([script, *per_device(1), *args], check=False)
@@ -185,3 +185,25 @@ def test_diverging_learning_rate_is_caught(script, world, tmp_path):
     assert last.startswith(f"{script}: stopped: step ") and "is not finite (NaN or inf)" in last, last
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "div" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+def test_zero2_resume_is_bit_exact(script, world, tmp_path):
+    """Under DeepSpeed the checkpoint holds DeepSpeed's own shards (weights and optimizer state): resuming a
+    ZeRO-2 run from checkpoint-2 into another folder gives the weights of the uninterrupted run."""
+    from conftest import run_deepspeed
+
+    args = [script, *per_device(2), *flags(script, world, tmp_path, "whole", "--save_total_limit", "10")]
+    run_deepspeed(args, tmp_path, zero_stage=2)
+    name = "model" if script == "ppo.py" else "policy"
+    assert (tmp_path / "whole" / "checkpoint-4" / name / "state").is_dir()  # DeepSpeed's checkpoint folder
+    resume = [
+        "--resume_from_checkpoint",
+        str(tmp_path / "whole" / "checkpoint-4"),
+        "--output_dir",
+        str(tmp_path / "again"),
+    ]
+    run_deepspeed([*args, *resume], tmp_path, zero_stage=2)
+    assert same_weights(tmp_path / "whole", tmp_path / "again")
+    assert steps_logged(tmp_path, "whole") == list(range(1, UPDATES + 1))
