@@ -364,3 +364,44 @@ def test_rl_scripts_refuse_conversations_without_a_template(world, tmp_path, fre
     ):
         rloo.main(args)
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+def test_the_readme_trl_commands_run_on_the_stand_ins(world, tmp_path):
+    """Every command of the README's "Coming from TRL" section, as written there, on the test world (linked as
+    tiny_world/), with a cap on its length appended (a flag given twice takes its last value)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import OFFLINE_ENV, ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Coming from TRL") :]
+    section = section[: section.index("\n## ", 10)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    os.symlink(world, tmp_path / "tiny_world")
+    caps = {"sft.py": "--max_steps 2", "dpo.py": "--max_steps 2", "reward.py": "--max_steps 2",
+            "ppo.py": "--total_episodes 64 --response_length 8"}  # fmt: skip
+    env = {**os.environ, **OFFLINE_ENV}
+    for block in blocks:
+        for command in block.strip().split("\n\n"):
+            script = re.match(r"python (\w+\.py)", command)
+            if script:
+                command = command.replace(script.group(0), f"{sys.executable} {ROOT / script.group(1)}", 1)
+                command = command.rstrip() + " " + caps[script.group(1)]
+            else:
+                command = command.replace("python -c", f"{sys.executable} -c", 1)
+            proc = subprocess.run(
+                ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True
+            )
+            assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+    for output in (
+        "Qwen2-0.5B-SFT",
+        "Qwen2-0.5B-DPO",
+        "Qwen2-0.5B-Reward",
+        "models/minimal/ppo",
+        "models/minimal/ppo_tldr",
+    ):
+        assert (tmp_path / output / "config.json").exists(), output
