@@ -93,7 +93,8 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     ilql = [
         "ilql.py", "--model_name_or_path", f"{work}/sft", "--dataset_name", f"{work}/ilql_data",
         "--dataset_train_split", "train", "--dataset_test_split", "validation", "--max_length", "128",
-        "--max_prompt_length", "112", "--per_device_train_batch_size", "32", "--learning_rate", "3e-4", "--num_train_epochs", "1",
+        "--max_prompt_length", "112", "--per_device_train_batch_size", "32", "--learning_rate", "3e-4",
+        "--num_train_epochs", "1",
         *(["--max_steps", "4"] if quick else []), "--alpha", "0.01", "--steps_for_target_q_sync", "1",
         "--beta", "4", "--response_length", "8", "--eval_steps", "0", "--output_dir", f"{work}/ilql", *logs,
     ]  # fmt: skip
