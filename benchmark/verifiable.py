@@ -59,8 +59,9 @@ class Args:
     """which of grpo, dr_grpo, dapo (grpo.py) and rloo (rloo.py) to run"""
     post_words: int = 15
     """words per post in the world (tiny_world.py's default is 30; shorter posts make every step cheaper)"""
-    sft_steps: int = 500
-    """SFT optimizer steps (batch 32)"""
+    sft_steps: list[int] = field(default_factory=lambda: [500, 700])
+    """SFT rounds, optimizer steps of batch 32 each; each round starts from the one before (a cosine schedule
+    per round), so a short first round can be extended without redoing it"""
     generations: int = 40
     """sampling rounds of every RL run"""
     prompts_per_generation: int = 16
@@ -77,6 +78,10 @@ class Args:
     """OMP threads per run"""
     results: str = "benchmark/results/grpo_verifiable"
     """prefix of the .json and .png written"""
+    report_only: bool = False
+    """launch nothing: report the runs that exist (finished or not)"""
+    evaluate_test: bool = True
+    """also score every finished policy greedily on the test posts"""
 
 
 def commands(args: Args) -> tuple[dict, dict]:
@@ -84,19 +89,30 @@ def commands(args: Args) -> tuple[dict, dict]:
     w = args.work_dir
     data, logs = f"{w}/world/dataset", ["--logging_dir", f"{w}/runs"]
     stages = {
-        "world": ["benchmark/tiny_world.py", "--output_dir", f"{w}/world", "--seed", "0",
-                  "--post_words", str(args.post_words)],
-        "sft": ["sft.py", "--model_name_or_path", f"{w}/world/policy", "--dataset_name", data,
-                "--dataset_train_split", "sft", "--dataset_test_split", "validation", "--output_dir", f"{w}/sft",
-                "--max_length", "128", "--response_length", "8", "--learning_rate", "3e-3",
-                "--lr_scheduler_type", "cosine", "--warmup_ratio", "0.05", "--per_device_train_batch_size", "32",
-                "--total_steps", str(args.sft_steps), "--eval_steps", "500", "--run_name", "sft", *logs],
-    }  # fmt: skip
+        "world": [
+            "benchmark/tiny_world.py",
+            "--output_dir",
+            f"{w}/world",
+            "--seed",
+            "0",
+            "--post_words",
+            str(args.post_words),
+        ],
+    }
+    start = f"{w}/world/policy"
+    for i, steps in enumerate(args.sft_steps):
+        name = "sft" if i == 0 else f"sft{i + 1}"
+        stages[name] = ["sft.py", "--model_name_or_path", start, "--dataset_name", data, "--dataset_train_split", "sft",
+                        "--dataset_test_split", "validation", "--output_dir", f"{w}/{name}", "--max_length", "128",
+                        "--response_length", "8", "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine",
+                        "--warmup_ratio", "0.05", "--per_device_train_batch_size", "32", "--total_steps", str(steps),
+                        "--eval_steps", "500", "--run_name", name, *logs]  # fmt: skip
+        start = f"{w}/{name}"
     batch = args.prompts_per_generation * args.group_size  # completions per sampling round, every method
     common = ["--dataset_name", data, "--dataset_train_split", "sft", "--learning_rate", str(args.learning_rate),
               "--temperature", str(args.temperature), "--max_grad_norm", "1.0", "--num_sample_generations", "0",
               "--lr_scheduler_type", "constant", *logs]  # fmt: skip
-    grpo_common = ["grpo.py", "--model_name_or_path", f"{w}/sft", "--reward_funcs",
+    grpo_common = ["grpo.py", "--model_name_or_path", start, "--reward_funcs",
                    "benchmark/verifiable.py:facts_in_order", "--num_generations", str(args.group_size),
                    "--per_device_train_batch_size", str(batch // 2), "--steps_per_generation", "2",
                    "--max_completion_length", "8", "--max_steps", str(2 * args.generations), *common]  # fmt: skip
@@ -120,13 +136,14 @@ def commands(args: Args) -> tuple[dict, dict]:
             ]
             if method == "rloo":
                 runs[method, seed] = [
-                    "rloo.py", "--sft_model_path", f"{w}/sft", "--reward_fn", "benchmark/verifiable.py:facts_in_order",
+                    "rloo.py", "--sft_model_path", start, "--reward_fn", "benchmark/verifiable.py:facts_in_order",
                     "--rloo_k", str(args.group_size), "--per_device_train_batch_size", str(batch // 2),
                     "--num_mini_batches", "2", "--num_ppo_epochs", "1", "--kl_coef", "0", "--response_length", "8",
                     "--stop_token", "eos", "--total_episodes", str(batch * args.generations), *common, *out,
                 ]  # fmt: skip
             else:
                 runs[method, seed] = [*grpo_common, *variants[method], *out]
+    stages["sft_final"] = start
     return stages, runs
 
 
@@ -189,16 +206,38 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for method, per_seed in result["curves"].items():
-        curves = [c for c in per_seed.values() if c]
+    def smooth(ys, width=5):  # trailing mean over `width` sampling rounds (one round holds 64 samples)
+        return [
+            sum(ys[max(0, i - width + 1) : i + 1]) / len(ys[max(0, i - width + 1) : i + 1])
+            for i in range(len(ys))
+        ]
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for color, (method, per_seed) in zip(["C0", "C1", "C2", "C3"], result["curves"].items()):
+        for curve_points in per_seed.values():
+            ax.plot(
+                [x for x, _ in curve_points],
+                smooth([y for _, y in curve_points]),
+                color=color,
+                lw=0.6,
+                alpha=0.4,
+            )
+        curves = [c for s, c in per_seed.items() if result["runs"][f"{method}_s{s}"]["finished"]] or list(
+            per_seed.values()
+        )
         length = min(len(c) for c in curves)
-        xs = [c[0] for c in curves[0][:length]]
-        ys = [sum(c[i][1] for c in curves) / len(curves) for i in range(length)]
-        ax.plot(xs, ys, label=f"{method} ({len(curves)} seeds)")
-    ax.axhline(result["sft"]["test_greedy"], color="gray", ls=":", label="SFT, greedy on test")
+        mean = smooth([sum(c[i][1] for c in curves) / len(curves) for i in range(length)])
+        ax.plot(
+            [x for x, _ in curves[0][:length]],
+            mean,
+            color=color,
+            lw=2,
+            label=f"{method} (mean of {len(curves)})",
+        )
+    if result["sft"]["test_greedy"] is not None:
+        ax.axhline(result["sft"]["test_greedy"], color="gray", ls=":", label="SFT, greedy on test")
     ax.set_xlabel("completions sampled")
-    ax.set_ylabel("exact-match reward (training samples)")
+    ax.set_ylabel("exact-match reward of the samples (5-round mean)")
     ax.set_title("Tiny world: naming the post's facts in order")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -208,43 +247,68 @@ def plot(result: dict, path: str) -> None:
 def main(args: Args) -> None:
     stages, runs = commands(args)
     w = args.work_dir
-    run("world", stages["world"], args, reuse_output=f"{w}/world/dataset")
-    sft = run("sft", stages["sft"], args, reuse_output=f"{w}/sft/model.safetensors")
-    result = {"args": vars(args), "commands": {"sft": sft["command"]}, "sft": {"seconds": sft.get("seconds")}}
-    result["sft"]["test_greedy"] = evaluate(f"{w}/sft", f"{w}/world/dataset")
-    print(f"SFT: greedy exact match on test {result['sft']['test_greedy']:.3f}", flush=True)
+    if not args.report_only:
+        run("world", stages["world"], args, reuse_output=f"{w}/world/dataset")
+        for name in [n for n in stages if n.startswith("sft") and n != "sft_final"]:
+            run(name, stages[name], args, reuse_output=f"{w}/{name}/model.safetensors")
 
-    def one(key):
-        method, seed = key
-        record = run(
-            f"{method}_s{seed}", runs[key], args, reuse_output=f"{w}/{method}_s{seed}/model.safetensors"
-        )
-        score = evaluate(f"{w}/{method}_s{seed}", f"{w}/world/dataset")
-        print(
-            f"{method} seed {seed}: {record.get('seconds')} s, greedy exact match on test {score:.3f}",
-            flush=True,
-        )
-        return key, record, score
+        def one(key):
+            name = f"{key[0]}_s{key[1]}"
+            record = run(name, runs[key], args, reuse_output=f"{w}/{name}/model.safetensors")
+            print(f"{name}: {record.get('seconds')} s", flush=True)
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(one, runs))
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(one, runs))
+    report(args, stages, runs)
+
+
+def stamp(args: Args, name: str) -> dict:
+    path = os.path.join(args.work_dir, "logs", f"{name}.done.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def report(args: Args, stages: dict, runs: dict) -> None:
+    """Curves, greedy test scores and the table from whatever runs exist; an unfinished run (no saved model)
+    contributes its curve so far and is counted apart."""
+    w = args.work_dir
+    sft_names = [n for n in stages if n.startswith("sft") and n != "sft_final"]
+    result = {"args": vars(args), "commands": {n: shlex.join(["python", *stages[n]]) for n in sft_names}}
+    result["sft"] = {"seconds": sum(stamp(args, n).get("seconds") or 0.0 for n in sft_names),
+                     "test_greedy": evaluate(stages["sft_final"], f"{w}/world/dataset") if args.evaluate_test else None}  # fmt: skip
+    print(f"SFT: greedy exact match on test {result['sft']['test_greedy']}", flush=True)
     result["runs"], result["curves"] = {}, {}
-    for (method, seed), record, score in done:
-        points = curve(f"{w}/runs/{method}_s{seed}", method)
-        result["curves"].setdefault(method, {})[str(seed)] = points
-        first, last = points[0][1], sum(p[1] for p in points[-5:]) / len(points[-5:])
-        result["runs"][f"{method}_s{seed}"] = {"seconds": record.get("seconds"), "test_greedy": score,
-                                               "first_reward": first, "last5_reward": last}  # fmt: skip
+    for (method, seed), command in runs.items():
+        name = f"{method}_s{seed}"
         result["commands"][method] = (
-            record["command"].replace(f"_s{seed}", "_s{seed}").replace(f"--seed {seed}", "--seed {seed}")
+            shlex.join(["python", *command])
+            .replace(name, f"{method}_s{{seed}}")
+            .replace(f"--seed {seed}", "--seed {seed}")
         )
+        points = curve(f"{w}/runs/{name}", method) if os.path.exists(f"{w}/runs/{name}/metrics.jsonl") else []
+        if not points:
+            continue
+        finished = os.path.exists(f"{w}/{name}/model.safetensors") and bool(stamp(args, name))
+        result["curves"].setdefault(method, {})[str(seed)] = points
+        result["runs"][name] = {
+            "finished": finished, "generations": len(points), "seconds": stamp(args, name).get("seconds"),
+            "first_reward": points[0][1], "last5_reward": sum(p[1] for p in points[-5:]) / len(points[-5:]),
+            "test_greedy": evaluate(f"{w}/{name}", f"{w}/world/dataset") if finished and args.evaluate_test else None,
+        }  # fmt: skip
+        print(name, result["runs"][name], flush=True)
     table = {}
     for method in args.methods:
-        rows = [result["runs"][f"{method}_s{s}"] for s in args.seeds]
-        keys = ("first_reward", "last5_reward", "test_greedy", "seconds")
-        table[method] = {key: sum(r[key] for r in rows) / len(rows) for key in keys}
-        table[method]["per_seed_last5"] = [r["last5_reward"] for r in rows]
-        table[method]["per_seed_test_greedy"] = [r["test_greedy"] for r in rows]
+        rows = [result["runs"][f"{method}_s{s}"] for s in args.seeds if f"{method}_s{s}" in result["runs"]]
+        done = [r for r in rows if r["finished"]]
+        if not done:
+            continue
+        table[method] = {key: sum(r[key] for r in done) / len(done) if None not in [r[key] for r in done] else None
+                         for key in ("first_reward", "last5_reward", "test_greedy", "seconds")}  # fmt: skip
+        table[method].update(
+            seeds_finished=len(done), per_seed_last5=[r["last5_reward"] for r in done],
+            per_seed_test_greedy=[r["test_greedy"] for r in done],
+            unfinished={f"{method}_s{s}": result["runs"][f"{method}_s{s}"]["generations"] for s in args.seeds
+                        if f"{method}_s{s}" in result["runs"] and not result["runs"][f"{method}_s{s}"]["finished"]},
+        )  # fmt: skip
     result["table"] = table
     os.makedirs(os.path.dirname(args.results), exist_ok=True)
     with open(args.results + ".json", "w") as f:
