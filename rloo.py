@@ -35,6 +35,7 @@ import utils.checkpoint
 import utils.data
 import utils.run
 import utils.scoring
+import utils.vllm
 
 
 @dataclass
@@ -142,6 +143,15 @@ class Args:
     """subtracted from the score of completions without an EOS token"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / reference / reward forward pass"""
+    use_vllm: bool = False
+    """sample the rollouts with vLLM (pip install -r requirements-vllm.txt); the old logprobs still come from
+    the training forward pass"""
+    vllm_mode: Literal["colocate"] = "colocate"
+    """colocate: a vLLM engine in each training process, on its device (TRL's server mode is not provided)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of the GPU memory the vLLM engine takes (on CPU: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)"""
+    vllm_tensor_parallel_size: int = 1
+    """processes that share one vLLM engine, tensor-parallel (must divide the number of processes)"""
     recompute_old_logprobs: Literal["auto", "true", "false"] = "auto"
     """recompute the logprobs of the sampled tokens with the training forward pass instead of taking sampling's
     (cached, token by token): they differ in bf16, so the ratio would not start at 1. auto: true under bf16"""
@@ -301,21 +311,23 @@ def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
 
 
 @torch.no_grad()
-def sample(
-    args, accelerator, policy, queries, query_mask, num_completions, key, first_prompt, stop_token_id, pad_id
-):
+def sample(args, accelerator, policy, queries, query_mask, num_completions, key, first_prompt, stop_token_id,
+           pad_id, engine=None):  # fmt: skip
     """`num_completions` completions of each prompt [P, Q], completion-major [num_completions * P, R], truncated
     after the stop token: (responses, lengths, response mask, logprobs of sampling). Completion c of the prompts
     p.. of a chunk uses the noise of (seed, *key, c, first_prompt + p): first_prompt is the index of this
-    process's first prompt in the update's global batch."""
+    process's first prompt in the update's global batch. With `engine` (--use_vllm), vLLM samples them."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     responses, logprobs = [], []
+    if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+        engine.sync_weights(policy, accelerator)
+    generate = engine.generate if engine is not None else utils.generate
     policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
     with utils.run.gathered_for_generation(policy, accelerator) as sampler:
         for c in range(num_completions):
             for start in range(0, P, chunk):
                 noise = sampling_generator(args.seed, *key, c, first_prompt + start, device=queries.device)
-                query_responses, chunk_logprobs = utils.generate(
+                query_responses, chunk_logprobs = generate(
                     sampler, queries[start : start + chunk], query_mask[start : start + chunk],
                     args.response_length, args.temperature, chunk, noise,
                 )  # fmt: skip
@@ -327,12 +339,12 @@ def sample(
 
 @torch.no_grad()
 def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, first_prompt,
-            stop_token_id, pad_id, recompute_old_logprobs):  # fmt: skip
+            stop_token_id, pad_id, recompute_old_logprobs, engine=None):  # fmt: skip
     """Sample rloo_k completions of each prompt and score them; the logprobs of the policy (sampling's, or the
     training forward pass's with `recompute_old_logprobs`) and of the reference. Returns a dict of [B, ...]."""
     responses, lengths, response_mask, logprobs = sample(
         args, accelerator, policy, queries, query_mask, args.rloo_k, (update,), first_prompt, stop_token_id,
-        pad_id,
+        pad_id, engine,
     )  # fmt: skip
     chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
     rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
@@ -361,6 +373,7 @@ def main(args: Args) -> dict:
 
     # 1. Flags, accelerator and data: everything that can be checked before a model is loaded.
     fill_sizes(args, 1)
+    utils.vllm.check_args(args)
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
@@ -430,6 +443,8 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
+    max_model_len = max(map(len, prompt_ids)) + args.response_length
+    engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len) if args.use_vllm else None
     reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     # Scores: the reward model reads the policy's ids, or its own tokenizer's encoding of the decoded text.
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
@@ -478,7 +493,7 @@ def main(args: Args) -> dict:
         with accelerator.autocast():
             data = rollout(
                 args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, rank * P,
-                stop_token_id, pad_id, recompute_old_logprobs,
+                stop_token_id, pad_id, recompute_old_logprobs, engine,
             )  # fmt: skip
         responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
         old_logprobs, scores = data["logprobs"], data["scores"]
