@@ -33,6 +33,7 @@ import utils.checkpoint
 import utils.data
 import utils.run
 import utils.scoring
+import utils.vllm
 
 
 @dataclass
@@ -121,6 +122,15 @@ class Args:
     """epochs of optimisation on each batch of rollouts"""
     local_rollout_forward_batch_size: int = 64
     """rows per forward pass during rollouts (generation, reference, critic, reward)"""
+    use_vllm: bool = False
+    """sample the rollouts with vLLM (pip install -r requirements-vllm.txt); the old logprobs still come from
+    the training forward pass"""
+    vllm_mode: Literal["colocate"] = "colocate"
+    """colocate: a vLLM engine in each training process, on its device (TRL's server mode is not provided)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of the GPU memory the vLLM engine takes (on CPU: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)"""
+    vllm_tensor_parallel_size: int = 1
+    """processes that share one vLLM engine, tensor-parallel (must divide the number of processes)"""
     recompute_old_logprobs: Literal["auto", "true", "false"] = "auto"
     """recompute the logprobs of the sampled tokens with the training forward pass instead of taking sampling's
     (cached, token by token): they differ in bf16, so the ratio would not start at 1. auto: true under bf16"""
@@ -460,17 +470,20 @@ def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
 
 @torch.no_grad()
 def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update, first_prompt,
-            recompute_old_logprobs):  # fmt: skip
+            recompute_old_logprobs, engine=None):  # fmt: skip
     """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs. The chunk of
     prompts p.. is sampled with the noise of (seed, update, first_prompt + p), first_prompt being the index of
     this process's first prompt in the update's global batch. The "old" logprobs are sampling's, or those of
-    the training forward pass with `recompute_old_logprobs`."""
+    the training forward pass with `recompute_old_logprobs`. With `engine` (--use_vllm), vLLM samples."""
     Q, chunk = queries.size(1), args.local_rollout_forward_batch_size
     query_responses, logprobs = [], []
+    if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+        engine.sync_weights(model, accelerator, "policy")
+    generate = engine.generate if engine is not None else utils.generate
     with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
         for i in range(0, queries.size(0), chunk):
             noise = sampling_generator(args.seed, update, first_prompt + i, device=queries.device)
-            chunk_query_responses, chunk_logprobs = utils.generate(
+            chunk_query_responses, chunk_logprobs = generate(
                 unwrapped.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
                 args.temperature, chunk, noise,
             )  # fmt: skip
@@ -534,6 +547,7 @@ def main(args: Args) -> dict:
 
     # 1. Flags, accelerator and data: everything that can be checked before a model is loaded.
     check_args(args)
+    utils.vllm.check_args(args)
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
@@ -631,6 +645,8 @@ def main(args: Args) -> dict:
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_model = utils.run.prepare_frozen(ref_model, accelerator)
+    max_model_len = max(map(len, train_rows)) + args.response_length
+    engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len) if args.use_vllm else None
     reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
     accelerator.print(scorer.describe())
@@ -683,7 +699,7 @@ def main(args: Args) -> dict:
         with accelerator.autocast():
             data = rollout(
                 args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update,
-                rank * args.local_batch_size, recompute_old_logprobs,
+                rank * args.local_batch_size, recompute_old_logprobs, engine,
             )  # fmt: skip
         mask, scores = data["mask"], data["scores"]
         utils.run.check_finite(update, accelerator, scores=scores)
