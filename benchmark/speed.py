@@ -487,6 +487,8 @@ def main(args: Args) -> dict:
     failures, specs = [], {}
     started = time.time()
 
+    lock = threading.Lock()
+
     def measure(i, algorithm, side):
         spec = workload(algorithm, args, world, os.path.join(work, f"{algorithm}-{side}"))
         specs[algorithm] = spec
@@ -500,6 +502,10 @@ def main(args: Args) -> dict:
             failures.append(str(error))
             print(f"FAILED {error}", flush=True)
             return None
+        with lock:  # runs.json keeps every finished run if the benchmark is interrupted (see --from_runs)
+            runs[algorithm][side][i] = result
+            with open(os.path.join(work, "runs.json"), "w") as f:
+                json.dump(runs, f)
         print(f"run {i + 1}/{args.runs} {algorithm:6s} {side:4s}: {result['throughput']:8.1f} {spec['unit']}/s "
               f"in-loop ({result['throughput_cpu']:8.1f} per CPU second), {result['wall_s']:6.1f} s wall, "
               f"{result['cpu_s']:5.1f} s CPU, {result['peak_rss_mib']:5.0f} MiB peak RSS, "
@@ -517,12 +523,12 @@ def main(args: Args) -> dict:
     # other); with --parallel > 1 the next runs of the round start as earlier ones end.
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for i in range(0 if args.from_runs else args.runs):
-            jobs = [(algorithm, side) for algorithm in algorithms for side in sides]
-            results = list(pool.map(lambda job, i=i: measure(i, *job), jobs))
-            for (algorithm, side), result in zip(jobs, results):
-                runs[algorithm][side].append(result)
-            with open(os.path.join(work, "runs.json"), "w") as f:  # kept if a later round is interrupted
-                json.dump(runs, f)
+            for algorithm in algorithms:
+                for side in sides:
+                    runs[algorithm][side].append(
+                        None
+                    )  # a failed run stays None, so run i still pairs with run i
+            list(pool.map(lambda job, i=i: measure(i, *job), [(a, s) for a in algorithms for s in sides]))
     summary = summarize(runs)
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
