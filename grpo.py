@@ -37,6 +37,7 @@ import utils.checkpoint
 import utils.data
 import utils.run
 import utils.scoring
+import utils.vllm
 
 
 @dataclass
@@ -107,6 +108,15 @@ class Args:
     """leave completions that reached max_completion_length without EOS out of the loss (DAPO)"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / reference / reward-model forward pass"""
+    use_vllm: bool = False
+    """sample the rollouts with vLLM (pip install -r requirements-vllm.txt); the old logprobs still come from
+    the training forward pass"""
+    vllm_mode: Literal["colocate"] = "colocate"
+    """colocate: a vLLM engine in each training process, on its device (TRL's server mode is not provided)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of the GPU memory the vLLM engine takes (on CPU: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)"""
+    vllm_tensor_parallel_size: int = 1
+    """processes that share one vLLM engine, tensor-parallel (must divide the number of processes)"""
 
     # Algorithm
     learning_rate: float = 1e-6
@@ -354,6 +364,7 @@ def main(args: Args) -> None:
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size
     )
     fill_sizes(args, accelerator.num_processes)
+    utils.vllm.check_args(args)
     if not args.resume_from_checkpoint:
         utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_fns = [utils.load_reward_fn(spec) for spec in args.reward_funcs or []]
@@ -391,6 +402,11 @@ def main(args: Args) -> None:
         policy.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    engine = None  # with --use_vllm, a vLLM engine samples the completions
+    if args.use_vllm:
+        max_model_len = max(map(len, prompt_ids)) + args.max_completion_length
+        engine = utils.vllm.Engine(args, accelerator, args.model_name_or_path, max_model_len)
+    generate = engine.generate if engine is not None else utils.generate
     if ref_policy is not None:
         ref_policy = utils.run.bare(utils.run.prepare_frozen(ref_policy, accelerator))
     if reward_model is not None:
@@ -436,6 +452,8 @@ def main(args: Args) -> None:
         completion_rows = torch.arange(B, device=device)
         policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
         responses, sampled_logprobs = [], []
+        if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+            engine.sync_weights(policy, accelerator)
         with (
             torch.no_grad(),
             accelerator.autocast(),
@@ -443,7 +461,7 @@ def main(args: Args) -> None:
         ):
             for rows in completion_rows.split(chunk):  # prompts repeated chunk by chunk, not G times at once
                 prompt = rows % P
-                query_responses, logprobs = utils.generate(
+                query_responses, logprobs = generate(
                     model, queries[prompt], query_mask[prompt], R, T, chunk, sampling_generator
                 )
                 responses.append(query_responses[:, context_length:])
