@@ -53,6 +53,14 @@ def test_missing_vllm_is_one_sentence(monkeypatch):
         utils.vllm.check_args(vllm_args())
 
 
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed: this checks the message given without it")
+def test_use_vllm_without_vllm_fails_before_loading_models(tmp_path):
+    proc = run_script(["rloo.py", "--use_vllm", "--sft_model_path", str(tmp_path / "nowhere"), "--reward_fn",
+                       "r.py:f", "--dataset_name", str(tmp_path / "nowhere.jsonl")], check=False)  # fmt: skip
+    assert proc.returncode == 2 and "rloo.py: error: --use_vllm needs vLLM" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 # ------------------------------------------------------------------------------------------- the engine in-process
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
@@ -219,53 +227,183 @@ def read_metrics(tmp_path, name):
     ]
 
 
-def run_flags(world, tmp_path, name, *extra):
+def run_flags(world, tmp_path, script, name, *extra):
+    """A short run of `script` with --use_vllm on the tiny world's random policy, rewarded for key words."""
     import tiny_world
 
     (tmp_path / "reward.py").write_text(KEY_WORDS_REWARD.format(keys=tiny_world.KEY_WORDS))
-    return [
-        "--use_vllm", "--sft_model_path", str(world / "policy"), "--dataset_name", str(world / "dataset"),
-        "--dataset_train_split", "sft", "--reward_fn", f"{tmp_path / 'reward.py'}:key_words",
-        "--response_length", "8", "--num_sample_generations", "0", "--logging_dir", str(tmp_path / "runs"),
-        "--output_dir", str(tmp_path / name), "--run_name", name, *extra,
+    reward = f"{tmp_path / 'reward.py'}:key_words"
+    common = [
+        "--use_vllm", "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft",
+        "--num_sample_generations", "0", "--logging_dir", str(tmp_path / "runs"), "--output_dir", str(tmp_path / name),
+        "--run_name", name,
     ]  # fmt: skip
+    if script == "grpo.py":
+        return [*common, "--model_name_or_path", str(world / "policy"), "--reward_funcs", reward,
+                "--max_completion_length", "8", *extra]  # fmt: skip
+    return [*common, "--sft_model_path", str(world / "policy"), "--reward_fn", reward, "--response_length", "8",
+            *extra]  # fmt: skip
+
+
+# Per script: flags of a learning-rate-0 run of 2 updates with 2 passes over each batch; the names of the ratio,
+# clip-fraction and score metrics.
+INVARIANT = {
+    "rloo.py": (
+        [
+            "--total_episodes",
+            "16",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_ppo_epochs",
+            "2",
+            "--cliprange",
+            "0.001",
+        ],
+        "val/ratio",
+        "policy/clipfrac_avg",
+        "objective/scores",
+    ),  # fmt: skip
+    "ppo.py": (
+        [
+            "--total_episodes",
+            "16",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_ppo_epochs",
+            "2",
+            "--cliprange",
+            "0.001",
+        ],
+        "val/ratio",
+        "policy/clipfrac_avg",
+        "objective/scores",
+    ),  # fmt: skip
+    "grpo.py": (
+        [
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_steps",
+            "2",
+            "--num_iterations",
+            "2",
+            "--epsilon",
+            "0.001",
+        ],
+        "ratio",
+        "clip_ratio/region_mean",
+        "reward",
+    ),  # fmt: skip
+}
 
 
 @needs_vllm
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+@pytest.mark.parametrize(  # each run costs about 15 s of CPU: rloo.py in CI, the others with -m slow
+    "script",
+    [
+        "rloo.py",
+        pytest.param("ppo.py", marks=pytest.mark.slow),
+        pytest.param("grpo.py", marks=pytest.mark.slow),
+    ],
+)
 def test_first_update_ratio_is_one_with_vllm(world, tmp_path, script):
     """Learning rate 0: the update's forward gives back the rollout's logprobs exactly (ratio 1, nothing
     clipped), because they come from the training forward and not from vLLM."""
-    flags = run_flags(world, tmp_path, "inv", "--learning_rate", "0", "--total_episodes", "16",
-                      "--per_device_train_batch_size", "8", "--num_ppo_epochs", "2", "--cliprange", "0.001")  # fmt: skip
-    run_script([script, *flags])
-    for metrics in read_metrics(tmp_path, "inv"):
-        assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
-        assert metrics["policy/clipfrac_avg"] == 0.0
+    flags, ratio, clipped, _ = INVARIANT[script]
+    run_script([script, *run_flags(world, tmp_path, script, "inv", "--learning_rate", "0", *flags)])
+    lines = read_metrics(tmp_path, "inv")
+    assert len(lines) == 2
+    for metrics in lines:
+        assert metrics[ratio] == pytest.approx(1.0, abs=1e-5)
+        assert metrics[clipped] == 0.0
+
+
+LEARN = {
+    "rloo.py": [
+        "--rloo_k",
+        "4",
+        "--per_device_train_batch_size",
+        "16",
+        "--learning_rate",
+        "3e-3",
+        "--total_episodes",
+        "320",
+        "--num_ppo_epochs",
+        "1",
+        "--kl_coef",
+        "0.01",
+        "--lr_scheduler_type",
+        "constant",
+    ],  # fmt: skip
+    "ppo.py": [
+        "--per_device_train_batch_size",
+        "16",
+        "--learning_rate",
+        "3e-3",
+        "--total_episodes",
+        "320",
+        "--num_ppo_epochs",
+        "2",
+        "--max_prompt_length",
+        "8",
+    ],  # fmt: skip
+    "grpo.py": [
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "16",
+        "--learning_rate",
+        "1e-2",
+        "--max_grad_norm",
+        "0",
+        "--max_steps",
+        "20",
+        "--lr_scheduler_type",
+        "constant",
+        "--epsilon_high",
+        "0.28",
+        "--seed",
+        "2",
+    ],  # fmt: skip
+}
 
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+@pytest.mark.parametrize("script", sorted(LEARN))
 def test_rule_based_reward_rises_with_vllm(world, tmp_path, script):
     """Rewarded for key words, the policy learns to say them within 20 updates while sampling with vLLM; this
     fails if the engine keeps the starting weights (its samples would never improve)."""
-    extra = ["--rloo_k", "4"] if script == "rloo.py" else ["--max_prompt_length", "8"]
-    flags = run_flags(world, tmp_path, "learn", "--per_device_train_batch_size", "16", "--learning_rate", "3e-3",
-                      "--total_episodes", "320", "--num_ppo_epochs", "2", "--kl_coef", "0.01", *extra)  # fmt: skip
-    run_script([script, *flags], timeout=600)
-    scores = [m["objective/scores"] for m in read_metrics(tmp_path, "learn")]
+    run_script([script, *run_flags(world, tmp_path, script, "learn", *LEARN[script])], timeout=900)
+    scores = [m[INVARIANT[script][3]] for m in read_metrics(tmp_path, "learn")]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
     assert len(scores) == 20 and last > first + 1.0, scores
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_two_processes_with_colocated_engines(world, tmp_path):
-    """2 processes (gloo), one engine in each (vLLM's external launcher); each process samples its own prompts."""
-    flags = run_flags(world, tmp_path, "ddp", "--rloo_k", "2", "--per_device_train_batch_size", "4",
-                      "--learning_rate", "1e-3", "--total_episodes", "16", "--num_ppo_epochs", "1")  # fmt: skip
-    run_torchrun(["rloo.py", *flags], nproc=2, timeout=600)
-    metrics = read_metrics(tmp_path, "ddp")
-    assert [m["episode"] for m in metrics] == [8, 16]
-    assert all(math.isfinite(m["loss/policy_avg"]) for m in metrics)
+def test_two_processes_with_colocated_engines_sample_what_one_process_does(world, tmp_path):
+    """2 processes (gloo), one engine in each (vLLM's external launcher). rloo.py keys the sampling noise by
+    update, completion and prompt, and the engine draws one seed per row from it: 1 and 2 processes with the
+    same global batch sample the same completions, so the first update's scores agree."""
+    flags = [
+        "--rloo_k",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--total_episodes",
+        "32",
+        "--num_ppo_epochs",
+        "1",
+        "--local_rollout_forward_batch_size",
+        "4",
+    ]  # chunks of 4 prompts: the same chunks in both runs
+    run_torchrun(["rloo.py", *run_flags(world, tmp_path, "rloo.py", "two", "--per_device_train_batch_size", "8",
+                                        *flags)], nproc=2, timeout=900)  # fmt: skip
+    run_script(["rloo.py", *run_flags(world, tmp_path, "rloo.py", "one", "--per_device_train_batch_size", "16",
+                                      *flags)], timeout=900)  # fmt: skip
+    two, one = read_metrics(tmp_path, "two"), read_metrics(tmp_path, "one")
+    assert [m["episode"] for m in two] == [16, 32] == [m["episode"] for m in one]
+    assert two[0]["objective/scores"] == pytest.approx(one[0]["objective/scores"], abs=1e-6)
+    assert all(math.isfinite(m["loss/policy_avg"]) for m in two)
