@@ -556,6 +556,7 @@ def main(args: Args) -> dict:
     unwrapped.save_pretrained(
         tmp_dir, is_main_process=is_main, save_function=accelerator.save, state_dict=state_dict
     )
+    accelerator.wait_for_everyone()  # every process is done with tmp_dir before it is moved in
     if is_main:
         tokenizer.save_pretrained(tmp_dir)
         algorithm, dataset = f"DPO (loss_type={args.loss_type}, beta={args.beta})", args.dataset_name

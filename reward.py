@@ -366,7 +366,6 @@ def load_data(args: Args, tokenizer) -> dict:
 
 
 def main(args: Args) -> None:
-    from contextlib import nullcontext
 
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
@@ -524,11 +523,9 @@ def main(args: Args) -> None:
 
     # --- normalisation: reference completions' mean score -> 0 (std -> 1), measured again after reloading ---
     # Every process loads the whole saved model (outside ZeRO-3's sharded init) and scores its share.
-    plugin = accelerator.state.deepspeed_plugin
-    unsharded = plugin.zero3_init_context_manager(enable=False) if plugin is not None else nullcontext()
     if args.normalize:
         norm_loader = accelerator.prepare(loader(data["normalize"][0], args.per_device_eval_batch_size))
-        with unsharded:
+        with utils.run.unsharded_loading(accelerator):
             trained = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
         before = gather_scores(ScoreModel(trained), norm_loader, accelerator)[0][:, 0]
         mean, std = before.mean().item(), before.std().item()
@@ -538,7 +535,7 @@ def main(args: Args) -> None:
         if is_main:
             save_reward_model(trained, args.output_dir)
         accelerator.wait_for_everyone()
-        with unsharded:
+        with utils.run.unsharded_loading(accelerator):
             reloaded = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
         after = gather_scores(ScoreModel(reloaded), norm_loader, accelerator)[0][:, 0]
         stats = {"normalize/mean_before": mean, "normalize/std_before": std}

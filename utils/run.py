@@ -189,6 +189,23 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     return engine
 
 
+@contextmanager
+def unsharded_loading(accelerator) -> Iterator[None]:
+    """Inside this block `from_pretrained` loads whole weights even under ZeRO-3 with zero3_init_flag (whose
+    sharded init would otherwise leave every process an empty shard of a model that only it uses)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 def bare(model: nn.Module) -> nn.Module:
     """The transformers model inside a DDP or DeepSpeed wrapper (the model itself otherwise)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
