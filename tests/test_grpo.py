@@ -183,6 +183,18 @@ def test_grpo_aggregation_weighs_long_completions_tokens_less():
     assert logp.grad[0, 0].item() == logp.grad[1, 0].item() == pytest.approx(-0.125)
 
 
+def test_verifiable_benchmark_reward_is_an_exact_match():
+    import verifiable
+
+    prompt = "SUBREDDIT: r/pets\n\nTITLE: so dog sad\n\nPOST: my dog was sad and the vet told rent\n\nTL;DR:"
+    assert verifiable.post_facts(prompt) == ["dog", "vet", "rent"]  # the title's key word is not a fact
+    completions = [" dog vet rent", " dog vet", " dog vet rent tbh", " vet dog rent", "dog  vet rent"]
+    assert verifiable.facts_in_order([prompt] * 5, completions) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    # loadable the way grpo.py and rloo.py load a reward function
+    fn = utils.load_reward_fn(str(Path(verifiable.__file__)) + ":facts_in_order")
+    assert fn([prompt], [" dog vet rent"]) == [1.0]
+
+
 # ---------------------------------------------------------------------------------------------- batch arithmetic
 def parse(flags):
     return utils.run.parse_args(grpo.Args, ["--model_name_or_path", "m", "--reward_funcs", "f.py:f", *flags])
