@@ -389,8 +389,12 @@ def load_reward_fn(spec: str) -> Callable:
         raise ValueError(f"--reward_fn must look like path/to/file.py:function, got {spec!r}.")
     if not os.path.isfile(path):
         raise ValueError(f"--reward_fn file {path} does not exist.")
-    module_spec = importlib.util.spec_from_file_location("reward_fn_module", path)
+    import sys
+
+    module_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up there
     module_spec.loader.exec_module(module)
     if not callable(getattr(module, name, None)):
         raise ValueError(f"--reward_fn file {path} defines no function named {name!r}.")
