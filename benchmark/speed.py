@@ -344,10 +344,11 @@ def summarize(runs: dict) -> dict:
             "wall_s",
             "cpu_s",
             "peak_rss_mib",
+            "peak_anon_mib",
             "before_loop_s",
             "after_loop_s",
         ):
-            values = {side: [run and run[figure] for run in sides[side]] for side in sides}
+            values = {side: [run and run.get(figure) for run in sides[side]] for side in sides}
             entry[figure] = {side: statistics.median([x for x in v if x is not None])
                              for side, v in values.items() if any(x is not None for x in v)}  # fmt: skip
             for other in ("trl", "bare"):
@@ -555,6 +556,10 @@ def main(args: Args) -> dict:
         "units": units,
         "commands": {a: {"ours": specs[a]["ours_command"]} for a in algorithms},
         "workloads": {a: {k: v for k, v in specs[a].items() if k != "ours_command"} for a in algorithms},
+        "pairs": {
+            a: sum(r is not None and t is not None for r, t in zip(runs[a]["ours"], runs[a]["trl"]))
+            for a in runs
+        },
         "summary": summary,
         "runs": runs,
         "failures": failures,
@@ -565,8 +570,14 @@ def main(args: Args) -> dict:
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
     trl_names = ", ".join(f"TRL {v['trl']} ({k})" for k, v in trl_versions.items())
+    pairs = {
+        a: sum(r is not None and t is not None for r, t in zip(runs[a]["ours"], runs[a]["trl"])) for a in runs
+    }
+    counts = (
+        ", ".join(f"{a} {n}" for a, n in pairs.items()) if len(set(pairs.values())) > 1 else str(args.runs)
+    )
     plot(summary, os.path.splitext(args.output)[0] + ".png",
-         f"median over {args.runs} interleaved runs (bars: min-max over pairs), 2-core CPU; {trl_names}")  # fmt: skip
+         f"medians over interleaved runs (pairs: {counts}; whiskers: min-max over pairs), shared 2-core CPU; {trl_names}")  # fmt: skip
     print(table(summary, units))
     print(f"TRL: {trl_names}; {len(failures)} failed runs; {result['total_seconds']:.0f} s in all")
     return result
