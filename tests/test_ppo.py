@@ -443,7 +443,11 @@ def test_bad_inputs_fail_before_loading_models(world, tmp_path, fresh_accelerate
     (tmp_path / "no_prompt.jsonl").write_text('{"text": "a"}\n' * 8)
     (tmp_path / "f.py").write_text("def f(p, c):\n    return [0.0] * len(c)\n")
     args = in_process_args(
-        world, tmp_path, dataset_name=str(tmp_path / "no_prompt.jsonl"), reward_fn=f"{tmp_path}/f.py:f"
+        world,
+        tmp_path,
+        dataset_name=str(tmp_path / "no_prompt.jsonl"),
+        dataset_train_split="train",
+        reward_fn=f"{tmp_path}/f.py:f",
     )
     with pytest.raises(
         ValueError, match=r"missing column\(s\) \['prompt'\]: expected \['prompt'\], found \['text'\]"

@@ -322,7 +322,7 @@ def test_first_update_recomputes_the_sampling_logprobs(lab, world, tmp_path):
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_mini_batches", "2",
         "--num_ppo_epochs", "2", "--cliprange", "0.001", "--total_episodes", "32", "--temperature", "0.7",
         "--stop_token", "eos", "--missing_eos_penalty", "1.0", "--local_rollout_forward_batch_size", "6",
-        "--num_sample_generations", "1", "--dataset_test_split", "validation",
+        "--num_sample_generations", "1",
     ]  # fmt: skip
     proc = run_script(["rloo.py", *flags], timeout=300)
     assert "update 1" in proc.stdout  # the sample table
