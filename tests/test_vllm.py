@@ -16,7 +16,7 @@ import torch
 
 import utils
 import utils.vllm
-from conftest import run_script, run_torchrun
+from conftest import run_deepspeed, run_script, run_torchrun
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -409,3 +409,20 @@ def test_two_processes_with_colocated_engines_sample_what_one_process_does(world
     assert [m["episode"] for m in two] == [16, 32] == [m["episode"] for m in one]
     assert two[0]["objective/scores"] == pytest.approx(one[0]["objective/scores"], abs=1e-6)
     assert all(math.isfinite(m["loss/policy_avg"]) for m in two)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_zero3_gathers_the_policy_for_the_engines(world, tmp_path):
+    """DeepSpeed ZeRO-3 on 2 CPU processes: before each rollout the sharded policy is gathered into each engine,
+    so the run samples what 1 process does at the same global batch (first update: the same completions)."""
+    flags = ["--rloo_k", "2", "--learning_rate", "1e-3", "--total_episodes", "32", "--num_ppo_epochs", "1",
+             "--local_rollout_forward_batch_size", "4"]  # fmt: skip
+    run_deepspeed(["rloo.py", *run_flags(world, tmp_path, "rloo.py", "zero3", "--per_device_train_batch_size", "8",
+                                         *flags)], tmp_path, zero_stage=3, timeout=900)  # fmt: skip
+    run_script(["rloo.py", *run_flags(world, tmp_path, "rloo.py", "one", "--per_device_train_batch_size", "16",
+                                      *flags)], timeout=900)  # fmt: skip
+    zero3, one = read_metrics(tmp_path, "zero3"), read_metrics(tmp_path, "one")
+    assert [m["episode"] for m in zero3] == [16, 32] == [m["episode"] for m in one]
+    assert zero3[0]["objective/scores"] == pytest.approx(one[0]["objective/scores"], abs=1e-6)
+    assert zero3[1]["objective/scores"] == pytest.approx(one[1]["objective/scores"], abs=0.2)
