@@ -181,11 +181,12 @@ class Checkpointer:
                 os.path.join(path, f"{name}.safetensors"),
                 device=str(device) if device.type != "cpu" else "cpu",
             )
-            if name in optimizers:
+        if self.accelerator.state.deepspeed_plugin is None:  # DeepSpeed's checkpoint held the optimizers
+            for name, optimizer in optimizers.items():
                 state = torch.load(
                     os.path.join(path, f"{name}_optimizer.pt"), map_location="cpu", weights_only=True
                 )
-                optimizers[name].load_state_dict(state)
+                optimizer.load_state_dict(state)
         with open(os.path.join(path, f"rng-{self.accelerator.process_index}.json")) as f:
             set_rng_state(json.load(f), generators)
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -226,8 +227,9 @@ class Checkpointer:
                 from safetensors.torch import save_model
 
                 save_model(bare(model), os.path.join(tmp, f"{name}.safetensors"))
-                if name in optimizers:
-                    torch.save(optimizers[name].state_dict(), os.path.join(tmp, f"{name}_optimizer.pt"))
+        if accelerator.state.deepspeed_plugin is None and accelerator.is_main_process:
+            for name, optimizer in optimizers.items():  # (under DeepSpeed they are in its checkpoint)
+                torch.save(optimizer.state_dict(), os.path.join(tmp, f"{name}_optimizer.pt"))
         with open(os.path.join(tmp, f"rng-{accelerator.process_index}.json"), "w") as f:
             json.dump(rng_state(generators), f)
         accelerator.wait_for_everyone()
