@@ -292,7 +292,7 @@ def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path)
         "--dataset_name", str(lab / "prompts.jsonl"), "--learning_rate", "0", "--temperature", "0.7",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "2",
         "--missing_eos_penalty", "1.0", "--local_rollout_forward_batch_size", "6", "--loss_type", "ipo",
-        "--num_sample_generations", "1", "--dataset_test_split", "validation",
+        "--num_sample_generations", "1",
     ]  # fmt: skip
     proc = run_script(["online_dpo.py", *flags], timeout=300)
     assert "update 1" in proc.stdout  # the sample table
