@@ -384,12 +384,9 @@ def main(args: Args) -> dict:
         )
 
     def micro_batch(m: int) -> dict:
-        """This process's m-th micro-batch: a fresh seeded shuffle every epoch, the same on every process,
-        each taking its slice, so that any step can be found again on resume."""
-        epoch, i = divmod(m, micro_per_epoch)
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + rank) * micro
-        batch = collate_fn([train_rows[j] for j in order[start : start + micro].tolist()])
+        """This process's m-th micro-batch (utils.shuffled_micro_batch: found again exactly on resume)."""
+        rows = utils.shuffled_micro_batch(len(train_rows), m, micro, world, rank, args.seed)
+        batch = collate_fn([train_rows[j] for j in rows])
         return {key: value.to(device) for key, value in batch.items()}
 
     load_model = partial(

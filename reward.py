@@ -417,14 +417,9 @@ def main(args: Args) -> None:
         )
 
     def micro_batch(m: int) -> dict:
-        """This process's m-th micro-batch: a fresh seeded shuffle of the pairs every epoch (the same order on
-        every process, each taking its slice), so that any step can be found again on resume."""
-        epoch, i = divmod(m, micro_per_epoch)
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + rank) * micro
-        batch = collate(
-            [train_rows[j] for j in order[start : start + micro].tolist()], tokenizer.pad_token_id
-        )
+        """This process's m-th micro-batch (utils.shuffled_micro_batch: found again exactly on resume)."""
+        rows = utils.shuffled_micro_batch(len(train_rows), m, micro, world, rank, args.seed)
+        batch = collate([train_rows[j] for j in rows], tokenizer.pad_token_id)
         return {key: value.to(device) for key, value in batch.items()}
 
     # --- model: a sequence classifier with one label (a causal LM gets a newly initialised score head) ---

@@ -347,3 +347,19 @@ def test_scores_include_the_stored_normalization_shift(tiny_models):
         finally:
             reward.config.score_bias = None
     torch.testing.assert_close(shifted, plain - 0.25)
+
+
+def test_shuffled_micro_batch_covers_each_row_once_per_epoch_on_any_process_count():
+    rows, micro, seed = 23, 3, 5
+    for world in (1, 2, 3):
+        per_epoch = rows // (micro * world)
+        for epoch in range(2):
+            seen = [
+                i
+                for m in range(epoch * per_epoch, (epoch + 1) * per_epoch)
+                for rank in range(world)
+                for i in utils.shuffled_micro_batch(rows, m, micro, world, rank, seed)
+            ]
+            assert len(seen) == len(set(seen)) == per_epoch * micro * world  # no row twice, tail dropped
+            expected = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+            assert seen == expected[: len(seen)]  # the epoch's seeded order, cut into process slices

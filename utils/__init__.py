@@ -298,6 +298,21 @@ def prompt_batches(
         epoch += 1
 
 
+def shuffled_micro_batch(
+    num_rows: int, m: int, micro: int, world_size: int, rank: int, seed: int
+) -> list[int]:
+    """Row indices of this process's m-th micro-batch of a supervised run: every epoch a fresh shuffle seeded by
+    seed + epoch (the same on every process), cut into global micro-batches of `micro * world_size` rows,
+    process `rank` taking its slice; the incomplete tail of an epoch is dropped. A pure function of m, so a
+    resumed run finds any step again, and one process accumulating k micro-batches sees the rows that k
+    processes see at once."""
+    per_epoch = num_rows // (micro * world_size)
+    epoch, i = divmod(m, per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    start = (i * world_size + rank) * micro
+    return order[start : start + micro].tolist()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reward models and reward functions
 # ----------------------------------------------------------------------------------------------------------------
