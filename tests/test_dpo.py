@@ -378,3 +378,40 @@ def test_two_processes(world, small_data, tmp_path):
     assert logged["eval/logps/chosen"][-1] == pytest.approx(logps.mean().item(), abs=1e-4)
     assert abs(logged["eval/rewards/chosen"][-1]) < 1e-4 and abs(logged["rewards/chosen"][0]) < 1e-4
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "simpo"])
+def test_length_normalized_losses_stay_finite_for_an_empty_completion(loss_type):
+    """IPO and SimPO divide by the completion length; an empty completion (length 0, logprob 0) used to make the
+    whole batch's loss NaN."""
+    args = dpo.Args(loss_type=loss_type)
+    pi = torch.tensor([0.0, -3.0])
+    ref = torch.tensor([0.0, -2.5])
+    lengths = torch.tensor([0.0, 4.0])
+    losses, reward_c, reward_r = dpo.preference_loss(
+        args, pi, pi.flip(0), ref, ref.flip(0), lengths, lengths.flip(0)
+    )
+    assert torch.isfinite(losses).all() and torch.isfinite(reward_c).all() and torch.isfinite(reward_r).all()
+
+
+def test_lora_dropout_is_off_once_disabled_after_wrapping(world):
+    """dpo.py disables dropout after get_peft_model: the adapters' own dropout (lora_dropout) goes too, so two
+    training-mode forward passes agree (before the fix they differed by up to 3 in summed logprob)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import utils
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(world / "policy")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    for module in model.modules():  # a trained adapter, so that its dropout matters
+        if hasattr(module, "lora_B"):
+            for linear in module.lora_B.values():
+                torch.nn.init.normal_(linear.weight, std=0.5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    model.train()
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout is on in the adapters
+    utils.disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
