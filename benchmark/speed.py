@@ -3,7 +3,8 @@
     python benchmark/speed.py --trl_python .venv-trl/bin/python --trl_ppo_python .venv-trl-ppo/bin/python
 
 For each algorithm (sft, reward, dpo, rloo, ppo, and grpo when grpo.py exists) the same workload runs three ways,
-each in its own process, alternating ours, TRL, bare, ours, TRL, bare, ... `--runs` times:
+each in its own process, in `--runs` rounds of ours, TRL, bare for every algorithm (`--parallel` of them at once;
+1 runs them one after the other):
     ours   the script's real command line (sft.py, reward.py, ...);
     trl    TRL's trainer with the same model, data, batch sizes, lengths and number of optimizer steps
            (TRL runs in its own environment, see requirements-trl.txt: the project never imports TRL);
