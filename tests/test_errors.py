@@ -35,7 +35,7 @@ CASES = [
         ["--resume_from_checkpoint", "latest"],
         ["--resume_from_checkpoint", "no complete checkpoint"],
     ),
-    ("sft.py", ["--bf16", "maybe"], ["--bf16", "true or false"]),
+    ("sft.py", ["--bf16=maybe"], ["--bf16", "true or false"]),
     ("reward.py", ["--dataset_name", "{wrong}", "--eval_strategy", "no"], ["wrong.jsonl"]),
     ("reward.py", ["--model_name_or_path", "some-org/not-here-model"], ["--model_name_or_path", "hub"]),
     ("reward.py", ["--resume_from_checkpoint", "{tmp}"], ["--resume_from_checkpoint", "not a checkpoint"]),

@@ -334,7 +334,10 @@ def test_bad_input_fails_with_one_clear_sentence(world, tmp_path):
     LlamaForSequenceClassification(config).save_pretrained(classifier)
     AutoTokenizer.from_pretrained(world / "tokenizer").save_pretrained(classifier)
     cases = [
-        (dict(dataset_name=str(only_two), dataset_test_split=None), r"missing column\(s\) \['rejected'\]"),
+        (
+            dict(dataset_name=str(only_two), dataset_train_split="train", dataset_test_split=None),
+            r"missing column\(s\) \['rejected'\]",
+        ),
         (dict(model_name_or_path=str(classifier)), "classifier with 2 labels"),
         (dict(max_length=2), "every row is longer than --max_length 2"),
         (dict(eval_group_by="kind"), r"missing column\(s\) \['kind'\]"),
