@@ -84,8 +84,11 @@ def one_process(world, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+@pytest.mark.parametrize(
+    "script, stage",
+    [("sft.py", 2), ("sft.py", 3), pytest.param("reward.py", 2, marks=pytest.mark.slow), ("reward.py", 3),
+     ("dpo.py", 2), ("dpo.py", 3)],
+)  # fmt: skip
 def test_deepspeed_runs_saves_and_matches_one_process(script, stage, world, tmp_path, one_process):
     out = tmp_path / "out"
     proc = run_deepspeed(flags(script, world, out, f"zero{stage}", 2), tmp_path, stage)

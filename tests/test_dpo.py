@@ -343,6 +343,7 @@ def test_copied_script_learns_preferences_sigmoid(world, tmp_path):
     }
 
 
+@pytest.mark.slow  # kept out of CI for time; run with -m slow
 def test_ipo_with_precomputed_reference_learns_preferences(world, tmp_path):
     run_script(
         ["dpo.py", "--model_name_or_path", str(world / "policy"), "--dataset_name", str(world / "dataset"),

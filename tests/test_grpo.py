@@ -334,6 +334,7 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.slow  # kept out of CI for time; run with -m slow
 def test_rule_reward_is_learned_and_resume_is_exact(world, lab, tmp_path):
     """From the random tiny policy, a reward for emitting key words rises within 16 steps (dapo, clip-higher);
     a run resumed from its step-8 checkpoint ends with the same weights as the uninterrupted one."""

@@ -80,7 +80,14 @@ def logged_steps(run_dir):
     return [r["step"] for r in records if any(key.endswith("lr") for key in r)]  # the training lines
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize(
+    "script",
+    [
+        "sft.py",
+        pytest.param("reward.py", marks=pytest.mark.slow),
+        pytest.param("dpo.py", marks=pytest.mark.slow),
+    ],
+)  # the mechanism is shared (utils.checkpoint, utils.shuffled_micro_batch): one script in CI, all with -m slow
 def test_sigkill_then_resume_gives_the_same_weights(script, world, tmp_path):
     flags = SCRIPTS[script]
     run_script([script, *flags(world, tmp_path / "straight", "straight")])
