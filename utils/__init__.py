@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -194,24 +193,6 @@ def batched_response_logprobs(
         logits = response_logits(model, qr, am, context_length, temperature)
         out.append(logprobs_from_logits(logits, qr[:, context_length:]))
     return torch.cat(out)
-
-
-@contextmanager
-def unwrapped_for_generation(
-    model: nn.Module, accelerator, attribute: str | None = None
-) -> Iterator[nn.Module]:
-    """The bare model (or its submodule `attribute`) for the many small forwards of sampling; under DeepSpeed
-    ZeRO-3 its sharded parameters are gathered for the duration (GPU-only path, untested here)."""
-    unwrapped = accelerator.unwrap_model(model)
-    sampler = getattr(unwrapped, attribute) if attribute else unwrapped
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield sampler
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(sampler.parameters())):
-        yield sampler
 
 
 @torch.no_grad()
@@ -523,9 +504,11 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
 def tokenize_prompts(
     tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None
 ) -> list[list[int]]:
-    """Token ids of each prompt, without special tokens added, keeping the last `max_prompt_length` tokens."""
-    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    return [row[-max_prompt_length:] if max_prompt_length else row for row in ids]
+    """Token ids of each prompt as the scripts feed them (utils.data.tokenize_prompts: a BOS only where the
+    tokenizer adds one itself), keeping the last `max_prompt_length` tokens."""
+    from utils import data
+
+    return data.tokenize_prompts(tokenizer, prompts, max_prompt_length)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -350,13 +350,6 @@ def check_finite(step: int, accelerator=None, **values) -> None:
         raise NonFiniteError(f"step {step}: {', '.join(bad)} is not finite (NaN or inf); {kept}.")
 
 
-def dump_args(args) -> dict:
-    """The run's flags as a JSON-safe dict (for model cards and checkpoints)."""
-    return {
-        k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | type(None))
-    }
-
-
 __all__ = [
     "NonFiniteError",
     "TrainingInterrupted",
@@ -364,7 +357,6 @@ __all__ = [
     "bare",
     "check_finite",
     "clip_grad_norm",
-    "dump_args",
     "gathered_for_generation",
     "grad_norm_after_step",
     "make_accelerator",
