@@ -60,7 +60,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow a non-empty --output_dir (its files are replaced only once training has finished)"""
     push_to_hub: bool = False
-    """push --output_dir to the Hugging Face hub at the end (repository named after --output_dir)"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
     save_total_limit: int | None = None
@@ -340,7 +342,7 @@ def main(args: Args) -> dict:
     from accelerate.utils import broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+    from transformers import AutoModelForCausalLM, get_scheduler
 
     if args.max_prompt_length == Args.max_prompt_length and args.max_prompt_length >= args.max_length:
         args.max_prompt_length = max(1, args.max_length // 2)  # the default follows a smaller --max_length
@@ -356,10 +358,7 @@ def main(args: Args) -> dict:
     set_seed(args.seed)
 
     # Data first: missing columns and impossible lengths fail before any model is loaded.
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: padding is read from attention masks only
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
     (train_rows, train_counts), (eval_rows, eval_counts) = [
         tokenize_dataset(
@@ -394,7 +393,7 @@ def main(args: Args) -> dict:
     )
     model = load_model()
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        utils.enable_gradient_checkpointing(model)
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -568,10 +567,7 @@ def main(args: Args) -> dict:
             f"saved to {args.output_dir}; test accuracy {final.get('eval/rewards/accuracies', float('nan')):.4f}"
         )
         if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo_id = HfApi().create_repo(name, exist_ok=True).repo_id
-            HfApi().upload_folder(repo_id=repo_id, folder_path=args.output_dir)
+            utils.checkpoint.push_to_hub(args)
     tracker.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

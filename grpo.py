@@ -62,7 +62,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
-    """push --output_dir to the hub (repo named after the folder) at the end"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """save a checkpoint every this many optimizer steps (0: only when stopped by a signal)"""
     save_total_limit: int | None = None
@@ -74,7 +76,9 @@ class Args:
     model_name_or_path: str | None = None
     """the policy to start from (hub id or local dir) and its tokenizer; also the reference model when beta > 0"""
     reward_funcs: list[str] | None = None
-    """reward functions, each path/to/file.py:function called as function(prompts, completions) -> floats"""
+    """reward functions, each path/to/file.py:function returning one float per completion: called as
+    function(prompts, completions) on texts, or, when it takes **kwargs, as TRL calls it (keywords prompts,
+    completions and every dataset column, e.g. solution; messages for conversational prompts)"""
     reward_model_path: str | None = None
     """a sequence classifier (one label) as one more reward, after the --reward_funcs"""
     reward_tokenizer_path: str | None = None
@@ -340,16 +344,6 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------------------
-def query_response_rows(queries, query_mask, responses, response_mask, idx):
-    """Rows `idx` of the completion-major batch, built at forward time from the prompts stored once: completion
-    row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
-    prompt = idx % queries.size(0)
-    return (
-        torch.cat([queries[prompt], responses[idx]], 1),
-        torch.cat([query_mask[prompt], response_mask[idx]], 1),
-    )
-
-
 def reward_name(spec: str) -> str:
     """The name a reward is logged under: the function's name, or the reward model folder's."""
     return spec.rpartition(":")[2] if ":" in spec else os.path.basename(os.path.normpath(spec))
@@ -357,7 +351,7 @@ def reward_name(spec: str) -> str:
 
 def main(args: Args) -> None:
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     # 0. Checks and data: everything that can be checked before loading a model.
     accelerator = utils.run.make_accelerator(
@@ -377,11 +371,8 @@ def main(args: Args) -> None:
 
     # 1. Models: the policy; the frozen reference only when beta > 0; the reward model if any. Dropout off, so
     # the logprobs of the training forward pass equal those of sampling.
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
-    if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
@@ -393,13 +384,9 @@ def main(args: Args) -> None:
         )
         utils.disable_dropout(ref_policy)
     if args.reward_model_path:
-        reward_model = utils.from_pretrained(
-            AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
-        )
-        utils.score_head(reward_model)  # refuses a model with more than one label
-        utils.disable_dropout(reward_model)
+        reward_model = utils.load_reward_model(args.reward_model_path)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        utils.enable_gradient_checkpointing(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     engine = None  # with --use_vllm, a vLLM engine samples the completions
@@ -418,6 +405,8 @@ def main(args: Args) -> None:
         )
         scorers.append(utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
     weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
+    # TRL-style reward functions (with **kwargs) get every dataset column of their rows, e.g. a `solution`.
+    columns = {name: utils.data.column(dataset, name) for name in dataset.column_names} if reward_fns else {}
 
     # Resume: the weights, optimizer and random generators; the prompt iterator is replayed to its place.
     P, B = args.local_prompts_per_generation, args.local_generation_batch_size
@@ -446,7 +435,8 @@ def main(args: Args) -> None:
     while step < args.total_steps:
         # 2. Generation: P prompts stored once [P, Q], G * P completions in completion-major order (row i <-
         # prompt i % P), sampled with their logprobs and truncated after EOS. The groups stay on this process.
-        queries, query_mask = utils.left_pad([prompt_ids[i] for i in next(batches)], pad_id, device)
+        examples = next(batches)  # dataset indices of this process's P prompts
+        queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         generation += 1
         context_length = queries.size(1)
         completion_rows = torch.arange(B, device=device)
@@ -470,14 +460,18 @@ def main(args: Args) -> None:
         responses, lengths = utils.truncate_response(torch.cat(responses), eos_id, pad_id)
         response_mask = utils.lengths_to_mask(lengths, R)
         has_eos = ((responses == eos_id) & response_mask).any(1)
-        rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+        rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
 
         # 3. Rewards of every reward function / model, their weighted sum, and the group-relative advantages.
         rewards_per_func, ref_logprobs = [], []
         with torch.no_grad(), accelerator.autocast():
             for idx in completion_rows.split(chunk):
                 rows, mask = rows_at(idx)
-                scores = [scorer(rows, mask, context_length, chunk) for scorer in scorers]
+                of_rows = {
+                    name: [values[examples[p]] for p in (idx % P).tolist()]
+                    for name, values in columns.items()
+                }
+                scores = [scorer(rows, mask, context_length, chunk, columns=of_rows) for scorer in scorers]
                 rewards_per_func.append(torch.stack(scores, 1).float())
                 if ref_policy is not None:
                     ref_logprobs.append(utils.batched_response_logprobs(ref_policy, rows, mask, context_length,
@@ -582,32 +576,20 @@ def main(args: Args) -> None:
         ckpt.maybe_save(step, **checkpointed, state={"generation": generation})
 
         if args.num_sample_generations and (generation % sample_every == 0 or generation == 1):
-            if accelerator.is_main_process:
-                shown = torch.arange(min(P, 4), device=device)
-                utils.print_samples({
-                    "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
-                    "completion": [tokenizer.decode(r[m], skip_special_tokens=True)
-                                   for r, m in zip(responses[shown], response_mask[shown])],
-                    "reward": rewards[shown].tolist(),
-                    "advantage": advantages[shown].tolist(),
-                }, title=f"generation {generation}, step {step}")  # fmt: skip
+            shown = torch.arange(min(P, 4), device=device)
+            tracker.samples({
+                "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
+                "completion": [tokenizer.decode(r[m], skip_special_tokens=True)
+                               for r, m in zip(responses[shown], response_mask[shown])],
+                "reward": rewards[shown].tolist(),
+                "advantage": advantages[shown].tolist(),
+            }, title=f"generation {generation}, step {step}")  # fmt: skip
     progress.close()
 
     # 6. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
-    accelerator.wait_for_everyone()
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator.unwrap_model(policy).save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(policy),
-    )  # fmt: skip
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        utils.write_model_card(args.output_dir, "GRPO", args.model_name_or_path, args.dataset_name, metrics)
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
-            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
+    utils.checkpoint.save_model(
+        accelerator, policy, tokenizer, args, "GRPO", args.model_name_or_path, metrics
+    )
     tracker.close()
     accelerator.end_training()
 

@@ -74,7 +74,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow a non-empty --output_dir (its files are replaced only once training has finished)"""
     push_to_hub: bool = False
-    """push --output_dir to the hub (repository named after the folder) at the end"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
 
     # Model and data
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
@@ -396,7 +398,7 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
     Conversational rows are rendered with the chat template (utils.data), the completion being the rest of
     the rendered conversation after the prompt and its generation prompt."""
     utils.check_columns(dataset, ["prompt", "completion", "reward"], where)
-    rewards = [float(r) for r in dataset["reward"]]
+    rewards = [float(r) for r in utils.data.column(dataset, "reward")]
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
     prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
@@ -502,7 +504,7 @@ def check_args(args: Args) -> None:
 def main(args: Args) -> dict:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+    from transformers import AutoModelForCausalLM, get_scheduler
 
     # 0. Checks and data: a bad flag, a missing column or an impossible length fails before a model is loaded.
     check_args(args)
@@ -516,10 +518,7 @@ def main(args: Args) -> dict:
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     set_seed(args.seed)
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: every mask comes from lengths
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     split = partial(utils.load_split, args.dataset_name)
     train_rows, counts = tokenize_split(
         split(args.dataset_train_split), tokenizer, args, "--dataset_train_split"
@@ -546,7 +545,7 @@ def main(args: Args) -> dict:
     backbone = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     utils.disable_dropout(backbone)
     if args.gradient_checkpointing:
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        utils.enable_gradient_checkpointing(backbone)
     model = ILQLModel(backbone, args.two_qs)
     trained = [p for p in model.parameters() if p.requires_grad]  # the target heads are not
     optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -667,10 +666,7 @@ def main(args: Args) -> dict:
         shutil.rmtree(tmp_dir)
         print(f"saved to {args.output_dir} (backbone and {HEADS_FILE})")
         if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo_id = HfApi().create_repo(name, exist_ok=True).repo_id
-            HfApi().upload_folder(repo_id=repo_id, folder_path=args.output_dir)
+            utils.checkpoint.push_to_hub(args)
     tracker.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -75,7 +75,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
-    """push --output_dir to the hub (repo named after the folder) at the end"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """save a checkpoint (policy, optimizer, RNG states) every this many updates (0: only on SIGTERM)"""
     save_total_limit: int | None = None
@@ -364,20 +366,10 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------------------
-def query_response_rows(queries, query_mask, responses, response_mask, idx):
-    """Rows `idx` of the completion-major batch, built at forward time from the prompts stored once: completion
-    row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
-    prompt = idx % queries.size(0)
-    return (
-        torch.cat([queries[prompt], responses[idx]], 1),
-        torch.cat([query_mask[prompt], response_mask[idx]], 1),
-    )
-
-
 def main(args: Args) -> None:
     from accelerate.utils import set_seed
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     # Everything that can be checked before loading a model.
     fill_sizes(args, world_size=1)
@@ -410,11 +402,8 @@ def main(args: Args) -> None:
     device, rank = accelerator.device, accelerator.process_index
 
     # The prompts as text (conversations rendered with the chat template and the assistant's opening), tokenized.
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
-    if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
     where = f"--dataset_name {args.dataset_name}"
     prompt_ids = utils.data.tokenize_prompts(
         tokenizer, utils.data.prompt_texts(dataset, tokenizer, where), args.max_prompt_length
@@ -430,17 +419,11 @@ def main(args: Args) -> None:
     # logprobs of the training forward pass equal those of sampling.
     policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     ref_policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
-    reward_model = None
-    if args.reward_model_path:
-        reward_model = utils.from_pretrained(
-            AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
-        )
-        utils.score_head(reward_model)  # refuses a model with more than one label
-    for model in (policy, ref_policy, reward_model):
-        if model is not None:
-            utils.disable_dropout(model)
+    reward_model = utils.load_reward_model(args.reward_model_path) if args.reward_model_path else None
+    for model in (policy, ref_policy):
+        utils.disable_dropout(model)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        utils.enable_gradient_checkpointing(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = prepare_frozen(ref_policy, accelerator)
@@ -513,7 +496,7 @@ def main(args: Args) -> None:
         responses, lengths, response_mask, sampled_logprobs = sample(
             queries, query_mask, rows % P, sampling_generator
         )
-        rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+        rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
         ref_logprobs, scores = [], []
         with torch.no_grad(), accelerator.autocast():  # the policy's precision, so the KL starts at 0 in bf16
             for idx in rows.split(chunk):
@@ -623,33 +606,19 @@ def main(args: Args) -> None:
                 shown = torch.arange(queries.size(0), device=device)
                 noise = torch.Generator(device=device).manual_seed(args.seed)
                 responses, _, response_mask, _ = sample(queries, query_mask, shown, noise)
-            if accelerator.is_main_process:
-                utils.print_samples({
-                    "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
-                    "response": decode_rows(responses[shown], response_mask[shown]),
-                }, title=f"update {update}")  # fmt: skip
+            tracker.samples({
+                "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
+                "response": decode_rows(responses[shown], response_mask[shown]),
+            }, title=f"update {update}")  # fmt: skip
 
         ckpt.maybe_save(update, models={"policy": policy}, optimizers={"policy": optimizer},
                         generators={"sampling": sampling_generator})  # fmt: skip
 
     # Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
-    accelerator.wait_for_everyone()
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator.unwrap_model(policy).save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(policy),
-    )  # fmt: skip
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
-        utils.write_model_card(
-            args.output_dir, algorithm, args.model_name_or_path, args.dataset_name, metrics
-        )
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
-            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
+    algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
+    utils.checkpoint.save_model(
+        accelerator, policy, tokenizer, args, algorithm, args.model_name_or_path, metrics
+    )
     tracker.close()
     accelerator.end_training()
 

@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -58,9 +57,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow writing into a non-empty output_dir"""
     push_to_hub: bool = False
-    """push the saved policy to the Hugging Face hub"""
+    """push --output_dir (the policy, without its checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
-    """hub repository for push_to_hub; None: the output_dir's name"""
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT)"""
     save_total_limit: int | None = None
@@ -460,14 +459,6 @@ def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
     return mask, scores, contains_eos
 
 
-def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
-    """A generator seeded by (seed, *key). The noise of a chunk of completions depends only on which update and
-    prompts it samples, never on the number of processes or on what ran before: 1 process and N processes
-    sample the same completions, and a resumed run samples what the uninterrupted one did."""
-    state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator(device=device).manual_seed(int(state) % 2**63)
-
-
 @torch.no_grad()
 def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update, first_prompt,
             recompute_old_logprobs, engine=None):  # fmt: skip
@@ -482,7 +473,7 @@ def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, que
     generate = engine.generate if engine is not None else utils.generate
     with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
         for i in range(0, queries.size(0), chunk):
-            noise = sampling_generator(args.seed, update, first_prompt + i, device=queries.device)
+            noise = utils.sampling_generator(args.seed, update, first_prompt + i, device=queries.device)
             chunk_query_responses, chunk_logprobs = generate(
                 unwrapped.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
                 args.temperature, chunk, noise,
@@ -543,7 +534,7 @@ def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_pr
 def main(args: Args) -> dict:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     # 1. Flags, accelerator and data: everything that can be checked before a model is loaded.
     check_args(args)
@@ -585,10 +576,7 @@ def main(args: Args) -> dict:
         )
     elif args.num_sample_generations > 0:
         test = train
-    tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, tokenizer_flag)
-    if tokenizer.pad_token_id is None:  # safe: lengths and masks never come from the padding
-        tokenizer.pad_token = tokenizer.eos_token
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    tokenizer = utils.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     if args.stop_token == "eos":
         if args.stop_token_id is not None and args.stop_token_id != tokenizer.eos_token_id:
             raise ValueError(f"--stop_token eos (id {tokenizer.eos_token_id}) and --stop_token_id disagree.")
@@ -612,12 +600,7 @@ def main(args: Args) -> dict:
     device, rank = accelerator.device, accelerator.process_index
     policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     ref_model = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    reward_model = None
-    if args.reward_model_path:
-        reward_model = utils.from_pretrained(
-            AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path"
-        )
-        utils.score_head(reward_model)  # refuses a reward model with more than one label
+    reward_model = utils.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     same_tokens = reward_tokenizer is None or utils.scoring.same_tokenizer(tokenizer, reward_tokenizer)
     # The critic: its own copy of the value (default: reward) model; with only a reward function and no value
@@ -637,8 +620,8 @@ def main(args: Args) -> dict:
         utils.disable_dropout(m)  # dropout would make the recomputed logprobs differ from the sampled ones
         if getattr(m.config, "pad_token_id", None) is None:
             m.config.pad_token_id = tokenizer.pad_token_id
-    for m in (policy, critic) if args.gradient_checkpointing else ():  # the name changed in transformers 5
-        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+    for m in (policy, critic) if args.gradient_checkpointing else ():
+        utils.enable_gradient_checkpointing(m)
     model = PolicyAndValue(policy, critic)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=0
@@ -793,13 +776,8 @@ def main(args: Args) -> dict:
             }
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
-            if (
-                utils.run.zero_stage(accelerator) == 3
-            ):  # the share of the weights this process holds (sharded: 1/N)
-                params = list(model.parameters())
-                metrics["zero3/local_param_share"] = sum(p.ds_tensor.numel() for p in params) / sum(
-                    p.ds_numel for p in params
-                )
+            if utils.run.zero_stage(accelerator) == 3:
+                metrics["zero3/local_param_share"] = utils.run.local_param_share(model)
             if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
@@ -811,13 +789,7 @@ def main(args: Args) -> dict:
                 metrics["eval/scores"], columns = sample_table(
                     args, accelerator, model, scorer, tokenizer, test_rows, test_prompts
                 )
-            if accelerator.is_main_process:
-                utils.print_samples(columns, title=f"update {update}: test prompts (greedy)")
-                if args.track:
-                    import wandb
-
-                    table = wandb.Table(columns=list(columns), data=list(zip(*columns.values())))
-                    wandb.log({"samples": table})
+            tracker.samples(columns, title=f"update {update}: test prompts (greedy)")
         tracker.log(metrics, update)
         del data, rewards, advantages, returns
 
@@ -829,23 +801,7 @@ def main(args: Args) -> dict:
         })  # fmt: skip
 
     # 11. Save the policy alone (no value head) as a plain causal LM, with its tokenizer and a model card.
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # every process takes part (ZeRO-3 gathers the shards)
-    if state_dict is not None:
-        state_dict = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
-    accelerator.unwrap_model(model).policy.save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=state_dict,
-    )  # fmt: skip
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        utils.write_model_card(args.output_dir, "PPO", policy_path, args.dataset_name, metrics)
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-            HfApi().create_repo(repo_id, exist_ok=True)
-            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo_id)
+    utils.checkpoint.save_model(accelerator, model, tokenizer, args, "PPO", policy_path, metrics, "policy")
     tracker.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

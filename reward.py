@@ -56,7 +56,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
-    """push --output_dir to the Hugging Face hub at the end"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
     save_total_limit: int | None = None
@@ -370,17 +372,14 @@ def main(args: Args) -> None:
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoTokenizer, get_scheduler
+    from transformers import AutoConfig, get_scheduler
 
     # --- checks and data, before any model is loaded ---
     check_args(args)
     utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
+    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     if tokenizer.eos_token is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
-    # attention masks come from the lengths, so padding with EOS (when there is no pad token) is safe
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
     data = load_data(args, tokenizer)
     config = utils.from_pretrained(AutoConfig, args.model_name_or_path, "--model_name_or_path")
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
@@ -549,10 +548,7 @@ def main(args: Args) -> None:
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(final_metrics, f, indent=2)
         if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo_id = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
-            HfApi().upload_folder(repo_id=repo_id.repo_id, folder_path=args.output_dir)
+            utils.checkpoint.push_to_hub(args)
         print(f"reward model written to {args.output_dir}")
     tracker.close()
     accelerator.end_training()

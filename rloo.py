@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 import utils
@@ -60,7 +59,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
-    """push --output_dir to the hub (repo named after the folder) at the end"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT)"""
     save_total_limit: int | None = None
@@ -292,24 +293,6 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
 # ----------------------------------------------------------------------------------------------------------------
 # Rollout: sampling, truncation, and the logprobs and scores of an update (every process runs them together)
 # ----------------------------------------------------------------------------------------------------------------
-def query_response_rows(queries, query_mask, responses, response_mask, idx):
-    """Rows `idx` of the completion-major batch, built at forward time from the prompts stored once: completion
-    row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
-    prompt = idx % queries.size(0)
-    return (
-        torch.cat([queries[prompt], responses[idx]], 1),
-        torch.cat([query_mask[prompt], response_mask[idx]], 1),
-    )
-
-
-def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
-    """A generator seeded by (seed, *key). The noise of a chunk of completions depends only on which update,
-    completion and prompts it samples, never on the number of processes or on what ran before: 1 process and
-    N processes sample the same completions, and a resumed run samples what the uninterrupted one did."""
-    state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator(device=device).manual_seed(int(state) % 2**63)
-
-
 @torch.no_grad()
 def sample(args, accelerator, policy, queries, query_mask, num_completions, key, first_prompt, stop_token_id,
            pad_id, engine=None):  # fmt: skip
@@ -326,7 +309,9 @@ def sample(args, accelerator, policy, queries, query_mask, num_completions, key,
     with utils.run.gathered_for_generation(policy, accelerator) as sampler:
         for c in range(num_completions):
             for start in range(0, P, chunk):
-                noise = sampling_generator(args.seed, *key, c, first_prompt + start, device=queries.device)
+                noise = utils.sampling_generator(
+                    args.seed, *key, c, first_prompt + start, device=queries.device
+                )
                 query_responses, chunk_logprobs = generate(
                     sampler, queries[start : start + chunk], query_mask[start : start + chunk],
                     args.response_length, args.temperature, chunk, noise,
@@ -347,7 +332,7 @@ def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, 
         pad_id, engine,
     )  # fmt: skip
     chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
-    rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+    rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
     ref_logprobs, scores, recomputed = [], [], []
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         query_responses, mask = rows_at(idx)
@@ -369,7 +354,7 @@ def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, 
 def main(args: Args) -> dict:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     # 1. Flags, accelerator and data: everything that can be checked before a model is loaded.
     fill_sizes(args, 1)
@@ -413,10 +398,7 @@ def main(args: Args) -> dict:
     tokenizer_path, tokenizer_flag = (
         (args.model_name_or_path, "--model_name_or_path") if args.model_name_or_path else (policy_path, policy_flag)
     )  # fmt: skip
-    tokenizer = utils.from_pretrained(AutoTokenizer, tokenizer_path, tokenizer_flag)
-    if tokenizer.pad_token_id is None:  # safe: masks come from lengths, never from comparing with pad
-        tokenizer.pad_token = tokenizer.eos_token
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    tokenizer = utils.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
@@ -429,17 +411,11 @@ def main(args: Args) -> dict:
     # logprobs of the training forward pass equal those of sampling. Frozen models run in the policy's precision.
     policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     ref_policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    reward_model = None
-    if args.reward_model_path:
-        reward_model = utils.from_pretrained(
-            AutoModelForSequenceClassification, args.reward_model_path, "--reward_model_path", num_labels=1
-        )
-        utils.score_head(reward_model)  # refuses a model with more than one label
-    for model in (policy, ref_policy, reward_model):
-        if model is not None:
-            utils.disable_dropout(model)
+    reward_model = utils.load_reward_model(args.reward_model_path) if args.reward_model_path else None
+    for model in (policy, ref_policy):
+        utils.disable_dropout(model)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        utils.enable_gradient_checkpointing(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
@@ -498,7 +474,7 @@ def main(args: Args) -> dict:
         responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
         old_logprobs, scores = data["logprobs"], data["scores"]
         utils.run.check_finite(update, accelerator, scores=scores)
-        rows_at = functools.partial(query_response_rows, queries, query_mask, responses, response_mask)
+        rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
         has_eos = ((responses == eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
@@ -583,13 +559,8 @@ def main(args: Args) -> dict:
             }
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
-            if (
-                utils.run.zero_stage(accelerator) == 3
-            ):  # the share of the weights this process holds (sharded: 1/N)
-                params = list(policy.parameters())
-                metrics["zero3/local_param_share"] = sum(p.ds_tensor.numel() for p in params) / sum(
-                    p.ds_numel for p in params
-                )
+            if utils.run.zero_stage(accelerator) == 3:
+                metrics["zero3/local_param_share"] = utils.run.local_param_share(policy)
             if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
@@ -606,36 +577,22 @@ def main(args: Args) -> dict:
                     responses, _, response_mask, _ = sample(
                         args, accelerator, policy, queries, query_mask, 1, (0,), 0, stop_token_id, pad_id
                     )
-                    query_responses, mask = query_response_rows(
+                    query_responses, mask = utils.query_response_rows(
                         queries, query_mask, responses, response_mask, shown
                     )
                     table_scores = scorer(query_responses, mask, queries.size(1), chunk)
-            if accelerator.is_main_process:
-                utils.print_samples({
-                    "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
-                    "response": [tokenizer.decode(r[m], skip_special_tokens=True)
-                                 for r, m in zip(responses[shown], response_mask[shown])],
-                    "score": table_scores[shown].tolist(),
-                }, title=f"update {update}")  # fmt: skip
+            tracker.samples({
+                "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
+                "response": [tokenizer.decode(r[m], skip_special_tokens=True)
+                             for r, m in zip(responses[shown], response_mask[shown])],
+                "score": table_scores[shown].tolist(),
+            }, title=f"update {update}")  # fmt: skip
 
         # 9. Checkpoint every --save_steps updates, and after SIGTERM/SIGINT (then stop).
         ckpt.maybe_save(update, **checkpointed, state={"episode": episode, "prompt_batches": update})
 
     # 10. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
-    accelerator.wait_for_everyone()
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator.unwrap_model(policy).save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(policy),
-    )  # fmt: skip
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        utils.write_model_card(args.output_dir, "RLOO", policy_path, args.dataset_name, metrics)
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
-            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
+    utils.checkpoint.save_model(accelerator, policy, tokenizer, args, "RLOO", policy_path, metrics)
     tracker.close()
     accelerator.end_training()
     return metrics

@@ -53,7 +53,9 @@ class Args:
     overwrite_output_dir: bool = False
     """allow writing into a non-empty --output_dir"""
     push_to_hub: bool = False
-    """push the saved --output_dir to the Hugging Face Hub (repository named like --output_dir)"""
+    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    hub_model_id: str | None = None
+    """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
     save_total_limit: Optional[int] = None
@@ -335,7 +337,7 @@ def main(args: Args) -> dict:
         model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     deepspeed = accelerator.state.deepspeed_plugin
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        utils.enable_gradient_checkpointing(model)
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -455,10 +457,7 @@ def main(args: Args) -> dict:
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            repo = HfApi().create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
-            HfApi().upload_folder(folder_path=args.output_dir, repo_id=repo.repo_id)
+            utils.checkpoint.push_to_hub(args)
     tracker.close()
     accelerator.print(f"saved to {args.output_dir}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     accelerator.end_training()

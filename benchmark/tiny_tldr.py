@@ -233,23 +233,24 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
     logs = os.path.join(work, "logs")
     stages: dict[str, dict] = {}
 
-    reuse = [args.resume]  # stays true only while every earlier stage was reused
-
-    def step(name):
+    def step(name, reuse: bool) -> bool:
+        """Run one stage; True when its earlier output was reused (so the stages after it may be too)."""
         progress.update(task, description=f"seed {seed}: {name}")
-        stages[name] = run_stage(name, commands[name], logs, args.threads_per_job, reuse[0])
-        reuse[0] = reuse[0] and stages[name].get("reused", False)
+        stages[name] = run_stage(name, commands[name], logs, args.threads_per_job, reuse)
         progress.advance(task)
+        return reuse and stages[name].get("reused", False)
 
+    reuse = args.resume  # a stage is reused only while every stage it depends on was
     for name in ("world", "sft", "reward"):
-        step(name)
+        reuse = step(name, reuse)
 
-    def chain(names: str):  # "a+b": stages that depend on each other, in order
+    def chain(names: str):  # "a+b": stages that depend on each other, in order; chains are independent
+        chain_reuse = reuse
         for name in names.split("+"):
-            step(name)
+            chain_reuse = step(name, chain_reuse)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(chain, ["ppo", "rloo", "dpo", "online_dpo", "ilql_data+ilql"]))
+        list(pool.map(chain, ["online_dpo", "ilql_data+ilql", "ppo", "rloo", "dpo"]))
 
     def evaluate(method):
         model = f"{world}/policy" if method == "init" else f"{work}/{method}"
@@ -346,7 +347,7 @@ def main(args: Args) -> dict:
 
     start = time.time()
     with Progress() as progress:
-        task = progress.add_task("tiny TL;DR", total=args.seeds * 7)
+        task = progress.add_task("tiny TL;DR", total=args.seeds * 10)
         with ThreadPoolExecutor(args.parallel_seeds) as pool:
             per_seed = list(pool.map(lambda seed: run_seed(args, seed, progress, task), range(args.seeds)))
     summary = summarize(per_seed)

@@ -115,3 +115,86 @@ def run_deepspeed(script_args: list[str], tmp_path: Path, zero_stage: int, bf16:
          str(free_port()), *script_args],
         timeout=timeout, env=env, check=check,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the RL scripts' rule-reward lab
+RULE_REWARDS = '''
+import json, os
+
+KEYS = set("""landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt credit
+car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher doctor surgery insurance
+lawyer contract neighbor party birthday gift phone laptop job interview""".split())
+
+
+def key_words(prompts, completions):
+    """Number of key words in the completion: the random policy averages about 0.2."""
+    return [float(sum(word in KEYS for word in c.split())) for c in completions]
+
+
+def prompt_only(prompts, completions):
+    """Depends on the prompt alone: every completion of a prompt gets the same score (a tie in a pair)."""
+    return [float(len(p) % 7) for p in prompts]
+
+
+def chars(prompts, completions):
+    """A dense signal: the length of the completion."""
+    return [len(c) / 10 for c in completions]
+
+
+def one_short(prompts, completions):
+    return [0.0] * (len(completions) - 1)
+
+
+def fewer_characters(prompts, pairs):
+    """A pairwise judge preferring the shorter completion; records what it was asked in $JUDGE_LOG."""
+    with open(os.environ["JUDGE_LOG"], "a") as f:
+        f.write(json.dumps({"prompts": prompts, "pairs": pairs}) + "\\n")
+    return [-1 if len(a) == len(b) else int(len(b) < len(a)) for a, b in pairs]
+'''
+
+
+def make_rl_lab(world: Path, out: Path, num_prompts: int = 64) -> Path:
+    """What the RL scripts' end-to-end tests train on, in `out`: prompts.jsonl (prompts of different lengths, so
+    batches are left-padded), no_prompt.jsonl (the same rows under a wrong column name), policy/ (the tiny
+    world's policy with its EOS embedding pointed along the mean last hidden state, so a random policy samples
+    EOS at a varied position in about half of the completions, and dropout set in its config, which the
+    scripts must switch off or the recomputed logprobs drift from sampling's), and rules.py (RULE_REWARDS)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import utils
+
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    model = AutoModelForCausalLM.from_pretrained(world / "policy")
+    rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:num_prompts]
+    prompts = [row["prompt"][(i % 4) * 9 :] for i, row in enumerate(rows)]
+    with open(out / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    with open(out / "no_prompt.jsonl", "w") as f:
+        f.writelines(json.dumps({"query": p}) + "\n" for p in prompts)
+    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
+        mean = hidden.mean((0, 1))
+        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 0.4 * mean / mean.norm()
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(out / "policy")
+    tokenizer.save_pretrained(out / "policy")
+    (out / "rules.py").write_text(RULE_REWARDS)
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The lines of a run's metrics.jsonl."""
+    import json
+
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+
+
+def weights(path: Path) -> dict:
+    """The tensors of `path`/model.safetensors."""
+    from safetensors.torch import load_file
+
+    return load_file(Path(path) / "model.safetensors")

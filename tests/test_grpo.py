@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import grpo
 import utils
 import utils.run
-from conftest import run_deepspeed, run_script, run_torchrun
+from conftest import make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
 
 
 # ---------------------------------------------------------------------------------------------------- advantages
@@ -244,58 +243,11 @@ def test_no_reward_and_too_few_prompts():
 
 
 # ------------------------------------------------------------------------------------------- runs on the tiny world
-REWARD_FNS = '''
-KEYS = set("""landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt credit
-car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher doctor surgery insurance
-lawyer contract neighbor party birthday gift phone laptop job interview""".split())
-
-
-def key_words(prompts, completions):
-    """Number of key words in the completion: the random policy averages about 0.2."""
-    return [float(sum(word in KEYS for word in c.split())) for c in completions]
-
-
-def prompt_only(prompts, completions):
-    """Depends on the prompt alone: every completion of a prompt gets the same score."""
-    return [float(len(p) % 7) for p in prompts]
-
-
-def chars(prompts, completions):
-    return [len(c) / 10 for c in completions]
-'''
-
-
 @pytest.fixture(scope="module")
 def lab(world, tmp_path_factory):
-    """Prompts of different lengths, a policy that often stops early with dropout in its config, reward fns."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("grpo_lab")
-    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
-    model = AutoModelForCausalLM.from_pretrained(world / "policy")
-    rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:32]
-    prompts = [row["prompt"][(i % 4) * 9 :] for i, row in enumerate(rows)]  # left padding in every batch
-    with open(out / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
-    # EOS embedding (tied with the output layer) along the mean hidden state: EOS comes at varied positions.
-    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
-        mean = hidden.mean((0, 1))
-        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 0.4 * mean / mean.norm()
-    model.config.attention_dropout = 0.1  # the script must switch it off, or the ratio drifts from 1
-    model.save_pretrained(out / "policy")
-    tokenizer.save_pretrained(out / "policy")
-    (out / "reward_fns.py").write_text(REWARD_FNS)
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
-def weights(path: Path) -> dict:
-    return load_file(path / "model.safetensors")
+    """The rule-reward lab (conftest.make_rl_lab): 32 prompts of different lengths, a policy that stops early
+    about half of the time with dropout in its config, and the rule rewards in rules.py."""
+    return make_rl_lab(world, tmp_path_factory.mktemp("grpo_lab"), num_prompts=32)
 
 
 def common_flags(tmp_path, name):
@@ -309,7 +261,7 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     clipped) under left padding, truncation after EOS, a temperature and dropout in the config."""
     flags = common_flags(tmp_path, "invariant") + [
         "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
-        "--reward_funcs", f"{lab / 'reward_fns.py'}:chars", "--reward_model_path", str(world / "reward"),
+        "--reward_funcs", f"{lab / 'rules.py'}:chars", "--reward_model_path", str(world / "reward"),
         "--reward_weights", "1", "0.5", "--learning_rate", "0", "--num_generations", "4",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--steps_per_generation", "4",
         "--num_iterations", "2", "--epsilon", "0.001", "--beta", "0.1", "--max_steps", "4", "--temperature", "0.7",
@@ -334,12 +286,56 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+TRL_STYLE_REWARD = """
+import json, os
+
+
+def ends_with_solution(completions, solution, prompts, **kwargs):
+    \"\"\"TRL's calling convention: keywords, the dataset's other columns among them; records what it got.\"\"\"
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"prompts": prompts, "completions": completions, "solution": solution,
+                            "extra": sorted(kwargs)}) + "\\n")
+    return [float(len(str(c)) % 3) for c in completions]
+"""
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_trl_style_reward_functions_get_their_rows_columns(world, lab, tmp_path, conversational):
+    """A reward function taking **kwargs is called as TRL calls it: every completion comes with the `solution`
+    and `source` of its own dataset row (here derived from the prompt, so a misaligned row shows), and with a
+    conversational dataset the prompts are message lists and each completion one assistant message."""
+    rows = [json.loads(line) for line in open(lab / "prompts.jsonl")][:16]
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for i, row in enumerate(rows):
+            prompt = [{"role": "user", "content": row["prompt"]}] if conversational else row["prompt"]
+            f.write(json.dumps({"prompt": prompt, "solution": row["prompt"][-40:-20], "source": i}) + "\n")
+    (tmp_path / "trl_rewards.py").write_text(TRL_STYLE_REWARD)
+    policy = world / ("policy_chat" if conversational else "policy")
+    flags = common_flags(tmp_path, "trl_style") + [
+        "--model_name_or_path", str(policy), "--dataset_name", str(tmp_path / "data.jsonl"),
+        "--reward_funcs", f"{tmp_path / 'trl_rewards.py'}:ends_with_solution", "--num_generations", "4",
+        "--per_device_train_batch_size", "8", "--steps_per_generation", "2", "--max_steps", "4",
+        "--local_rollout_forward_batch_size", "6",
+    ]  # fmt: skip
+    run_script(["grpo.py", *flags], env={"REWARD_LOG": str(tmp_path / "calls.jsonl")})
+    calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    assert sum(len(c["completions"]) for c in calls) == 2 * 16  # two generations of 4 prompts x 4 completions
+    for call in calls:
+        assert call["extra"] == ["source"]  # the prompt column is `prompts`, not a keyword of its own
+        for prompt, completion, solution in zip(call["prompts"], call["completions"], call["solution"]):
+            if conversational:
+                assert prompt[-1]["role"] == "user" and solution in prompt[-1]["content"]
+                assert len(completion) == 1 and completion[0]["role"] == "assistant"
+            else:
+                assert isinstance(completion, str) and solution in prompt
+
+
 @pytest.mark.slow  # kept out of CI for time; run with -m slow
 def test_rule_reward_is_learned_and_resume_is_exact(world, lab, tmp_path):
     """From the random tiny policy, a reward for emitting key words rises within 16 steps (dapo, clip-higher);
     a run resumed from its step-8 checkpoint ends with the same weights as the uninterrupted one."""
     flags = [
-        "--model_name_or_path", str(world / "policy"), "--reward_funcs", f"{lab / 'reward_fns.py'}:key_words",
+        "--model_name_or_path", str(world / "policy"), "--reward_funcs", f"{lab / 'rules.py'}:key_words",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--num_generations", "4",
         "--per_device_train_batch_size", "16", "--learning_rate", "1e-2", "--max_grad_norm", "0", "--max_steps", "16",
         "--lr_scheduler_type", "constant", "--epsilon_high", "0.28", "--save_steps", "8", "--seed", "2",
@@ -364,7 +360,7 @@ def test_two_processes_keep_each_group_whole(world, lab, tmp_path):
     """2 processes, batch-std scaling. The reward depends on the prompt alone: if every group of G completions
     is one prompt's, every advantage is exactly 0, the loss is 0 and nothing moves."""
     flags = common_flags(tmp_path, "ddp") + [
-        "--model_name_or_path", str(world / "policy"), "--reward_funcs", f"{lab / 'reward_fns.py'}:prompt_only",
+        "--model_name_or_path", str(world / "policy"), "--reward_funcs", f"{lab / 'rules.py'}:prompt_only",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--num_generations", "4",
         "--per_device_train_batch_size", "4", "--steps_per_generation", "2", "--learning_rate", "1e-2",
         "--scale_rewards", "batch", "--max_steps", "2",

@@ -7,14 +7,12 @@ import json
 import math
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 import online_dpo
-import utils
-from conftest import ROOT, run_deepspeed, run_script, run_torchrun
+from conftest import ROOT, make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
 
 METRICS = {
     "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
@@ -217,66 +215,11 @@ def test_openai_judge_undoes_the_shown_order():
 
 
 # ------------------------------------------------------------------------------------------- runs on the tiny world
-RULES = '''
-import json, os
-
-KEYS = set("""landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt credit
-car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher doctor surgery insurance
-lawyer contract neighbor party birthday gift phone laptop job interview""".split())
-
-
-def key_words(prompts, completions):
-    """Number of key words in the completion: the random policy averages about 0.2."""
-    return [float(sum(word in KEYS for word in c.split())) for c in completions]
-
-
-def prompt_only(prompts, completions):
-    """Depends on the prompt alone: the two completions of a prompt always tie."""
-    return [float(len(p) % 7) for p in prompts]
-
-
-def fewer_characters(prompts, pairs):
-    """A judge preferring the shorter completion; records what it was asked."""
-    with open(os.environ["JUDGE_LOG"], "a") as f:
-        f.write(json.dumps({"prompts": prompts, "pairs": pairs}) + "\\n")
-    return [-1 if len(a) == len(b) else int(len(b) < len(a)) for a, b in pairs]
-'''
-
-
 @pytest.fixture(scope="module")
 def lab(world, tmp_path_factory):
-    """A policy that stops early about half of the time, with dropout set in its config; prompts of different
-    lengths; the rule rewards and the judge."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("online_dpo_lab")
-    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
-    model = AutoModelForCausalLM.from_pretrained(world / "policy")
-    rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:64]
-    prompts = [row["prompt"][(i % 4) * 9 :] for i, row in enumerate(rows)]  # different lengths: left padding
-    with open(out / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
-    # The EOS embedding (tied with the output layer) along the mean last hidden state: a varied stop position.
-    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
-        mean = hidden.mean((0, 1))
-        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 0.4 * mean / mean.norm()
-    model.config.attention_dropout = 0.1  # must be switched off by the script, or the logprobs drift
-    model.save_pretrained(out / "policy")
-    tokenizer.save_pretrained(out / "policy")
-    (out / "rules.py").write_text(RULES)
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
-def weights(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(path / "model.safetensors")
+    """The rule-reward lab (conftest.make_rl_lab): 64 prompts of different lengths, a policy that stops early
+    about half of the time with dropout in its config, and the rule rewards in rules.py."""
+    return make_rl_lab(world, tmp_path_factory.mktemp("online_dpo_lab"), num_prompts=64)
 
 
 def common_flags(tmp_path, name):

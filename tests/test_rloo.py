@@ -1,18 +1,15 @@
 """rloo.py: the leave-one-out math against loops written from the equations and hand-computed cases, the batch
 arithmetic, and runs through the command line on the tiny world (invariant, learning, 2 processes, copy)."""
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import tyro
-from safetensors.torch import load_file
 
 import rloo
 import utils
-from conftest import ROOT, run_script, run_torchrun
+from conftest import ROOT, make_rl_lab, read_metrics, run_script, run_torchrun, weights
 
 METRICS = {
     "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -174,7 +171,7 @@ def test_rows_are_built_completion_major_from_prompts_stored_once():
     query_mask = queries != 1
     responses = torch.arange(6 * 2).view(6, 2) + 100  # k = 2 completions of each of the 3 prompts
     response_mask = torch.ones(6, 2, dtype=torch.bool)
-    rows, mask = rloo.query_response_rows(
+    rows, mask = utils.query_response_rows(
         queries, query_mask, responses, response_mask, torch.tensor([4, 0, 3])
     )
     assert rows.tolist() == [[1, 11, 108, 109], [9, 10, 100, 101], [9, 10, 106, 107]]  # row i <- prompt i % 3
@@ -243,69 +240,11 @@ def test_too_few_prompts_for_one_update():
 
 
 # ------------------------------------------------------------------------------------------- runs on the tiny world
-REWARD_FNS = '''
-KEYS = set("""landlord deposit rent boss salary promotion sister brother wedding divorce dog cat vet loan debt credit
-car accident roommate lease breakup girlfriend boyfriend mother father school exam teacher doctor surgery insurance
-lawyer contract neighbor party birthday gift phone laptop job interview""".split())
-
-
-def key_words(prompts, completions):
-    """Number of key words in the completion: the random policy averages about 0.2."""
-    return [float(sum(word in KEYS for word in c.split())) for c in completions]
-
-
-def prompt_only(prompts, completions):
-    """Depends on the prompt alone: every completion of a prompt gets the same score."""
-    return [float(len(p) % 7) for p in prompts]
-
-
-def chars(prompts, completions):
-    """A dense signal: the length of the completion."""
-    return [len(c) / 10 for c in completions]
-
-
-def one_short(prompts, completions):
-    return [0.0] * (len(completions) - 1)
-'''
-
-
 @pytest.fixture(scope="module")
 def lab(world, tmp_path_factory):
-    """A policy that often stops early, with dropout set in its config; prompts of different lengths; reward fns."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import utils
-
-    out = tmp_path_factory.mktemp("rloo_lab")
-    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
-    model = AutoModelForCausalLM.from_pretrained(world / "policy")
-    rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:64]
-    # Prompts of different lengths, so that the batch is left-padded.
-    prompts = [row["prompt"][(i % 4) * 9 :] for i, row in enumerate(rows)]
-    with open(out / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
-    with open(out / "no_prompt.jsonl", "w") as f:
-        f.writelines(json.dumps({"query": p}) + "\n" for p in prompts)
-    # Point the EOS embedding (tied with the output layer) along the mean last hidden state, so a random policy
-    # samples EOS at a varied position in about half of the completions: truncation gets exercised.
-    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
-        mean = hidden.mean((0, 1))
-        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 0.4 * mean / mean.norm()
-    model.config.attention_dropout = 0.1  # must be switched off by the script, or the ratio drifts from 1
-    model.save_pretrained(out / "policy")
-    tokenizer.save_pretrained(out / "policy")
-    (out / "reward_fns.py").write_text(REWARD_FNS)
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
-def weights(path: Path) -> dict:
-    return load_file(path / "model.safetensors")
+    """The rule-reward lab (conftest.make_rl_lab): 64 prompts of different lengths, a policy that stops early
+    about half of the time with dropout in its config, and the rule rewards in rules.py."""
+    return make_rl_lab(world, tmp_path_factory.mktemp("rloo_lab"), num_prompts=64)
 
 
 def common_flags(tmp_path, name):
@@ -347,7 +286,7 @@ def test_first_update_recomputes_the_sampling_logprobs(lab, world, tmp_path):
 
 def test_rule_based_reward_rises(world, lab, tmp_path):
     flags = common_flags(tmp_path, "learn") + [
-        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'reward_fns.py'}:key_words",
+        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:key_words",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--rloo_k", "4",
         "--per_device_train_batch_size", "16", "--num_ppo_epochs", "1", "--learning_rate", "3e-3",
         "--kl_coef", "0.01", "--total_episodes", str(16 * 20), "--lr_scheduler_type", "constant",
@@ -363,7 +302,7 @@ def test_two_processes_keep_each_prompt_group_together(world, lab, tmp_path):
     """2 processes, token-level KL and every normalization on. The score depends on the prompt alone and the KL
     weight is 0, so if every group of k completions is one prompt's, all advantages are exactly 0: nothing moves."""
     flags = common_flags(tmp_path, "ddp") + [
-        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'reward_fns.py'}:prompt_only",
+        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:prompt_only",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--rloo_k", "2",
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_ppo_epochs", "2",
         "--learning_rate", "1e-2", "--kl_coef", "0", "--token_level_kl", "--normalize_reward",
@@ -387,7 +326,7 @@ def test_copied_script_runs_and_is_deterministic(world, lab, tmp_path):
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
     assert "--rloo_k" in run_script(["rloo.py", "--help"], cwd=copy).stdout
     flags = [
-        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'reward_fns.py'}:chars",
+        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:chars",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--rloo_k", "2",
         "--per_device_train_batch_size", "4", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
         "--learning_rate", "1e-3", "--token_level_kl", "--whiten_rewards", "--normalize_advantage",
@@ -418,7 +357,7 @@ def test_reward_fn_with_wrong_count_fails_and_leaves_output_dir(lab, world, tmp_
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     flags = common_flags(tmp_path, "out") + [
-        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'reward_fns.py'}:one_short",
+        "--sft_model_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:one_short",
         "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "4",
         "--overwrite_output_dir",
     ]  # fmt: skip

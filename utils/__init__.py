@@ -1,5 +1,7 @@
-"""Shared helpers of the scripts: padding, truncation, batched forward passes, generation, reward-model
-scores, loading data and models, and input checks. Nothing algorithm-specific lives here.
+"""Shared helpers of the scripts: input checks, masked statistics, batch orders, reward-model scores, loading
+data and models, reporting. Nothing algorithm-specific lives here. Padding, forward passes and sampling live in
+utils/generation.py and are re-exported here (utils.generate, utils.left_pad, ...); the run skeleton is
+utils/run.py, checkpoints utils/checkpoint.py, data formats utils/data.py, reward scoring utils/scoring.py.
 
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """
@@ -13,7 +15,23 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-INVALID_LOGPROB = 1.0  # stands in for the logprob of padding; always masked out before use
+from utils.generation import (  # noqa: F401  (padding, forward passes and sampling, used as utils.*)
+    batched_response_logprobs,
+    complete,
+    entropy_from_logits,
+    first_true_indices,
+    forward,
+    generate,
+    left_pad,
+    lengths_to_mask,
+    logprobs_from_logits,
+    pad,
+    position_ids_from_mask,
+    query_response_rows,
+    response_logits,
+    sampling_generator,
+    truncate_response,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -46,64 +64,6 @@ def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Padding and truncation
-# ----------------------------------------------------------------------------------------------------------------
-def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> torch.Tensor:
-    """Stack token lists of different lengths into a LongTensor [B, max_len], padding on `side`."""
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
-    width = max((len(s) for s in sequences), default=0)
-    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if len(seq):
-            row = torch.as_tensor(seq, dtype=torch.long)
-            if side == "right":
-                out[i, : len(seq)] = row
-            else:
-                out[i, width - len(seq) :] = row
-    return out
-
-
-def left_pad(
-    rows: Sequence[Sequence[int]], pad_token_id: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as left-padded ids [B, Q] and their attention mask [B, Q] (the mask does not rely on the pad id,
-    which may equal a real token such as EOS). Generation needs prompts flush right."""
-    ids = pad(rows, pad_token_id, "left")
-    mask = pad([[1] * len(r) for r in rows], 0, "left").bool()
-    return ids.to(device), mask.to(device)
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Index of the first True of each row of `bools` [B, T]; T for a row with none. Returns [B]."""
-    width = bools.size(-1)
-    positions = torch.arange(width, dtype=dtype, device=bools.device)
-    return torch.where(bools, positions, torch.full_like(positions, width)).min(-1).values
-
-
-def truncate_response(
-    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each response up to and including its first `stop_token_id`; replace what follows with padding.
-
-    responses: [B, R]. Returns (truncated [B, R], lengths [B]) where lengths counts the kept tokens, the stop
-    token included (R when there is none). With `stop_token_id=None` nothing is cut. The lengths come from the
-    stop token, not from the padding, so they stay right when pad and stop tokens are the same id.
-    """
-    width = responses.size(1)
-    if stop_token_id is None:
-        return responses.clone(), torch.full((responses.size(0),), width, device=responses.device)
-    lengths = (first_true_indices(responses == stop_token_id) + 1).clamp(max=width)
-    keep = torch.arange(width, device=responses.device)[None, :] < lengths[:, None]
-    return torch.where(keep, responses, torch.full_like(responses, pad_token_id)), lengths
-
-
-def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Boolean mask [B, width] with the first `lengths[b]` positions of row b set."""
-    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Masked statistics (used by every RL script)
 # ----------------------------------------------------------------------------------------------------------------
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -131,138 +91,6 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Forward passes
-# ----------------------------------------------------------------------------------------------------------------
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, as generation does for left-padded rows: [B, T]."""
-    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-
-
-def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """Forward a causal LM on padded rows with the attention mask and the matching position ids."""
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        **kwargs,
-    )
-
-
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] for each position: logits [B, T, V], tokens [B, T] -> [B, T]."""
-    return torch.gather(logits.float().log_softmax(-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution at each position: [B, T, V] -> [B, T]."""
-    logits = logits.float()
-    probs = logits.softmax(-1)
-    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
-
-
-def response_logits(
-    model: nn.Module,
-    query_responses: torch.Tensor,
-    attention_mask: torch.Tensor,
-    context_length: int,
-    temperature: float,
-) -> torch.Tensor:
-    """Logits [B, R, V] that predict the response tokens (positions context_length..T-1), divided by the
-    sampling temperature so that logprobs match those of sampling."""
-    logits = forward(model, query_responses, attention_mask).logits[:, context_length - 1 : -1].float()
-    return logits / (temperature if temperature > 0 else 1.0)
-
-
-@torch.no_grad()
-def batched_response_logprobs(
-    model: nn.Module,
-    query_responses: torch.Tensor,
-    attention_mask: torch.Tensor,
-    context_length: int,
-    temperature: float,
-    chunk_size: int,
-) -> torch.Tensor:
-    """Logprobs [B, R] of the response tokens under `model`, in chunks of `chunk_size` rows (no gradient)."""
-    out = []
-    for i in range(0, query_responses.size(0), chunk_size):
-        qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
-        logits = response_logits(model, qr, am, context_length, temperature)
-        out.append(logprobs_from_logits(logits, qr[:, context_length:]))
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    queries: torch.Tensor,
-    query_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-    chunk_size: int,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample exactly `response_length` tokens after left-padded `queries` [B, Q], in chunks of `chunk_size` rows.
-
-    Sampling is from softmax(logits / temperature) (greedy when temperature == 0) with a key-value cache and the
-    position ids generation needs under left padding. Sampling does not stop at EOS: every row gets R tokens
-    and the caller truncates after the stop token. Returns (query_responses [B, Q+R], logprobs [B, R]): the
-    logprobs of the sampled tokens under logits / temperature (under the plain logits when greedy).
-    """
-    all_tokens, all_logprobs = [], []
-    for i in range(0, queries.size(0), chunk_size):
-        tokens, mask = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
-        position_ids = position_ids_from_mask(mask)
-        step_ids, past, logprobs = tokens, None, []
-        for _ in range(response_length):
-            out = model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
-            logits = out.logits[:, -1].float()
-            if temperature > 0:
-                logits = logits / temperature
-                next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)
-            else:
-                next_ids = logits.argmax(-1, keepdim=True)
-            logprobs.append(logits.log_softmax(-1).gather(1, next_ids))
-            tokens = torch.cat([tokens, next_ids], 1)
-            mask = torch.cat([mask, torch.ones_like(next_ids)], 1)
-            position_ids = position_ids[:, -1:] + 1
-            step_ids = next_ids
-        all_tokens.append(tokens)
-        all_logprobs.append(
-            torch.cat(logprobs, 1) if logprobs else tokens.new_zeros(tokens.size(0), 0).float()
-        )
-    return torch.cat(all_tokens), torch.cat(all_logprobs)
-
-
-@torch.no_grad()
-def complete(
-    model: nn.Module,
-    tokenizer,
-    prompt_ids: Sequence[Sequence[int]],
-    response_length: int,
-    chunk_size: int,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions of tokenized prompts as the RL scripts sample them: left-padded, `response_length` tokens
-    (greedy by default), truncated after EOS. Returns (responses [B, R], lengths [B]) on the model's device."""
-    queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
-    query_responses, _ = generate(
-        model, queries, query_mask, response_length, temperature, chunk_size, generator
-    )
-    return truncate_response(
-        query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
 
 
 def prompt_batches(
@@ -361,9 +189,11 @@ def compute_scores(
     chunk_size: int,
     reward_model: nn.Module | None = None,
     reward_fn: Callable | None = None,
+    columns: dict[str, list] | None = None,
 ) -> torch.Tensor:
     """Scores [B] of truncated query+response rows, from a reward model (read at the last real token) or from a
-    reward function called on the decoded prompts and completions (the completion stops at its stop token)."""
+    reward function called on the decoded prompts and completions (the completion stops at its stop token) and,
+    for a TRL-style function, the dataset `columns` of each row (see call_reward_fn)."""
     if reward_fn is None:
         return batched_score(reward_model, query_responses, attention_mask, chunk_size)
     mask = attention_mask.bool()
@@ -375,7 +205,7 @@ def compute_scores(
         tokenizer.decode(r[m], skip_special_tokens=True)
         for r, m in zip(query_responses[:, context_length:], mask[:, context_length:])
     ]
-    return call_reward_fn(reward_fn, prompts, completions).to(query_responses.device)
+    return call_reward_fn(reward_fn, prompts, completions, columns).to(query_responses.device)
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -397,11 +227,32 @@ def load_reward_fn(spec: str) -> Callable:
     return getattr(module, name)
 
 
-def call_reward_fn(fn: Callable, prompts: list[str], completions: list[str]) -> torch.Tensor:
-    """Call a reward function and check its answer: one float per completion. Returns [B] float32. A NaN or an
-    infinity is returned as it is: the training scripts stop on it with `utils.run.check_finite`, naming the
-    update and the last good checkpoint (a judge that fails once mid-run is not a bad flag)."""
-    values = list(fn(prompts, completions))
+def call_reward_fn(
+    fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+) -> torch.Tensor:
+    """Call a reward function and check its answer: one float per completion. Returns [B] float32.
+
+    A function with a `**kwargs` parameter is called as TRL calls its reward functions: with the keywords
+    `prompts` (the dataset's `prompt` column when given), `completions` and every other column of the rows'
+    dataset examples (`columns`, e.g. `solution`); when the prompts are conversations (message lists), each
+    completion is one assistant message, [{"role": "assistant", "content": text}]. Any other function is called as
+    fn(prompts, completions) on the texts. A NaN or an infinity is returned as it is: the training scripts stop
+    on it with `utils.run.check_finite`, naming the update and the last good checkpoint."""
+    import inspect
+
+    from utils import data
+
+    parameters = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        extra = {k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion")}
+        raw_prompts = (columns or {}).get("prompt")
+        if raw_prompts:  # the dataset's own prompts, not their decoded (possibly left-truncated) tokens
+            prompts = list(raw_prompts)
+            if data.is_conversation(raw_prompts[0]):
+                completions = [[{"role": "assistant", "content": c}] for c in completions]
+        values = list(fn(prompts=prompts, completions=completions, **extra))
+    else:
+        values = list(fn(prompts, completions))
     if len(values) != len(completions):
         raise ValueError(
             f"the reward function returned {len(values)} values for {len(completions)} completions."
@@ -448,6 +299,42 @@ def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
             f"{flag} {name_or_path!r} could not be loaded from the hub ({type(error).__name__}); "
             "without network pass a local directory saved with save_pretrained."
         ) from None
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in the backward pass, with PyTorch's non-reentrant checkpointing (transformers 5.20
+    renamed the method; the old name still works there, with a warning)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None = None):
+    """The tokenizer of `name_or_path`, padding with EOS when it has no pad token (safe: every mask in these
+    scripts comes from lengths, never from comparing ids with the pad id), with the Jinja chat template of
+    `chat_template_path` when given (utils.data.set_chat_template)."""
+    from transformers import AutoTokenizer
+
+    from utils import data
+
+    tokenizer = from_pretrained(AutoTokenizer, name_or_path, flag)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data.set_chat_template(tokenizer, chat_template_path)
+    return tokenizer
+
+
+def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
+    """A reward model: a sequence classifier with exactly one label (anything else is refused in one sentence,
+    e.g. a causal LM, which would load with a fresh two-label head), dropout off."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = from_pretrained(AutoModelForSequenceClassification, name_or_path, flag)
+    score_head(model)
+    disable_dropout(model)
+    return model
 
 
 def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):

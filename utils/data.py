@@ -292,6 +292,11 @@ def shared_prefix(chosen, rejected):
 # ----------------------------------------------------------------------------------------------------------------
 # Datasets to texts, by type
 # ----------------------------------------------------------------------------------------------------------------
+def column(dataset, name: str) -> list:
+    """A column as a Python list, read at once (iterating a datasets Column row by row is ~1000x slower)."""
+    return dataset[name][:]
+
+
 def _prepare(dataset, tokenizer, where: str, text_field: str = "text"):
     kind, conversational = detect_format(dataset, where, text_field)
     if conversational:
@@ -305,7 +310,7 @@ def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
     kind, conversational = _prepare(dataset, tokenizer, where)
     if "prompt" not in dataset.column_names:
         raise ValueError(f"{where} has no prompt column; found columns {sorted(dataset.column_names)}.")
-    prompts = list(dataset["prompt"])
+    prompts = column(dataset, "prompt")
     if not conversational:
         return prompts
     return [render(tokenizer, p, generation_prompt=p[-1]["role"] != "assistant") for p in prompts]
@@ -316,8 +321,11 @@ def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], 
     kind, conversational = _prepare(dataset, tokenizer, where)
     check_type(dataset, kind, ["prompt_completion"], where)
     if not conversational:
-        return list(dataset["prompt"]), list(dataset["completion"])
-    pairs = [split_rendering(tokenizer, p, c) for p, c in zip(dataset["prompt"], dataset["completion"])]
+        return column(dataset, "prompt"), column(dataset, "completion")
+    pairs = [
+        split_rendering(tokenizer, p, c)
+        for p, c in zip(column(dataset, "prompt"), column(dataset, "completion"))
+    ]
     return [p for p, _ in pairs], [c for _, c in pairs]
 
 
@@ -327,8 +335,10 @@ def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
     kind, conversational = _prepare(dataset, tokenizer, where)
     check_type(dataset, kind, ["preference", "implicit_preference"], where)
     out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
-    prompts = dataset["prompt"] if kind == "preference" else [None] * len(dataset)
-    for i, (prompt, chosen, rejected) in enumerate(zip(prompts, dataset["chosen"], dataset["rejected"])):
+    prompts = column(dataset, "prompt") if kind == "preference" else [None] * len(dataset)
+    for i, (prompt, chosen, rejected) in enumerate(
+        zip(prompts, column(dataset, "chosen"), column(dataset, "rejected"))
+    ):
         if prompt is None:
             try:
                 prompt, chosen, rejected = shared_prefix(chosen, rejected)
@@ -376,7 +386,7 @@ def sft_examples(
         ):
             rows.append((prompt_ids, *with_eos(completion_ids, [1] * len(completion_ids))))
     elif kind == "prompt_completion":  # the prompt never carries loss; the completion's assistant turns do
-        for prompt, completion in zip(dataset["prompt"], dataset["completion"]):
+        for prompt, completion in zip(column(dataset, "prompt"), column(dataset, "completion")):
             prompt_chars = len(split_rendering(tokenizer, prompt, completion)[0])
             ids, mask, ends = _encode_pieces(tokenizer, turn_segments(tokenizer, prompt + completion))
             cut = ends.get(prompt_chars)  # the prompt ends at a piece boundary (the assistant's opening)
@@ -384,12 +394,12 @@ def sft_examples(
                 raise ValueError("the chat template renders a prompt that does not end where a turn does.")
             rows.append((ids[:cut], *with_eos(ids[cut:], mask[cut:])))
     elif not conversational:
-        column = text_field if text_field in dataset.column_names else "messages"
-        for ids in encode(tokenizer, list(dataset[column]), True):
+        name = text_field if text_field in dataset.column_names else "messages"
+        for ids in encode(tokenizer, column(dataset, name), True):
             rows.append(with_eos(ids, [1] * len(ids)))
     else:
-        column = "messages" if "messages" in dataset.column_names else text_field
-        for messages in dataset[column]:
+        name = "messages" if "messages" in dataset.column_names else text_field
+        for messages in column(dataset, name):
             if assistant_only_loss:
                 ids, mask, _ = _encode_pieces(tokenizer, turn_segments(tokenizer, messages))
             else:
@@ -425,8 +435,8 @@ def sample_prompts(dataset, tokenizer, where: str, count: int, text_field: str =
     if kind != "language_modeling" or not conversational:
         return [], []
     prompts, references = [], []
-    column = "messages" if "messages" in head.column_names else text_field
-    for messages in head[column]:
+    name = "messages" if "messages" in head.column_names else text_field
+    for messages in column(head, name):
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
         if last > 0:
             prompt, reference = split_rendering(tokenizer, messages[:last], messages[last : last + 1])

@@ -243,6 +243,12 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return total, held
 
 
+def local_param_share(model: nn.Module) -> float:
+    """Under ZeRO-3, the share of the model's weights this process holds (1/N when sharded over N)."""
+    params = list(model.parameters())
+    return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
+
+
 def describe_sharding(model: nn.Module, accelerator) -> str:
     """One line for the log: how many of the model's parameters this process holds."""
     total, held = parameter_counts(model)
@@ -316,6 +322,24 @@ class Tracker:
             self.writer.add_scalar(name, value, step)
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def samples(self, columns: dict[str, list], title: str) -> None:
+        """Print a table of sampled completions (one list per column) and, with --track, log it to W&B."""
+        if not self.active:
+            return
+        import utils
+
+        utils.print_samples(columns, title=title)
+        if self.track:
+            import wandb
+
+            wandb.log(
+                {
+                    "samples": wandb.Table(
+                        columns=list(columns), data=[list(r) for r in zip(*columns.values())]
+                    )
+                }
+            )
 
     def close(self) -> None:
         if not self.active:

@@ -188,14 +188,16 @@ class RewardScorer:
         context_length: int,
         chunk_size: int,
         prompts: Sequence | None = None,
+        columns: dict[str, list] | None = None,
     ) -> torch.Tensor:
         """Scores [B] of rows [B, T] (left-padded prompt, then the response truncated after its stop token; the
-        mask marks the real tokens); `prompts` only matters for a reward model with its own tokenizer."""
+        mask marks the real tokens); `prompts` only matters for a reward model with its own tokenizer, `columns`
+        (the dataset columns of each row) only for a reward function that takes them (utils.call_reward_fn)."""
         fits = self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
         if self.reward_fn is not None or (self.same_tokenizer and fits):  # the fast path: ids as they are
             return utils.compute_scores(
                 query_responses, attention_mask, context_length, self.policy_tokenizer, chunk_size,
-                self.reward_model, self.reward_fn,
+                self.reward_model, self.reward_fn, columns,
             )  # fmt: skip
         rows = self.encode(query_responses, attention_mask, context_length, prompts)
         pad_id = first_id(self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id)

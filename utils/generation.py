@@ -1,0 +1,219 @@
+"""Padding, truncation, forward passes and sampling: how every script turns token ids into logprobs and
+completions. Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Padding and truncation
+# ----------------------------------------------------------------------------------------------------------------
+def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> torch.Tensor:
+    """Stack token lists of different lengths into a LongTensor [B, max_len], padding on `side`."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
+    width = max((len(s) for s in sequences), default=0)
+    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            row = torch.as_tensor(seq, dtype=torch.long)
+            if side == "right":
+                out[i, : len(seq)] = row
+            else:
+                out[i, width - len(seq) :] = row
+    return out
+
+
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_token_id: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as left-padded ids [B, Q] and their attention mask [B, Q] (the mask does not rely on the pad id,
+    which may equal a real token such as EOS). Generation needs prompts flush right."""
+    ids = pad(rows, pad_token_id, "left")
+    mask = pad([[1] * len(r) for r in rows], 0, "left").bool()
+    return ids.to(device), mask.to(device)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True of each row of `bools` [B, T]; T for a row with none. Returns [B]."""
+    width = bools.size(-1)
+    positions = torch.arange(width, dtype=dtype, device=bools.device)
+    return torch.where(bools, positions, torch.full_like(positions, width)).min(-1).values
+
+
+def truncate_response(
+    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each response up to and including its first `stop_token_id`; replace what follows with padding.
+
+    responses: [B, R]. Returns (truncated [B, R], lengths [B]) where lengths counts the kept tokens, the stop
+    token included (R when there is none). With `stop_token_id=None` nothing is cut. The lengths come from the
+    stop token, not from the padding, so they stay right when pad and stop tokens are the same id.
+    """
+    width = responses.size(1)
+    if stop_token_id is None:
+        return responses.clone(), torch.full((responses.size(0),), width, device=responses.device)
+    lengths = (first_true_indices(responses == stop_token_id) + 1).clamp(max=width)
+    keep = torch.arange(width, device=responses.device)[None, :] < lengths[:, None]
+    return torch.where(keep, responses, torch.full_like(responses, pad_token_id)), lengths
+
+
+def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Boolean mask [B, width] with the first `lengths[b]` positions of row b set."""
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward passes
+# ----------------------------------------------------------------------------------------------------------------
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, as generation does for left-padded rows: [B, T]."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+    """Forward a causal LM on padded rows with the attention mask and the matching position ids."""
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        **kwargs,
+    )
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] for each position: logits [B, T, V], tokens [B, T] -> [B, T]."""
+    return torch.gather(logits.float().log_softmax(-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position: [B, T, V] -> [B, T]."""
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+def response_logits(
+    model: nn.Module,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    temperature: float,
+) -> torch.Tensor:
+    """Logits [B, R, V] that predict the response tokens (positions context_length..T-1), divided by the
+    sampling temperature so that logprobs match those of sampling."""
+    logits = forward(model, query_responses, attention_mask).logits[:, context_length - 1 : -1].float()
+    return logits / (temperature if temperature > 0 else 1.0)
+
+
+@torch.no_grad()
+def batched_response_logprobs(
+    model: nn.Module,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    temperature: float,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Logprobs [B, R] of the response tokens under `model`, in chunks of `chunk_size` rows (no gradient)."""
+    out = []
+    for i in range(0, query_responses.size(0), chunk_size):
+        qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
+        logits = response_logits(model, qr, am, context_length, temperature)
+        out.append(logprobs_from_logits(logits, qr[:, context_length:]))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    chunk_size: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample exactly `response_length` tokens after left-padded `queries` [B, Q], in chunks of `chunk_size` rows.
+
+    Sampling is from softmax(logits / temperature) (greedy when temperature == 0) with a key-value cache and the
+    position ids generation needs under left padding. Sampling does not stop at EOS: every row gets R tokens
+    and the caller truncates after the stop token. Returns (query_responses [B, Q+R], logprobs [B, R]): the
+    logprobs of the sampled tokens under logits / temperature (under the plain logits when greedy).
+    """
+    all_tokens, all_logprobs = [], []
+    for i in range(0, queries.size(0), chunk_size):
+        tokens, mask = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
+        position_ids = position_ids_from_mask(mask)
+        step_ids, past, logprobs = tokens, None, []
+        for _ in range(response_length):
+            out = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = out.past_key_values
+            logits = out.logits[:, -1].float()
+            if temperature > 0:
+                logits = logits / temperature
+                next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            else:
+                next_ids = logits.argmax(-1, keepdim=True)
+            logprobs.append(logits.log_softmax(-1).gather(1, next_ids))
+            tokens = torch.cat([tokens, next_ids], 1)
+            mask = torch.cat([mask, torch.ones_like(next_ids)], 1)
+            position_ids = position_ids[:, -1:] + 1
+            step_ids = next_ids
+        all_tokens.append(tokens)
+        all_logprobs.append(
+            torch.cat(logprobs, 1) if logprobs else tokens.new_zeros(tokens.size(0), 0).float()
+        )
+    return torch.cat(all_tokens), torch.cat(all_logprobs)
+
+
+@torch.no_grad()
+def complete(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    response_length: int,
+    chunk_size: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completions of tokenized prompts as the RL scripts sample them: left-padded, `response_length` tokens
+    (greedy by default), truncated after EOS. Returns (responses [B, R], lengths [B]) on the model's device."""
+    queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
+    query_responses, _ = generate(
+        model, queries, query_mask, response_length, temperature, chunk_size, generator
+    )
+    return truncate_response(
+        query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+
+
+def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
+    """A generator seeded by (seed, *key). Keyed by what is sampled (an update, a completion index, the first
+    prompt of a chunk), the noise never depends on the number of processes or on what ran before: 1 process and
+    N processes sample the same completions, and a resumed run samples what the uninterrupted one did."""
+    state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state) % 2**63)
+
+
+def query_response_rows(queries, query_mask, responses, response_mask, idx):
+    """Rows `idx` of a completion-major batch, built at forward time from the prompts [P, Q] stored once:
+    completion row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
+    prompt = idx % queries.size(0)
+    return (
+        torch.cat([queries[prompt], responses[idx]], 1),
+        torch.cat([query_mask[prompt], response_mask[idx]], 1),
+    )
