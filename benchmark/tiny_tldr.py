@@ -305,7 +305,9 @@ def plot(summary: dict, per_seed: list[dict], results_dir: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     means = [summary[m]["win_rate_mean"] for m in METHODS]
-    ax.bar(METHODS, means, color=["#999999", "#1f77b4", "#ff7f0e", "#2ca02c"], alpha=0.7)
+    ax.bar(
+        METHODS, means, color=["#999999", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"], alpha=0.7
+    )
     for i, m in enumerate(METHODS):
         ax.scatter([i] * len(summary[m]["per_seed"]), summary[m]["per_seed"], color="black", s=12, zorder=3)
     ax.axhline(0.5, color="gray", linestyle="--", linewidth=0.8)

@@ -3,18 +3,21 @@
     python benchmark/tiny_tldr_breakdown.py      # after benchmark/tiny_tldr.py, reads its evaluation files
 
 For every method, over the test summaries of every seed in `--work_dir`: the share ending with the hedge word,
-naming all the post's facts, and inventing or repeating a key word. Writes `--output_json`.
+naming all the post's facts, and inventing or repeating a key word; for every method but SFT, the mean
+difference of gold scores against SFT's summary of the same post, and its standard error. Writes
+`--output_json`.
 """
 
 import glob
 import json
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_world import HEDGE, KEY_WORDS  # noqa: E402
+from tiny_world import HEDGE, KEY_WORDS, gold_score  # noqa: E402
 
 
 @dataclass
@@ -35,12 +38,20 @@ def summary_traits(facts: list[str], summary: str) -> dict[str, bool]:
 
 
 def main(args: Args) -> dict:
-    result = {}
-    for method in ("sft", "ppo", "rloo", "dpo"):
+    result, sft_rows = {}, None
+    for method in ("sft", "ppo", "rloo", "dpo", "online_dpo", "ilql"):
         rows = [json.loads(line) for path in sorted(glob.glob(f"{args.work_dir}/seed*/eval/{method}.jsonl"))
                 for line in open(path)]  # fmt: skip
         traits = [summary_traits(r["facts"], r["completion"]) for r in rows]
         result[method] = {"n": len(rows), **{k: sum(t[k] for t in traits) / len(rows) for k in traits[0]}}
+        if method == "sft":
+            sft_rows = rows
+        elif sft_rows is not None and len(rows) == len(sft_rows):  # the same posts, in the same order
+            assert all(a["prompt"] == b["prompt"] for a, b in zip(rows, sft_rows))
+            diffs = [gold_score(b["facts"], b["completion"]) - gold_score(a["facts"], a["completion"])
+                     for a, b in zip(sft_rows, rows)]  # fmt: skip
+            result[method]["gold_minus_sft"] = statistics.mean(diffs)
+            result[method]["gold_minus_sft_se"] = statistics.stdev(diffs) / len(diffs) ** 0.5
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
     return result
