@@ -47,6 +47,28 @@ def test_boolean_with_a_bad_value_is_refused():
         run.normalize_bool_flags(FlagArgs, ["--bf16=maybe"])
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--no_remove_unused_columns"], "unknown flag --no_remove_unused_columns; see --help"),
+        (["--learning_rat", "0.1"], "unknown flag --learning_rat; did you mean --learning_rate?"),
+        (["--bf16", "--gradient-checkpointin"], "did you mean --gradient_checkpointing?"),
+    ],
+)
+def test_unknown_flags_are_refused_in_one_sentence(argv, message):
+    with pytest.raises(ValueError, match=message):
+        run.parse_args(FlagArgs, argv)
+
+
+def test_aliases_and_negations_are_known_flags():
+    import dpo
+    import sft
+
+    assert {"max_steps", "total_steps", "no_bf16", "help"} <= run.known_flags(sft.Args)
+    assert {"precompute_ref_logps", "no_precompute_ref_log_probs"} <= run.known_flags(dpo.Args)
+    assert run.parse_args(sft.Args, ["--max_steps", "7", "--bf16", "False"]).total_steps == 7
+
+
 def test_run_cli_turns_value_errors_into_one_line(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text(

@@ -65,11 +65,37 @@ def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
     return out
 
 
+def known_flags(args_class) -> set[str]:
+    """Every flag name the script takes, without dashes: its fields, their `no_` forms and their aliases."""
+    hints = typing.get_type_hints(args_class, include_extras=True)
+    names = {"help"}
+    for field in dataclasses.fields(args_class):
+        names |= {field.name, f"no_{field.name}"}
+        for meta in getattr(hints.get(field.name), "__metadata__", ()):
+            names |= {alias.lstrip("-").replace("-", "_") for alias in getattr(meta, "aliases", None) or ()}
+    return names
+
+
+def check_flags(args_class, argv: list[str]) -> None:
+    """Refuse, in one sentence naming the closest flag, a flag the script does not take (e.g. one of TRL's that
+    means nothing here), instead of tyro's usage box."""
+    import difflib
+
+    known = known_flags(args_class)
+    for token in argv:
+        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+        if name and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean --{close[0]}?" if close else "see --help for the flags it takes."
+            raise ValueError(f"unknown flag --{name}; {hint}")
+
+
 def parse_args(args_class, argv: list[str] | None = None):
     """The dataclass filled from the command line (tyro, underscores), booleans also written with a value."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
+    check_flags(args_class, argv)
     return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
 
 
