@@ -25,3 +25,15 @@ def test_import_has_no_side_effects(script, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     importlib.import_module(script)
     assert not any(Path(tmp_path).iterdir())
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
+def test_script_copied_with_utils_alone_runs(script, tmp_path):
+    """The copy contract: a script and utils/ in an empty folder import and answer --help there (a script that
+    reaches for benchmark/, tests/ or another script fails). Several test files also train from such a copy."""
+    import shutil
+
+    shutil.copy(ROOT / script, tmp_path / script)
+    shutil.copytree(ROOT / "utils", tmp_path / "utils", ignore=shutil.ignore_patterns("__pycache__"))
+    out = run_script([script, "--help"], cwd=tmp_path, timeout=120).stdout
+    assert "--output_dir" in out
