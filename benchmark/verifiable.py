@@ -59,7 +59,7 @@ class Args:
     """which of grpo, dr_grpo, dapo (grpo.py) and rloo (rloo.py) to run"""
     post_words: int = 15
     """words per post in the world (tiny_world.py's default is 30; shorter posts make every step cheaper)"""
-    sft_steps: list[int] = field(default_factory=lambda: [500, 700])
+    sft_steps: list[int] = field(default_factory=lambda: [500, 700, 1800])
     """SFT rounds, optimizer steps of batch 32 each; each round starts from the one before (a cosine schedule
     per round), so a short first round can be extended without redoing it"""
     generations: int = 150
