@@ -58,6 +58,10 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     data = f"{world}/dataset"
     logs = ["--logging_dir", f"{work}/runs", "--seed", str(seed), "--overwrite_output_dir"]
     sft_steps, rl_episodes = (40, 128) if quick else (1500, 2048)
+    quick_world = (  # a tenth of the world: the quick check tests the plumbing, not the numbers
+        ["--num_sft", "400", "--num_preference", "800", "--num_preference_validation", "100", "--num_validation", "64",
+         "--num_test", "64"] if quick else []
+    )  # fmt: skip
     # the reward model and DPO see the preference split once; the quick check stops them after a few steps
     rm_length = ["--total_steps", "10"] if quick else ["--num_train_epochs", "2"]
     dpo_length = ["--max_steps", "10"] if quick else ["--num_train_epochs", "1"]
@@ -99,7 +103,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--beta", "4", "--response_length", "8", "--eval_steps", "0", "--output_dir", f"{work}/ilql", *logs,
     ]  # fmt: skip
     return {
-        "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed)],
+        "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed), *quick_world],
         "sft": [
             "sft.py",
             "--model_name_or_path",
