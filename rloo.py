@@ -80,7 +80,8 @@ class Args:
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""
     reward_fn: str | None = None
-    """path/to/file.py:function, called as function(prompts, completions) -> one float per completion"""
+    """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
+    texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
     or conversations rendered with the chat template and its generation prompt); other columns are ignored"""
@@ -324,9 +325,10 @@ def sample(args, accelerator, policy, queries, query_mask, num_completions, key,
 
 @torch.no_grad()
 def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, first_prompt,
-            stop_token_id, pad_id, recompute_old_logprobs, engine=None):  # fmt: skip
+            stop_token_id, pad_id, recompute_old_logprobs, engine=None, columns=None):  # fmt: skip
     """Sample rloo_k completions of each prompt and score them; the logprobs of the policy (sampling's, or the
-    training forward pass's with `recompute_old_logprobs`) and of the reference. Returns a dict of [B, ...]."""
+    training forward pass's with `recompute_old_logprobs`) and of the reference. `columns`: the dataset columns
+    of the P prompts, for a TRL-style reward function. Returns a dict of [B, ...]."""
     responses, lengths, response_mask, logprobs = sample(
         args, accelerator, policy, queries, query_mask, args.rloo_k, (update,), first_prompt, stop_token_id,
         pad_id, engine,
@@ -340,7 +342,10 @@ def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, 
         if recompute_old_logprobs:  # the bare policy: the same forward as training, without DDP's hooks
             bare = utils.run.bare(policy)
             recomputed.append(utils.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk))
-        scores.append(scorer(query_responses, mask, Q, chunk))
+        of_rows = {
+            name: [values[p] for p in (idx % queries.size(0)).tolist()] for name, values in columns.items()
+        }
+        scores.append(scorer(query_responses, mask, Q, chunk, columns=of_rows))
     return dict(
         responses=responses, lengths=lengths, response_mask=response_mask, sampled_logprobs=logprobs,
         logprobs=torch.cat(recomputed) if recomputed else logprobs, ref_logprobs=torch.cat(ref_logprobs),
@@ -365,6 +370,8 @@ def main(args: Args) -> dict:
     reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
+    columns = {name: utils.data.column(dataset, name) for name in dataset.column_names} if reward_fn else {}
     if args.eval_steps is not None and args.eval_steps < 1:
         raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
     sample_prompts = None
@@ -376,6 +383,8 @@ def main(args: Args) -> dict:
         sample_prompts = sample_prompts.select(
             range(min(4, len(sample_prompts)))
         )  # rendered with the tokenizer
+    sample_columns = {n: utils.data.column(sample_prompts, n) for n in sample_prompts.column_names} if (
+        reward_fn and sample_prompts is not None) else {}  # fmt: skip
     fill_sizes(args, accelerator.num_processes, len(dataset))
     if args.eval_strategy == "no":
         args.num_sample_generations = 0
@@ -464,12 +473,14 @@ def main(args: Args) -> dict:
 
         # 5. Rollout: P prompts stored once [P, Q], k * P completions in completion-major order (row i <- prompt
         # i % P); reference logprobs and scores of the truncated rows, in the policy's precision.
-        queries, query_mask = utils.left_pad([prompt_ids[i] for i in next(batches)], pad_id, device)
+        examples = next(batches)  # dataset indices of this process's P prompts
+        queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         context_length = queries.size(1)
         with accelerator.autocast():
             data = rollout(
                 args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, rank * P,
                 stop_token_id, pad_id, recompute_old_logprobs, engine,
+                {name: [values[i] for i in examples] for name, values in columns.items()},
             )  # fmt: skip
         responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
         old_logprobs, scores = data["logprobs"], data["scores"]
@@ -580,7 +591,9 @@ def main(args: Args) -> dict:
                     query_responses, mask = utils.query_response_rows(
                         queries, query_mask, responses, response_mask, shown
                     )
-                    table_scores = scorer(query_responses, mask, queries.size(1), chunk)
+                    table_scores = scorer(
+                        query_responses, mask, queries.size(1), chunk, columns=sample_columns
+                    )
             tracker.samples({
                 "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
                 "response": [tokenizer.decode(r[m], skip_special_tokens=True)

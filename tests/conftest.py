@@ -145,6 +145,14 @@ def one_short(prompts, completions):
     return [0.0] * (len(completions) - 1)
 
 
+def trl_style(completions, solution, prompts, **kwargs):
+    """TRL's calling convention: keywords, the dataset's other columns among them; records what it got."""
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"prompts": prompts, "completions": completions, "solution": solution,
+                            "extra": sorted(kwargs)}) + "\\n")
+    return [float(len(str(c)) % 3) for c in completions]
+
+
 def fewer_characters(prompts, pairs):
     """A pairwise judge preferring the shorter completion; records what it was asked in $JUDGE_LOG."""
     with open(os.environ["JUDGE_LOG"], "a") as f:
@@ -184,6 +192,36 @@ def make_rl_lab(world: Path, out: Path, num_prompts: int = 64) -> Path:
     tokenizer.save_pretrained(out / "policy")
     (out / "rules.py").write_text(RULE_REWARDS)
     return out
+
+
+def write_trl_style_data(lab: Path, path: Path, conversational: bool, num_rows: int = 16) -> Path:
+    """A prompt dataset with two more columns, as TRL reward functions read them: `solution` (a piece of the
+    row's own prompt, so a completion scored with another row's columns shows) and `source` (the row index)."""
+    import json
+
+    rows = [json.loads(line) for line in open(lab / "prompts.jsonl")][:num_rows]
+    with open(path, "w") as f:
+        for i, row in enumerate(rows):
+            prompt = [{"role": "user", "content": row["prompt"]}] if conversational else row["prompt"]
+            f.write(json.dumps({"prompt": prompt, "solution": row["prompt"][-40:-20], "source": i}) + "\n")
+    return path
+
+
+def check_trl_style_calls(log: Path, conversational: bool) -> int:
+    """Check every call the rules.py:trl_style reward function logged: each completion came with its own row's
+    `solution`, the other columns as keywords, and, for conversations, messages. Returns the completions seen."""
+    import json
+
+    calls = [json.loads(line) for line in open(log)]
+    for call in calls:
+        assert call["extra"] == ["source"]  # the prompt column is `prompts`, not a keyword of its own
+        for prompt, completion, solution in zip(call["prompts"], call["completions"], call["solution"]):
+            if conversational:
+                assert prompt[-1]["role"] == "user" and solution in prompt[-1]["content"]
+                assert len(completion) == 1 and completion[0]["role"] == "assistant"
+            else:
+                assert isinstance(completion, str) and solution in prompt
+    return sum(len(call["completions"]) for call in calls)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -2,7 +2,6 @@
 clip-higher and two-sided clipping by hand, the batch arithmetic, and runs through the command line on the tiny
 world (ratio 1 at the first step, a rule reward learned, groups kept whole on 2 processes, exact resume)."""
 
-import json
 import math
 import shutil
 import statistics
@@ -14,7 +13,16 @@ import torch
 import grpo
 import utils
 import utils.run
-from conftest import make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
+from conftest import (
+    check_trl_style_calls,
+    make_rl_lab,
+    read_metrics,
+    run_deepspeed,
+    run_script,
+    run_torchrun,
+    weights,
+    write_trl_style_data,
+)
 
 
 # ---------------------------------------------------------------------------------------------------- advantages
@@ -286,48 +294,22 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
-TRL_STYLE_REWARD = """
-import json, os
-
-
-def ends_with_solution(completions, solution, prompts, **kwargs):
-    \"\"\"TRL's calling convention: keywords, the dataset's other columns among them; records what it got.\"\"\"
-    with open(os.environ["REWARD_LOG"], "a") as f:
-        f.write(json.dumps({"prompts": prompts, "completions": completions, "solution": solution,
-                            "extra": sorted(kwargs)}) + "\\n")
-    return [float(len(str(c)) % 3) for c in completions]
-"""
-
-
 @pytest.mark.parametrize("conversational", [False, True])
 def test_trl_style_reward_functions_get_their_rows_columns(world, lab, tmp_path, conversational):
     """A reward function taking **kwargs is called as TRL calls it: every completion comes with the `solution`
     and `source` of its own dataset row (here derived from the prompt, so a misaligned row shows), and with a
     conversational dataset the prompts are message lists and each completion one assistant message."""
-    rows = [json.loads(line) for line in open(lab / "prompts.jsonl")][:16]
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for i, row in enumerate(rows):
-            prompt = [{"role": "user", "content": row["prompt"]}] if conversational else row["prompt"]
-            f.write(json.dumps({"prompt": prompt, "solution": row["prompt"][-40:-20], "source": i}) + "\n")
-    (tmp_path / "trl_rewards.py").write_text(TRL_STYLE_REWARD)
+    write_trl_style_data(lab, tmp_path / "data.jsonl", conversational)
     policy = world / ("policy_chat" if conversational else "policy")
     flags = common_flags(tmp_path, "trl_style") + [
         "--model_name_or_path", str(policy), "--dataset_name", str(tmp_path / "data.jsonl"),
-        "--reward_funcs", f"{tmp_path / 'trl_rewards.py'}:ends_with_solution", "--num_generations", "4",
+        "--reward_funcs", f"{lab / 'rules.py'}:trl_style", "--num_generations", "4",
         "--per_device_train_batch_size", "8", "--steps_per_generation", "2", "--max_steps", "4",
         "--local_rollout_forward_batch_size", "6",
     ]  # fmt: skip
     run_script(["grpo.py", *flags], env={"REWARD_LOG": str(tmp_path / "calls.jsonl")})
-    calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
-    assert sum(len(c["completions"]) for c in calls) == 2 * 16  # two generations of 4 prompts x 4 completions
-    for call in calls:
-        assert call["extra"] == ["source"]  # the prompt column is `prompts`, not a keyword of its own
-        for prompt, completion, solution in zip(call["prompts"], call["completions"], call["solution"]):
-            if conversational:
-                assert prompt[-1]["role"] == "user" and solution in prompt[-1]["content"]
-                assert len(completion) == 1 and completion[0]["role"] == "assistant"
-            else:
-                assert isinstance(completion, str) and solution in prompt
+    seen = check_trl_style_calls(tmp_path / "calls.jsonl", conversational)
+    assert seen == 2 * 16  # two generations of 4 prompts x 4 completions
 
 
 @pytest.mark.slow  # kept out of CI for time; run with -m slow
