@@ -93,7 +93,8 @@ class Args:
     reward_tokenizer_path: str | None = None
     """the reward model's own tokenizer when it differs from the policy's (None: the reward model's directory)"""
     reward_fn: str | None = None
-    """path/to/file.py:function, called as function(prompts, completions) -> one float per completion"""
+    """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
+    texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     judge: str | None = None
     """pairwise judge: path/to/file.py:function called as function(prompts, pairs) -> for each (a, b) pair 0 (a
     better), 1 (b better) or -1 (tie); or 'openai' for an OpenAI-compatible endpoint (--judge_base_url)"""
@@ -389,6 +390,8 @@ def main(args: Args) -> None:
         judge = load_function(args.judge, "--judge")
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
+    columns = {name: utils.data.column(dataset, name) for name in dataset.column_names} if reward_fn else {}
     sample_dataset = None
     if args.dataset_test_split and args.num_sample_generations:
         sample_dataset = utils.data.load_split(
@@ -490,7 +493,8 @@ def main(args: Args) -> None:
 
         # 1. Rollout: P prompts stored once [P, Q], two completions each in completion-major order (row i <-
         # prompt i % P), truncated after EOS; reference logprobs of the truncated rows at the same temperature.
-        queries, query_mask = utils.left_pad([prompt_ids[i] for i in next(batches)], pad_id, device)
+        examples = next(batches)  # dataset indices of this process's P prompts
+        queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         context_length = queries.size(1)
         rows = torch.arange(2 * P, device=device)
         responses, lengths, response_mask, sampled_logprobs = sample(
@@ -504,7 +508,8 @@ def main(args: Args) -> None:
                 ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask,
                                                                     context_length, T, chunk))  # fmt: skip
                 if scorer is not None:
-                    scores.append(scorer(query_responses, mask, context_length, chunk))
+                    of_rows = {n: [v[examples[p]] for p in (idx % P).tolist()] for n, v in columns.items()}
+                    scores.append(scorer(query_responses, mask, context_length, chunk, columns=of_rows))
         ref_logprobs = torch.cat(ref_logprobs)
         has_eos = ((responses == eos_id) & response_mask).any(1)
 

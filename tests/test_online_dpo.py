@@ -12,7 +12,17 @@ import pytest
 import torch
 
 import online_dpo
-from conftest import ROOT, make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
+from conftest import (
+    ROOT,
+    check_trl_style_calls,
+    make_rl_lab,
+    read_metrics,
+    run_deepspeed,
+    run_script,
+    run_torchrun,
+    weights,
+    write_trl_style_data,
+)
 
 METRICS = {
     "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
@@ -225,6 +235,18 @@ def lab(world, tmp_path_factory):
 def common_flags(tmp_path, name):
     return ["--logging_dir", str(tmp_path / "runs"), "--run_name", name, "--output_dir", str(tmp_path / name),
             "--max_new_tokens", "8", "--num_sample_generations", "0"]  # fmt: skip
+
+
+def test_trl_style_reward_function_gets_its_rows_columns(world, lab, tmp_path):
+    """--reward_fn with **kwargs is called as TRL calls it: each completion with its own row's columns."""
+    data = write_trl_style_data(lab, tmp_path / "data.jsonl", conversational=False)
+    flags = common_flags(tmp_path, "trl_style") + [
+        "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:trl_style",
+        "--dataset_name", str(data), "--per_device_train_batch_size", "4", "--max_steps", "2",
+        "--local_rollout_forward_batch_size", "6",
+    ]  # fmt: skip
+    run_script(["online_dpo.py", *flags], env={"REWARD_LOG": str(tmp_path / "calls.jsonl")})
+    assert check_trl_style_calls(tmp_path / "calls.jsonl", conversational=False) == 2 * 2 * 4
 
 
 def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path):
