@@ -85,8 +85,10 @@ def ci(script):
     return script if script == "rloo.py" else pytest.param(script, marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+@pytest.mark.parametrize(
+    "script, stage",
+    [pytest.param("ppo.py", 2, marks=pytest.mark.slow), ("ppo.py", 3), ("rloo.py", 2), ("rloo.py", 3)],
+)  # CI: ppo's ZeRO-3 path, which has more to it (frozen models as DeepSpeed inference engines)
 def test_zero_saves_a_model_that_reloads_and_zero3_shards(script, stage, runs, world):
     from transformers import AutoModelForCausalLM
 

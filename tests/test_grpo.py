@@ -294,7 +294,9 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
-@pytest.mark.parametrize("conversational", [False, True])
+@pytest.mark.parametrize(
+    "conversational", [pytest.param(False, marks=pytest.mark.slow), True]
+)  # CI: rloo, online_dpo
 def test_trl_style_reward_functions_get_their_rows_columns(world, lab, tmp_path, conversational):
     """A reward function taking **kwargs is called as TRL calls it: every completion comes with the `solution`
     and `source` of its own dataset row (here derived from the prompt, so a misaligned row shows), and with a
