@@ -406,7 +406,7 @@ def main(args: Args) -> None:
         scorers.append(utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
     weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
     # TRL-style reward functions (with **kwargs) get every dataset column of their rows, e.g. a `solution`.
-    columns = {name: utils.data.column(dataset, name) for name in dataset.column_names} if reward_fns else {}
+    columns = utils.data.columns(dataset) if reward_fns else {}
 
     # Resume: the weights, optimizer and random generators; the prompt iterator is replayed to its place.
     P, B = args.local_prompts_per_generation, args.local_generation_batch_size
@@ -467,10 +467,7 @@ def main(args: Args) -> None:
         with torch.no_grad(), accelerator.autocast():
             for idx in completion_rows.split(chunk):
                 rows, mask = rows_at(idx)
-                of_rows = {
-                    name: [values[examples[p]] for p in (idx % P).tolist()]
-                    for name, values in columns.items()
-                }
+                of_rows = utils.data.columns_of_rows(columns, examples, idx)
                 scores = [scorer(rows, mask, context_length, chunk, columns=of_rows) for scorer in scorers]
                 rewards_per_func.append(torch.stack(scores, 1).float())
                 if ref_policy is not None:

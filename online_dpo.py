@@ -391,7 +391,7 @@ def main(args: Args) -> None:
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
-    columns = {name: utils.data.column(dataset, name) for name in dataset.column_names} if reward_fn else {}
+    columns = utils.data.columns(dataset) if reward_fn else {}
     sample_dataset = None
     if args.dataset_test_split and args.num_sample_generations:
         sample_dataset = utils.data.load_split(
@@ -508,7 +508,7 @@ def main(args: Args) -> None:
                 ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask,
                                                                     context_length, T, chunk))  # fmt: skip
                 if scorer is not None:
-                    of_rows = {n: [v[examples[p]] for p in (idx % P).tolist()] for n, v in columns.items()}
+                    of_rows = utils.data.columns_of_rows(columns, examples, idx)
                     scores.append(scorer(query_responses, mask, context_length, chunk, columns=of_rows))
         ref_logprobs = torch.cat(ref_logprobs)
         has_eos = ((responses == eos_id) & response_mask).any(1)

@@ -325,10 +325,10 @@ def sample(args, accelerator, policy, queries, query_mask, num_completions, key,
 
 @torch.no_grad()
 def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, first_prompt,
-            stop_token_id, pad_id, recompute_old_logprobs, engine=None, columns=None):  # fmt: skip
+            stop_token_id, pad_id, recompute_old_logprobs, engine=None, columns=None, examples=()):  # fmt: skip
     """Sample rloo_k completions of each prompt and score them; the logprobs of the policy (sampling's, or the
-    training forward pass's with `recompute_old_logprobs`) and of the reference. `columns`: the dataset columns
-    of the P prompts, for a TRL-style reward function. Returns a dict of [B, ...]."""
+    training forward pass's with `recompute_old_logprobs`) and of the reference. `columns`, `examples`: the
+    dataset's columns and the P prompts' rows in it, for a TRL-style reward function. Returns a dict of [B, ...]."""
     responses, lengths, response_mask, logprobs = sample(
         args, accelerator, policy, queries, query_mask, args.rloo_k, (update,), first_prompt, stop_token_id,
         pad_id, engine,
@@ -342,9 +342,7 @@ def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, 
         if recompute_old_logprobs:  # the bare policy: the same forward as training, without DDP's hooks
             bare = utils.run.bare(policy)
             recomputed.append(utils.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk))
-        of_rows = {
-            name: [values[p] for p in (idx % queries.size(0)).tolist()] for name, values in columns.items()
-        }
+        of_rows = utils.data.columns_of_rows(columns or {}, examples, idx)
         scores.append(scorer(query_responses, mask, Q, chunk, columns=of_rows))
     return dict(
         responses=responses, lengths=lengths, response_mask=response_mask, sampled_logprobs=logprobs,
@@ -371,7 +369,7 @@ def main(args: Args) -> dict:
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
-    columns = {name: utils.data.column(dataset, name) for name in dataset.column_names} if reward_fn else {}
+    columns = utils.data.columns(dataset) if reward_fn else {}
     if args.eval_steps is not None and args.eval_steps < 1:
         raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
     sample_prompts = None
@@ -383,8 +381,7 @@ def main(args: Args) -> dict:
         sample_prompts = sample_prompts.select(
             range(min(4, len(sample_prompts)))
         )  # rendered with the tokenizer
-    sample_columns = {n: utils.data.column(sample_prompts, n) for n in sample_prompts.column_names} if (
-        reward_fn and sample_prompts is not None) else {}  # fmt: skip
+    sample_columns = utils.data.columns(sample_prompts) if reward_fn and sample_prompts is not None else {}
     fill_sizes(args, accelerator.num_processes, len(dataset))
     if args.eval_strategy == "no":
         args.num_sample_generations = 0
@@ -480,7 +477,7 @@ def main(args: Args) -> dict:
             data = rollout(
                 args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, rank * P,
                 stop_token_id, pad_id, recompute_old_logprobs, engine,
-                {name: [values[i] for i in examples] for name, values in columns.items()},
+                columns, examples,
             )  # fmt: skip
         responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
         old_logprobs, scores = data["logprobs"], data["scores"]

@@ -247,37 +247,24 @@ def run_flags(world, tmp_path, script, name, *extra):
 
 # Per script: flags of a learning-rate-0 run of 2 updates with 2 passes over each batch; the names of the ratio,
 # clip-fraction and score metrics.
+PPO_STYLE = (  # rloo.py and ppo.py share their flags and metric names
+    [
+        "--total_episodes",
+        "16",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_ppo_epochs",
+        "2",
+        "--cliprange",
+        "0.001",
+    ],
+    "val/ratio",
+    "policy/clipfrac_avg",
+    "objective/scores",
+)
 INVARIANT = {
-    "rloo.py": (
-        [
-            "--total_episodes",
-            "16",
-            "--per_device_train_batch_size",
-            "8",
-            "--num_ppo_epochs",
-            "2",
-            "--cliprange",
-            "0.001",
-        ],
-        "val/ratio",
-        "policy/clipfrac_avg",
-        "objective/scores",
-    ),  # fmt: skip
-    "ppo.py": (
-        [
-            "--total_episodes",
-            "16",
-            "--per_device_train_batch_size",
-            "8",
-            "--num_ppo_epochs",
-            "2",
-            "--cliprange",
-            "0.001",
-        ],
-        "val/ratio",
-        "policy/clipfrac_avg",
-        "objective/scores",
-    ),  # fmt: skip
+    "rloo.py": PPO_STYLE,
+    "ppo.py": PPO_STYLE,
     "grpo.py": (
         [
             "--num_generations",

@@ -297,6 +297,18 @@ def column(dataset, name: str) -> list:
     return dataset[name][:]
 
 
+def columns(dataset) -> dict[str, list]:
+    """Every column of a dataset as a list: what a TRL-style reward function gets, row by row."""
+    return {name: column(dataset, name) for name in dataset.column_names}
+
+
+def columns_of_rows(columns: dict[str, list], examples, rows) -> dict[str, list]:
+    """The dataset `columns` of completion rows `rows` (a LongTensor) of a completion-major batch of
+    P = len(examples) prompts: row i belongs to prompt i % P, which is dataset row examples[i % P]."""
+    P = len(examples)
+    return {name: [values[examples[r % P]] for r in rows.tolist()] for name, values in columns.items()}
+
+
 def _prepare(dataset, tokenizer, where: str, text_field: str = "text"):
     kind, conversational = detect_format(dataset, where, text_field)
     if conversational:
