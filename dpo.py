@@ -296,11 +296,14 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 def completion_logps(model, batch: dict[str, torch.Tensor]):
-    """Summed logprob [N] of each row's completion tokens, their number [N], and their mean logit [N]."""
-    input_ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].float()  # position t predicts t+1
-    logits = utils.forward(model, input_ids, batch["attention_mask"]).logits[:, :-1]
-    token_logps, lengths = utils.logprobs_from_logits(logits, input_ids[:, 1:]), mask.sum(-1)
-    return (token_logps * mask).sum(-1), lengths, (logits.float().mean(-1) * mask).sum(-1) / lengths
+    """Summed logprob [N] of each row's completion tokens, their number [N], and their mean logit [N]. Only the
+    completion positions reach the LM head (utils.token_logprobs: no [N, T, V] logits)."""
+    mask = batch["completion_mask"][:, 1:].bool()  # position t predicts token t+1
+    token_logps, _, mean_logits = utils.token_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], mask, with_stats=True
+    )
+    lengths = mask.sum(-1).float()
+    return token_logps.sum(-1), lengths, mean_logits.sum(-1) / lengths
 
 
 @torch.no_grad()

@@ -517,8 +517,9 @@ def main(args: Args) -> None:
             for idx in step_batches:
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
-                    logits = utils.response_logits(policy, query_responses, attention_mask, context_length, T)
-                    logprobs = utils.logprobs_from_logits(logits, responses[idx])
+                    logprobs, entropy, _ = utils.response_logprobs(
+                        policy, query_responses, attention_mask, context_length, T, with_stats=True
+                    )
                     mask, old = loss_mask[idx], sampled_logprobs[idx]
                     per_token_loss = clipped_token_loss(
                         logprobs, old, advantages[idx], args.epsilon, args.epsilon_high, args.delta
@@ -537,7 +538,7 @@ def main(args: Args) -> None:
                 with torch.no_grad():
                     ratio = (logprobs - old).exp()
                     stats += torch.stack([
-                        loss.detach(), token_mean(kl, mask), token_mean(utils.entropy_from_logits(logits), mask),
+                        loss.detach(), token_mean(kl, mask), token_mean(entropy, mask),
                         *clip_fractions(ratio, advantages[idx], mask, args.epsilon, args.epsilon_high),
                         token_mean(ratio, mask),
                     ]) / len(step_batches)  # fmt: skip

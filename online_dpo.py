@@ -537,8 +537,9 @@ def main(args: Args) -> None:
             with accelerator.accumulate(policy):
                 idx = torch.cat([chosen_rows[pair_idx], rejected_rows[pair_idx]])
                 query_responses, attention_mask = rows_at(idx)
-                logits = utils.response_logits(policy, query_responses, attention_mask, context_length, T)
-                new_logprobs = utils.logprobs_from_logits(logits, responses[idx])
+                new_logprobs = utils.response_logprobs(
+                    policy, query_responses, attention_mask, context_length, T
+                )
                 mask = response_mask[idx]
                 logps = (new_logprobs * mask).sum(1)
                 ref_logps, token_counts = (ref_logprobs[idx] * mask).sum(1), mask.sum(1)

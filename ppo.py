@@ -158,7 +158,7 @@ class Args:
     kl_coef: float = 0.05
     """coefficient of the per-token KL penalty (the initial one with --adaptive_kl)"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
-    """per-token KL estimate: k1 logp-ref, k2 (logp-ref)^2/2, k3 unbiased low-variance, abs, full (exact over vocab)"""
+    """per-token KL estimate: k1 logp-ref, k2 (logp-ref)^2/2, k3 unbiased low-variance, abs, full (exact over vocab; holds both models' [B, R, V] logits)"""
     adaptive_kl: bool = False
     """adapt kl_coef towards target_kl with the proportional controller of Ziegler et al."""
     target_kl: float = 6.0
@@ -434,13 +434,14 @@ class PolicyAndValue(nn.Module):
         self.policy, self.critic = policy, critic
 
     def forward(self, query_responses, attention_mask, context_length: int, temperature: float):
-        """Response logits / temperature [B, R, V] and the critic's values [B, R] (value of the state before
-        each response token), with position ids from the attention mask as in generation."""
-        logits = utils.response_logits(
-            self.policy, query_responses, attention_mask, context_length, temperature
+        """Logprobs [B, R] of the response tokens under logits / temperature, their entropy [B, R] (a metric, no
+        gradient) and the critic's values [B, R] (value of the state before each response token), with position
+        ids from the attention mask as in generation. The [B, R, V] logits are never held whole."""
+        logprobs, entropy, _ = utils.response_logprobs(
+            self.policy, query_responses, attention_mask, context_length, temperature, with_stats=True
         )
         values = utils.per_token_scores(self.critic, query_responses, attention_mask)
-        return logits, values[:, context_length - 1 : -1].float()
+        return logprobs, entropy, values[:, context_length - 1 : -1].float()
 
 
 def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
@@ -489,13 +490,16 @@ def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, que
     for i in range(0, queries.size(0), chunk):
         qr, am = query_responses[i : i + chunk], attention_mask[i : i + chunk]
         # The reference's logprobs at the sampling temperature too, as the policy's.
-        ref_logits = utils.response_logits(ref_model, qr, am, Q, args.temperature)
-        ref_logprobs.append(utils.logprobs_from_logits(ref_logits, qr[:, Q:]))
-        if args.kl_estimator == "full" or recompute_old_logprobs:
+        if args.kl_estimator == "full":  # the whole distributions: [chunk, R, V] logits of both models
+            ref_logits = utils.response_logits(ref_model, qr, am, Q, args.temperature)
             logits = utils.response_logits(unwrapped.policy, qr, am, Q, args.temperature)
+            ref_logprobs.append(utils.logprobs_from_logits(ref_logits, qr[:, Q:]))
             recomputed.append(utils.logprobs_from_logits(logits, qr[:, Q:]))
-            if args.kl_estimator == "full":
-                kl_full.append(full_kl(logits, ref_logits))
+            kl_full.append(full_kl(logits, ref_logits))
+        else:
+            ref_logprobs.append(utils.response_logprobs(ref_model, qr, am, Q, args.temperature))
+            if recompute_old_logprobs:
+                recomputed.append(utils.response_logprobs(unwrapped.policy, qr, am, Q, args.temperature))
         values.append(utils.per_token_scores(unwrapped.critic, qr, am)[:, Q - 1 : -1].float())
     if recompute_old_logprobs:
         logprobs = torch.cat(recomputed)
@@ -707,10 +711,9 @@ def main(args: Args) -> dict:
                 for idx in minibatch.split(args.per_device_train_batch_size):
                     mb_mask, mb_query_responses = mask[idx], data["query_responses"][idx]
                     with accelerator.accumulate(model):
-                        logits, vpred = model(
+                        new_logprobs, entropy, vpred = model(
                             mb_query_responses, data["attention_mask"][idx], Q, args.temperature
                         )
-                        new_logprobs = utils.logprobs_from_logits(logits, mb_query_responses[:, Q:])
                         pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(
                             new_logprobs, data["logprobs"][idx], advantages[idx], mb_mask, args.cliprange
                         )
@@ -724,7 +727,7 @@ def main(args: Args) -> dict:
                         if accelerator.sync_gradients:
                             grad_norms.append(utils.run.grad_norm_after_step(model, measured))
                     with torch.no_grad():
-                        entropy = utils.masked_mean(utils.entropy_from_logits(logits), mb_mask)
+                        entropy = utils.masked_mean(entropy, mb_mask)
                         step_stats.append(
                             torch.stack([approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy])
                         )

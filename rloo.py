@@ -521,8 +521,9 @@ def main(args: Args) -> dict:
             for idx in order.split(args.per_device_train_batch_size):
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
-                    logits = utils.response_logits(policy, query_responses, attention_mask, context_length, T)
-                    new_logprobs = utils.logprobs_from_logits(logits, responses[idx])
+                    new_logprobs, entropy, _ = utils.response_logprobs(
+                        policy, query_responses, attention_mask, context_length, T, with_stats=True
+                    )
                     loss, ratio, clipfrac, approxkl = policy_loss(
                         new_logprobs, old_logprobs[idx], advantages[idx], response_mask[idx], args.cliprange
                     )
@@ -533,7 +534,7 @@ def main(args: Args) -> dict:
                     if accelerator.sync_gradients:
                         grad_norms.append(utils.run.grad_norm_after_step(policy, measured))
                 with torch.no_grad():
-                    entropy = utils.masked_mean(utils.entropy_from_logits(logits), response_mask[idx])
+                    entropy = utils.masked_mean(entropy, response_mask[idx])
                     stats += torch.stack([loss.detach(), approxkl, clipfrac, entropy])
                     shift = ratio - 1
                     ratio_sums += torch.stack([shift.sum(), (shift**2).sum(), shift.new_tensor(len(shift))])

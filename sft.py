@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
 import torch
-import torch.nn.functional as F
 import tyro
 
 import utils
@@ -191,14 +190,15 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def sum_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over the loss tokens of -log p(label_t | tokens_<t), number of loss tokens): logits [B, T, V] at
-    position t predict token t+1, so logits[:, :-1] are scored against labels[:, 1:]; IGNORE_INDEX labels do
-    not count. A sum, not a mean: the caller divides by the loss tokens of the whole optimizer batch."""
-    targets = labels[:, 1:]
-    logits = logits[:, :-1].flatten(0, 1).float()
-    nll = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return nll, (targets != IGNORE_INDEX).sum()
+def sum_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over the loss tokens of -log p(label_t | tokens_<t), number of loss tokens) of a collated batch
+    (input_ids, attention_mask, labels [B, T]): the logits at position t predict token t+1, so they are scored
+    against labels[:, 1:]; IGNORE_INDEX labels do not count, and only the loss tokens reach the LM head
+    (utils.token_logprobs: no [B, T, V] logits). A sum, not a mean: the caller divides by the loss tokens of the
+    whole optimizer batch."""
+    scored = batch["labels"][:, 1:] != IGNORE_INDEX
+    logprobs = utils.token_logprobs(model, batch["input_ids"], batch["attention_mask"], scored)
+    return -logprobs.sum(), scored.sum()
 
 
 def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict[str, int]]:
@@ -266,8 +266,7 @@ def evaluation_loss(model, rows: list[dict], batch_size: int, pad_token_id: int,
         batch = collate([rows[p % len(rows)] for p in chunk], pad_token_id)
         batch["labels"][torch.tensor(chunk) >= len(rows)] = IGNORE_INDEX
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        logits = utils.forward(model, batch["input_ids"], batch["attention_mask"]).logits
-        totals += torch.stack(sum_token_nll(logits, batch["labels"])).float()
+        totals += torch.stack(sum_token_nll(model, batch)).float()
     totals = accelerator.reduce(totals, "sum")
     return (totals[0] / totals[1].clamp(min=1)).item()
 
@@ -412,8 +411,7 @@ def main(args: Args) -> dict:
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items()}
             with accelerator.accumulate(model), accelerator.autocast():
-                logits = utils.forward(model, batch["input_ids"], batch["attention_mask"]).logits
-                nll, _ = sum_token_nll(logits, batch["labels"])
+                nll, _ = sum_token_nll(model, batch)
                 accelerator.backward(nll / per_micro_batch)
                 grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm)
                 optimizer.step()

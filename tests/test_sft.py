@@ -110,11 +110,20 @@ def test_collate_labels_from_masks_not_pad_ids(pad_id):
 
 
 def test_sum_token_nll_matches_loop():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 6, 11, generator=g)
-    labels = torch.randint(0, 11, (3, 6), generator=g)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=11, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    input_ids = torch.randint(0, 11, (3, 6))
+    labels = input_ids.clone()
     labels[0, :3] = sft.IGNORE_INDEX
     labels[2, 4:] = sft.IGNORE_INDEX
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, 5:] = 0  # right padding, as collate makes it
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     total, count = 0.0, 0
     for b in range(3):
         for t in range(1, 6):  # position t is predicted by the logits at t - 1
@@ -123,7 +132,8 @@ def test_sum_token_nll_matches_loop():
                 log_z = math.log(sum(math.exp(v) for v in row))
                 total += log_z - row[labels[b, t]]
                 count += 1
-    nll, n = sft.sum_token_nll(logits, labels)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    nll, n = sft.sum_token_nll(model, batch)
     assert n.item() == count == 11
     assert nll.item() == pytest.approx(total, rel=1e-5)
 

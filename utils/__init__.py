@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from utils.generation import (  # noqa: F401  (padding, forward passes and sampling, used as utils.*)
     batched_response_logprobs,
+    chunked_token_logprobs,
     complete,
     entropy_from_logits,
     first_true_indices,
@@ -29,7 +30,9 @@ from utils.generation import (  # noqa: F401  (padding, forward passes and sampl
     position_ids_from_mask,
     query_response_rows,
     response_logits,
+    response_logprobs,
     sampling_generator,
+    token_logprobs,
     truncate_response,
 )
 

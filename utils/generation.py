@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] for each position: logits [B, T, V], tokens [B, T] -> [B, T]."""
+    """log softmax(logits)[token] for each position: logits [B, T, V], tokens [B, T] -> [B, T]. The plain
+    computation, for small tensors and as the reference of the chunked one below."""
     return torch.gather(logits.float().log_softmax(-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -100,6 +102,167 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Log-probabilities without the [B, T, V] logits
+#
+# Scoring B rows of T tokens the plain way builds float32 logits [B, T, V], a copy for the temperature and a
+# log_softmax that backward keeps: at a 152k vocabulary and 4 x 565 tokens that is 1.3 GiB per copy, most of it
+# for prompt positions nobody scores. Here the LM head runs only on the scored positions, a tile of tokens at a
+# time; each tile's logits live only inside the tile (backward recomputes them), so the memory is one tile,
+# whatever the vocabulary, batch or length. The head runs inside the model's own forward (its forward is swapped
+# for the duration of the call), so DDP, DeepSpeed ZeRO-3 (which gathers the head's weight around its call),
+# autocast, tied embeddings and a LoRA-wrapped head work unchanged.
+# ----------------------------------------------------------------------------------------------------------------
+LOGIT_TILE_ELEMENTS = 2**24
+"""float32 logits one tile holds at most (64 MiB): 110 tokens at a 152k vocabulary, 16k tokens at 1k"""
+
+
+def _tile_logprobs(head, hidden, targets, inv_temperature: float, with_stats: bool):
+    """log softmax(head(hidden) / temperature)[target] [n] of one tile, and (without gradient) the entropy and
+    the mean logit [n] when `with_stats`."""
+    logits = head(hidden).float() * inv_temperature
+    log_normalizer = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    if not with_stats:
+        return logprobs
+    with torch.no_grad():
+        probs = (logits - log_normalizer.unsqueeze(-1)).exp()
+        entropy = log_normalizer - (probs * logits).sum(-1)
+        return logprobs, entropy, logits.mean(-1)
+
+
+def chunked_token_logprobs(
+    head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_stats: bool = False,
+    vocab_size: int | None = None,
+    tile_elements: int = LOGIT_TILE_ELEMENTS,
+):
+    """log softmax(head(hidden) / temperature)[targets], tile by tile: hidden [N, H], targets [N] -> [N].
+
+    `head` maps [n, H] to logits [n, V] (the LM head module, or its forward). A tile holds
+    max(1, tile_elements // V) tokens; under autograd each tile is checkpointed, so its logits are freed after
+    the forward and recomputed in backward: the gradients equal those of the plain computation. With
+    `with_stats` also returns the entropy of softmax(logits / temperature) and the mean of logits / temperature
+    [N], without gradient (metrics only). Temperature 0 (greedy sampling) scores the plain logits.
+    """
+    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    if vocab_size is None:
+        with torch.no_grad():
+            vocab_size = head(hidden[:1]).size(-1) if hidden.size(0) else 1
+    tile = max(1, tile_elements // vocab_size)
+    pieces = []
+    for start in range(0, hidden.size(0), tile):
+        rows = slice(start, start + tile)
+        args = (head, hidden[rows], targets[rows], inv_temperature, with_stats)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_tile_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_tile_logprobs(*args))
+    if not pieces:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (empty, empty, empty) if with_stats else empty
+    if with_stats:
+        return tuple(torch.cat(p) for p in zip(*pieces))
+    return torch.cat(pieces)
+
+
+# Config fields of models whose forward changes the head's output (a scale, soft-capping): scored the plain way.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DeepSpeed wrappers and a PEFT wrapper."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _head_of(model: nn.Module) -> nn.Module | None:
+    """The LM head to swap, or None when this model must be scored the plain way."""
+    inner = _unwrapped(model)
+    config = getattr(inner, "config", None)
+    if getattr(inner, "_plain_logprobs", False) or any(getattr(config, a, None) for a in _LOGIT_TRANSFORMS):
+        return None
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_stats: bool = False,
+):
+    """Logprobs [B, T-1] of tokens 1..T-1 of `input_ids` [B, T] under `model` at `temperature`: entry t is
+    log softmax(logits_t / temperature)[input_ids[:, t + 1]], computed only where `score_mask` [B, T-1] is true
+    (0 elsewhere), without ever building the logits of all positions (chunked_token_logprobs). With
+    `with_stats`, returns (logprobs, entropy, mean logit), each [B, T-1] and 0 where not scored."""
+    score_mask = score_mask.bool()
+    targets = input_ids[:, 1:][score_mask]
+    head = _head_of(model)
+    if head is None:
+        return _plain_token_logprobs(
+            model, input_ids, attention_mask, score_mask, targets, temperature, with_stats
+        )
+    original_forward, scored = head.forward, {}
+    vocab_size = getattr(head, "out_features", None)
+
+    def scoring_forward(hidden):  # hidden [B, K, H] of the last K positions (K = T: no logits_to_keep here)
+        # The per-token logprobs [B, K] are what the head returns, so that the model returns them as its
+        # "logits" and DeepSpeed's hooks, which follow the head's output, gather its weight in backward too.
+        mask = torch.zeros(hidden.shape[:-1], dtype=torch.bool, device=hidden.device)
+        mask[:, :-1] = score_mask[:, score_mask.size(1) - hidden.size(1) + 1 :]
+        values = chunked_token_logprobs(
+            original_forward, hidden[mask], targets, temperature, with_stats, vocab_size
+        )
+        if with_stats:
+            values, scored["stats"] = values[0], values[1:]
+        scored["out"] = _scatter(values, mask)
+        return scored["out"]
+
+    head.forward = scoring_forward
+    try:
+        output = forward(model, input_ids, attention_mask)
+    finally:
+        del head.forward  # the class's forward again
+    if "out" not in scored or not torch.equal(output.logits, scored["out"]):
+        # The model transformed its head's output (a scale, soft-capping): score it the plain way from now on.
+        _unwrapped(model)._plain_logprobs = True
+        return _plain_token_logprobs(
+            model, input_ids, attention_mask, score_mask, targets, temperature, with_stats
+        )
+    logprobs = output.logits[:, :-1]
+    if not with_stats:
+        return logprobs
+    return (logprobs, *(_scatter(v, score_mask) for v in scored["stats"]))
+
+
+def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values [N] back into a zero-filled tensor of the mask's shape, at the mask's true entries."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+
+
+def _plain_token_logprobs(model, input_ids, attention_mask, score_mask, targets, temperature, with_stats):
+    """token_logprobs through the full logits, for models whose forward transforms the head's output."""
+    logits = forward(model, input_ids, attention_mask).logits[:, :-1][score_mask].float()
+    logits = logits / (temperature if temperature > 0 else 1.0)
+    logprobs = _scatter(logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), score_mask)
+    if not with_stats:
+        return logprobs
+    with torch.no_grad():
+        return (
+            logprobs,
+            _scatter(entropy_from_logits(logits), score_mask),
+            _scatter(logits.mean(-1), score_mask),
+        )
+
+
 def response_logits(
     model: nn.Module,
     query_responses: torch.Tensor,
@@ -107,10 +270,30 @@ def response_logits(
     context_length: int,
     temperature: float,
 ) -> torch.Tensor:
-    """Logits [B, R, V] that predict the response tokens (positions context_length..T-1), divided by the
-    sampling temperature so that logprobs match those of sampling."""
+    """The full logits / temperature [B, R, V] that predict the response tokens (positions context_length..T-1),
+    for what needs the whole distribution (the exact KL of ppo.py's --kl_estimator full); logprobs alone come
+    cheaper from response_logprobs."""
     logits = forward(model, query_responses, attention_mask).logits[:, context_length - 1 : -1].float()
     return logits / (temperature if temperature > 0 else 1.0)
+
+
+def response_logprobs(
+    model: nn.Module,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    temperature: float,
+    with_stats: bool = False,
+):
+    """Logprobs [B, R] of the response tokens (positions context_length..T-1 of `query_responses` [B, T]) under
+    logits / temperature, as sampling computed them; with `with_stats` also their entropy and mean logit [B, R].
+    Only the R response positions reach the LM head."""
+    score_mask = torch.zeros_like(query_responses[:, 1:], dtype=torch.bool)
+    score_mask[:, context_length - 1 :] = True
+    out = token_logprobs(model, query_responses, attention_mask, score_mask, temperature, with_stats)
+    if with_stats:
+        return tuple(v[:, context_length - 1 :] for v in out)
+    return out[:, context_length - 1 :]
 
 
 @torch.no_grad()
@@ -126,9 +309,17 @@ def batched_response_logprobs(
     out = []
     for i in range(0, query_responses.size(0), chunk_size):
         qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
-        logits = response_logits(model, qr, am, context_length, temperature)
-        out.append(logprobs_from_logits(logits, qr[:, context_length:]))
+        out.append(response_logprobs(model, qr, am, context_length, temperature))
     return torch.cat(out)
+
+
+def keeps_last_logits(model: nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do): generation then asks
+    for the last position's logits only, not the whole prompt's."""
+    import inspect
+
+    inner = _unwrapped(model)
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 @torch.no_grad()
@@ -149,6 +340,7 @@ def generate(
     logprobs of the sampled tokens under logits / temperature (under the plain logits when greedy).
     """
     all_tokens, all_logprobs = [], []
+    last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     for i in range(0, queries.size(0), chunk_size):
         tokens, mask = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
         position_ids = position_ids_from_mask(mask)
@@ -160,6 +352,7 @@ def generate(
                 position_ids=position_ids,
                 past_key_values=past,
                 use_cache=True,
+                **last_only,
             )
             past = out.past_key_values
             logits = out.logits[:, -1].float()
