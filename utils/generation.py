@@ -138,12 +138,11 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     with_stats: bool = False,
     vocab_size: int | None = None,
-    tile_elements: int = LOGIT_TILE_ELEMENTS,
 ):
     """log softmax(head(hidden) / temperature)[targets], tile by tile: hidden [N, H], targets [N] -> [N].
 
     `head` maps [n, H] to logits [n, V] (the LM head module, or its forward). A tile holds
-    max(1, tile_elements // V) tokens; under autograd each tile is checkpointed, so its logits are freed after
+    max(1, LOGIT_TILE_ELEMENTS // V) tokens; under autograd each tile is checkpointed, so its logits are freed after
     the forward and recomputed in backward: the gradients equal those of the plain computation. With
     `with_stats` also returns the entropy of softmax(logits / temperature) and the mean of logits / temperature
     [N], without gradient (metrics only). Temperature 0 (greedy sampling) scores the plain logits.
@@ -152,7 +151,7 @@ def chunked_token_logprobs(
     if vocab_size is None:
         with torch.no_grad():
             vocab_size = head(hidden[:1]).size(-1) if hidden.size(0) else 1
-    tile = max(1, tile_elements // vocab_size)
+    tile = max(1, LOGIT_TILE_ELEMENTS // vocab_size)
     pieces = []
     for start in range(0, hidden.size(0), tile):
         rows = slice(start, start + tile)
