@@ -107,14 +107,96 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 #
 # Scoring B rows of T tokens the plain way builds float32 logits [B, T, V], a copy for the temperature and a
 # log_softmax that backward keeps: at a 152k vocabulary and 4 x 565 tokens that is 1.3 GiB per copy, most of it
-# for prompt positions nobody scores. Here the LM head runs only on the scored positions, a tile of tokens at a
-# time; each tile's logits live only inside the tile (backward recomputes them), so the memory is one tile,
-# whatever the vocabulary, batch or length. The head runs inside the model's own forward (its forward is swapped
-# for the duration of the call), so DDP, DeepSpeed ZeRO-3 (which gathers the head's weight around its call),
-# autocast, tied embeddings and a LoRA-wrapped head work unchanged.
+# for prompt positions nobody scores. Here the LM head runs only on the scored positions, a tile at a time; each
+# tile's logits live only inside the tile (backward recomputes them), so the memory is one tile, whatever the
+# vocabulary, batch or length. A plain linear head is tiled over tokens and vocabulary (up to TILE_TOKENS tokens
+# a tile, so that its weight is read once per pass, not once per few tokens); any other head (LoRA-wrapped, say)
+# over tokens only, through autograd checkpointing. The head runs inside the model's own forward (its forward is
+# swapped for the duration of the call), so DDP, DeepSpeed ZeRO-3 (which gathers the head's weight around its
+# call, in forward and backward), autocast, tied embeddings and a LoRA-wrapped head work unchanged.
 # ----------------------------------------------------------------------------------------------------------------
 LOGIT_TILE_ELEMENTS = 2**24
-"""float32 logits one tile holds at most (64 MiB): 110 tokens at a 152k vocabulary, 16k tokens at 1k"""
+"""float32 logits one tile holds at most (64 MiB)"""
+TILE_TOKENS = 4096
+"""tokens of a tile of a linear head (its vocabulary slice is LOGIT_TILE_ELEMENTS / tokens wide)"""
+
+
+class _LinearHeadLogprobs(torch.autograd.Function):
+    """log softmax((hidden @ weight.T + bias) / temperature)[targets] for a linear head, tiled over tokens and
+    vocabulary with a running log-sum-exp; backward recomputes each tile's logits. hidden [N, H], weight [V, H],
+    bias [V] or None, targets [N] -> logprobs [N], and without gradient the entropy and mean logit [N]. Matmuls
+    run in `compute_dtype` (autocast's or the weight's), everything after them in float32, as the plain path."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_temperature, compute_dtype):
+        count, vocab = hidden.size(0), weight.size(0)
+        logprobs, entropy, mean_logit = (hidden.new_zeros(count, dtype=torch.float32) for _ in range(3))
+        log_normalizer = torch.empty_like(logprobs)
+        for rows, cols in _tiles(count, vocab):
+            h = hidden[rows].to(compute_dtype)
+            if cols.start == 0:
+                running_max = torch.full_like(logprobs[rows], float("-inf"))
+                sum_exp, sum_exp_logit = torch.zeros_like(running_max), torch.zeros_like(running_max)
+            logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype)
+            new_max = torch.maximum(running_max, logits.max(-1).values)
+            rescale = (running_max - new_max).exp()
+            exp = (logits - new_max[:, None]).exp()
+            sum_exp = sum_exp * rescale + exp.sum(-1)
+            sum_exp_logit = sum_exp_logit * rescale + (exp * logits).sum(-1)
+            running_max = new_max
+            mean_logit[rows] += logits.sum(-1) / vocab
+            in_tile = (targets[rows] >= cols.start) & (targets[rows] < cols.stop)
+            local = (targets[rows] - cols.start).clamp(0, logits.size(1) - 1)
+            logprobs[rows] += torch.where(in_tile, logits.gather(1, local[:, None]).squeeze(1), 0.0)
+            if cols.stop == vocab:
+                log_normalizer[rows] = running_max + sum_exp.log()
+                entropy[rows] = log_normalizer[rows] - sum_exp_logit / sum_exp
+        logprobs -= log_normalizer
+        ctx.save_for_backward(hidden, weight, bias, targets, log_normalizer)
+        ctx.inv_temperature, ctx.compute_dtype = inv_temperature, compute_dtype
+        ctx.mark_non_differentiable(entropy, mean_logit)
+        return logprobs, entropy, mean_logit
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy, _grad_mean_logit):
+        hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
+        inv_temperature, compute_dtype = ctx.inv_temperature, ctx.compute_dtype
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device)
+        for rows, cols in _tiles(hidden.size(0), weight.size(0)):
+            h = hidden[rows].to(compute_dtype)
+            probs = (_tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype)
+                     - log_normalizer[rows, None]).exp()  # fmt: skip
+            # d logprob / d raw logit = (onehot(target) - softmax) / temperature
+            local = targets[rows] - cols.start
+            in_tile = (local >= 0) & (local < probs.size(1))
+            grad_logits = -probs
+            grad_logits[in_tile, local[in_tile]] += 1.0
+            grad_logits *= grad_logprobs[rows, None] * inv_temperature
+            g = grad_logits.to(compute_dtype)
+            grad_hidden[rows] += (g @ weight[cols].to(compute_dtype)).float()
+            grad_weight[cols] += (g.T @ h).float()
+            grad_bias[cols] += grad_logits.sum(0)
+        return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
+                None if bias is None else grad_bias.to(bias.dtype), None, None, None)  # fmt: skip
+
+
+def _tiles(count: int, vocab: int):
+    """(token slice, vocabulary slice) of every tile, vocabulary innermost."""
+    tokens = max(1, min(count, TILE_TOKENS))
+    width = max(1, LOGIT_TILE_ELEMENTS // tokens)
+    for start in range(0, count, tokens):
+        for col in range(0, vocab, width):
+            yield slice(start, start + tokens), slice(col, min(col + width, vocab))
+
+
+def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype):
+    """float32 logits / temperature [n, width] of one tile."""
+    logits = (h @ weight[cols].to(compute_dtype).T).float()
+    if bias is not None:
+        logits = logits + bias[cols].float()
+    return logits * inv_temperature
 
 
 def _tile_logprobs(head, hidden, targets, inv_temperature: float, with_stats: bool):
@@ -141,13 +223,24 @@ def chunked_token_logprobs(
 ):
     """log softmax(head(hidden) / temperature)[targets], tile by tile: hidden [N, H], targets [N] -> [N].
 
-    `head` maps [n, H] to logits [n, V] (the LM head module, or its forward). A tile holds
-    max(1, LOGIT_TILE_ELEMENTS // V) tokens; under autograd each tile is checkpointed, so its logits are freed after
-    the forward and recomputed in backward: the gradients equal those of the plain computation. With
+    `head` maps [n, H] to logits [n, V]. A plain nn.Linear is tiled over tokens and vocabulary by
+    _LinearHeadLogprobs; any other head (a LoRA wrapper, or a module's forward) over tokens only, max(1,
+    LOGIT_TILE_ELEMENTS // V) tokens a tile, each checkpointed under autograd. Either way a tile's logits are
+    freed after the forward and recomputed in backward: the gradients equal those of the plain computation. With
     `with_stats` also returns the entropy of softmax(logits / temperature) and the mean of logits / temperature
     [N], without gradient (metrics only). Temperature 0 (greedy sampling) scores the plain logits.
     """
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+    if (
+        type(head) is nn.Linear
+    ):  # not a subclass (a quantized layer) nor a wrapper (LoRA): its weight is the head
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device) and hidden.is_floating_point()
+        compute_dtype = torch.get_autocast_dtype(device) if autocast else head.weight.dtype
+        out = _LinearHeadLogprobs.apply(
+            hidden, head.weight, head.bias, targets, inv_temperature, compute_dtype
+        )
+        return out if with_stats else out[0]
     if vocab_size is None:
         with torch.no_grad():
             vocab_size = head(hidden[:1]).size(-1) if hidden.size(0) else 1
@@ -209,7 +302,9 @@ def token_logprobs(
         return _plain_token_logprobs(
             model, input_ids, attention_mask, score_mask, targets, temperature, with_stats
         )
+    # A plain linear head is read through its weight; any other through its own (unswapped) forward.
     original_forward, scored = head.forward, {}
+    scorer = head if type(head) is nn.Linear else original_forward
     vocab_size = getattr(head, "out_features", None)
 
     def scoring_forward(hidden):  # hidden [B, K, H] of the last K positions (K = T: no logits_to_keep here)
@@ -217,9 +312,7 @@ def token_logprobs(
         # "logits" and DeepSpeed's hooks, which follow the head's output, gather its weight in backward too.
         mask = torch.zeros(hidden.shape[:-1], dtype=torch.bool, device=hidden.device)
         mask[:, :-1] = score_mask[:, score_mask.size(1) - hidden.size(1) + 1 :]
-        values = chunked_token_logprobs(
-            original_forward, hidden[mask], targets, temperature, with_stats, vocab_size
-        )
+        values = chunked_token_logprobs(scorer, hidden[mask], targets, temperature, with_stats, vocab_size)
         if with_stats:
             values, scored["stats"] = values[0], values[1:]
         scored["out"] = _scatter(values, mask)
