@@ -5,10 +5,11 @@ to run silently wrong or crash (#25): negative learning rates, --max_prompt_leng
 datasets, unknown message roles, a causal LM as reward model, damaged checkpoints and checkpoints of another run."""
 
 import json
+import sys
 
 import pytest
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 
 def bad_files(tmp_path):
@@ -72,24 +73,13 @@ CASES = [
     ("ddpo.py", ["--sample_eta", "0"], ["--sample_eta"]),
     ("ddpo.py", ["--prompt_file", "{tmp}/prompts.txt"], ["--prompt_file", "does not exist"]),
     ("ddpo.py", ["--resume_from_checkpoint", "{tmp}/nowhere"], ["--resume_from_checkpoint", "neither"]),
-    # a negative learning rate, in every script
-    *[(script, ["--learning_rate", "-1e-4"], ["--learning_rate", ">= 0"])
-      for script in ("sft.py", "reward.py", "dpo.py", "ppo.py", "rloo.py", "grpo.py", "online_dpo.py", "ilql.py")],
-    ("ddpo.py", ["--train_learning_rate", "-1"], ["--train_learning_rate", ">= 0"]),
-    # --max_prompt_length 0 would mean "no truncation"
-    *[(script, ["--max_prompt_length", "0"], ["--max_prompt_length", "at least 1"])
-      for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")],
-    # ddpo's sizes: a negative one ran 0 updates and exited 0, a zero divided by zero
-    ("ddpo.py", ["--train_batch_size", "-2"], ["--train_batch_size", "at least 1"]),
-    ("ddpo.py", ["--train_batch_size", "0"], ["--train_batch_size", "at least 1"]),
-    ("ddpo.py", ["--sample_num_batches_per_epoch", "0"], ["--sample_num_batches_per_epoch", "at least 1"]),
     # empty datasets: a 0-row save_to_disk folder, a jsonl of blank lines
     ("sft.py", ["--dataset_name", "{tmp}/empty", "--dataset_train_split", "train", "--eval_strategy", "no"],
-     ["--dataset_name", "has no rows"]),
+     ["--dataset_name", "no rows"]),
     ("dpo.py", ["--dataset_name", "{tmp}/empty", "--dataset_train_split", "train", "--eval_strategy", "no"],
-     ["--dataset_name", "has no rows"]),
+     ["--dataset_name", "no rows"]),
     ("rloo.py", ["--dataset_name", "{tmp}/empty", "--dataset_train_split", "train", "--reward_model_path",
-                 "{world}/reward"], ["--dataset_name", "has no rows"]),
+                 "{world}/reward"], ["--dataset_name", "no rows"]),
     ("reward.py", ["--dataset_name", "{tmp}/blank.jsonl", "--dataset_train_split", "train", "--eval_strategy", "no"],
      ["blank.jsonl", "blank lines"]),
     ("grpo.py", ["--dataset_name", "{tmp}/blank.jsonl", "--dataset_train_split", "train"], ["blank lines"]),
@@ -106,6 +96,20 @@ CASES = [
     # a causal LM whose config says num_labels=1: it would score with a freshly initialised head
     ("rloo.py", ["--reward_model_path", "{lm1}"], ["--reward_model_path", "no trained score head"]),
     ("online_dpo.py", ["--reward_model_path", "{lm1}"], ["--reward_model_path", "no trained score head"]),
+]  # fmt: skip
+
+FLAG_CASES = [  # impossible flag values, refused before main() does anything: checked in-process
+    # a negative learning rate, in every script
+    *[(script, ["--learning_rate", "-1e-4"], ["--learning_rate", ">= 0"])
+      for script in ("sft.py", "reward.py", "dpo.py", "ppo.py", "rloo.py", "grpo.py", "online_dpo.py", "ilql.py")],
+    ("ddpo.py", ["--train_learning_rate", "-1"], ["--train_learning_rate", ">= 0"]),
+    # --max_prompt_length 0 would mean "no truncation"
+    *[(script, ["--max_prompt_length", "0"], ["--max_prompt_length", "at least 1"])
+      for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")],
+    # ddpo's sizes: a negative one ran 0 updates and exited 0, a zero divided by zero
+    ("ddpo.py", ["--train_batch_size", "-2"], ["--train_batch_size", "at least 1"]),
+    ("ddpo.py", ["--train_batch_size", "0"], ["--train_batch_size", "at least 1"]),
+    ("ddpo.py", ["--sample_num_batches_per_epoch", "0"], ["--sample_num_batches_per_epoch", "at least 1"]),
 ]  # fmt: skip
 
 DEFAULTS = {  # enough for each script to reach its checks on the tiny world
@@ -174,3 +178,28 @@ def test_bad_input_is_one_line_and_keeps_the_output_dir(script, flags, words, wo
     assert last.startswith(f"{script}: error: "), proc.stderr[-3000:]
     assert all(word in last for word in words), last
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize(
+    "script, flags, words", FLAG_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FLAG_CASES)]
+)
+def test_impossible_flag_value_is_one_line(script, flags, words, tmp_path, monkeypatch, capsys):
+    """The command line of the script, run in this process (these fail before main() loads or creates anything,
+    so a subprocess would only add its start-up time): exit 2, one line, nothing written."""
+    import importlib
+
+    import utils
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    argv = [str(ROOT / script), *flags, "--output_dir", str(out), "--overwrite_output_dir"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stopped:
+        utils.run.run_cli(module.Args, module.main)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{script}: error: "), err
+    assert all(word in err for word in words), err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -385,14 +385,14 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
                           split, flag)  # fmt: skip
     if os.path.isdir(name_or_path):
         if os.path.exists(os.path.join(name_or_path, "dataset_dict.json")):
-            dataset_dict = datasets.load_from_disk(name_or_path)
+            dataset_dict = _load_from_disk(name_or_path, flag)
             if split not in dataset_dict:
                 raise ValueError(
                     f"{flag} {name_or_path} has no split {split!r}; its splits are {list(dataset_dict)}."
                 )
             return _non_empty(dataset_dict[split], name_or_path, split, flag)
         if os.path.exists(os.path.join(name_or_path, "dataset_info.json")):
-            return _non_empty(datasets.load_from_disk(name_or_path), name_or_path, split, flag)
+            return _non_empty(_load_from_disk(name_or_path, flag), name_or_path, split, flag)
         for ext in builders:
             path = os.path.join(name_or_path, split + ext)
             if os.path.isfile(path):
@@ -409,6 +409,17 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
             f"{flag} {name_or_path!r} could not be loaded from the hub ({type(error).__name__}); "
             "without network pass a save_to_disk directory or json/jsonl/parquet files."
         ) from None
+
+
+def _load_from_disk(path: str, flag: str):
+    """`datasets.load_from_disk`, with one sentence for a split saved with no rows (datasets fails on its zero
+    shards with an IndexError)."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(path)
+    except IndexError:
+        raise ValueError(f"{flag} {path} has a split with no rows (saved with save_to_disk).") from None
 
 
 def _non_empty(dataset, name_or_path: str, split: str, flag: str):
