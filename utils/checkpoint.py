@@ -128,9 +128,9 @@ def _safetensors_problem(path: str) -> str | None:
             return "is cut short"
         try:
             header = json.loads(f.read(length))
-        except ValueError:
+            ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return "has an unreadable header"
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
     return "is cut short" if 8 + length + max(ends, default=0) > size else None
 
 
