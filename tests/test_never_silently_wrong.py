@@ -85,26 +85,20 @@ def test_latest_skips_a_cut_checkpoint_and_resumes_exactly(world, tmp_path):
     size = newest.stat().st_size
     with open(newest, "r+b") as f:  # a kill while the file was written (or a disk that filled up)
         f.truncate(size // 2)
-    proc = run_script(
-        ["sft.py", *sft_flags(world, out, "cut", steps=4), "--resume_from_checkpoint", "latest"]
-    )
+    # Named explicitly, the damaged checkpoint is refused in one sentence.
+    flags = sft_flags(world, out, "cut", steps=4)
+    proc = run_script(["sft.py", *flags, "--resume_from_checkpoint", str(newest.parent)], check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert last.endswith(f"is damaged: model.safetensors has {size // 2} bytes, {size} were written; pass an "
+                         "earlier checkpoint-N or `latest`.")  # fmt: skip
+    # `latest` skips it, says so, and continues from checkpoint-2 to the very same weights.
+    proc = run_script(["sft.py", *flags, "--resume_from_checkpoint", "latest"])
     expected = f"skipped {out / 'checkpoint-4'}: model.safetensors has {size // 2} bytes, {size} were written"
     assert expected in proc.stdout
     resumed = weights(out)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [m["step"] for m in metric_lines(runs / "cut")] == [1, 2, 3, 4]  # each step once
-    # Named explicitly, the damaged checkpoint is refused in one sentence.
-    proc = run_script(["sft.py", *sft_flags(world, out, "cut"), "--resume_from_checkpoint", str(newest.parent)],
-                      check=False)  # fmt: skip
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.strip()
-        .splitlines()[-1]
-        .endswith(
-            f"is damaged: model.safetensors has {size // 2} bytes, {size} were written; pass an earlier checkpoint-N "
-            "or `latest`."
-        )
-    )
 
 
 def test_ddpo_latest_skips_a_cut_checkpoint(tmp_path):
