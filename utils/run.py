@@ -372,7 +372,9 @@ class Tracker:
         if start_step and os.path.exists(self.path):
             # The lines the checkpoint saw (what was logged after it, e.g. a final evaluation cut short, goes);
             # an older checkpoint without that count: the lines up to its step.
-            count = checkpoint.resumed_state().get("metrics_lines")
+            resumed = checkpoint.resumed_state()
+            same = resumed.get("step") == start_step and resumed.get("run_name") == args.run_name
+            count = resumed.get("metrics_lines") if same else None
             with open(self.path) as f:
                 lines = [line for line in f if line.strip()]
             if count is not None:
