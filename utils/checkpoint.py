@@ -319,8 +319,8 @@ class Checkpointer:
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
             self.resume_path, notes = find_checkpoint(resume_from, args.output_dir)
-            for note in notes:
-                accelerator.print(note)
+            for note in notes if accelerator.is_main_process else ():
+                print(note, flush=True)
         if self.resume_path:
             with open(os.path.join(self.resume_path, STATE_FILE)) as f:
                 saved = json.load(f)
