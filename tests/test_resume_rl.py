@@ -193,7 +193,7 @@ def f(prompts, completions):
 """
 
 
-@pytest.mark.parametrize("script", [pytest.param("ppo.py", marks=pytest.mark.slow), "rloo.py"])
+@pytest.mark.parametrize("script", ["rloo.py"])  # ppo.py: its score scaling and whitening absorb the overflow
 def test_a_non_finite_loss_is_caught(script, world, tmp_path):
     """Finite scores from update 3 on whose advantages overflow: the run stops at update 3 with one line."""
     (tmp_path / "overflow.py").write_text(OVERFLOW_FROM_THIRD_CALL)
