@@ -27,6 +27,7 @@ import re
 import shutil
 import sys
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -67,7 +68,7 @@ class Args:
     output_dir: str = "models/ddpo"
     """where the trained LoRA weights (or the whole pipeline), a model card and checkpoints/ are written"""
     overwrite_output_dir: bool = False
-    """allow writing into an --output_dir that already has files (nothing in it is deleted)"""
+    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
     push_to_hub: bool = False
     """push --output_dir (without checkpoints/) to a hub repository named like it, at the end"""
     num_epochs: int = 100
@@ -419,18 +420,70 @@ def read_prompts(args: Args) -> list[str]:
     return prompts
 
 
-def find_checkpoint(path: str, output_dir: str) -> str:
-    """`path` itself if it is a checkpoint, else the newest checkpoint_<epoch> inside it (`latest`: inside
-    <output_dir>/checkpoints). Only complete checkpoints count (they are renamed into place when written)."""
-    path = os.path.join(output_dir, "checkpoints") if path == "latest" else path
+def find_checkpoint(path: str, output_dir: str) -> str | None:
+    """`path` itself if it is a checkpoint, else the newest complete and readable checkpoint_<epoch> inside it
+    (`latest`: inside <output_dir>/checkpoints; each damaged one skipped is named, and with none the run starts
+    from scratch: None). A damaged checkpoint named by its path is refused in one sentence."""
+    latest, notes = path == "latest", []
+    path = os.path.join(output_dir, "checkpoints") if latest else path
     if os.path.isfile(os.path.join(path, "checkpoint.pt")):
+        problem = checkpoint_problem(path)
+        if problem:
+            raise ValueError(
+                f"--resume_from_checkpoint {path} is damaged: {problem}; pass an earlier checkpoint."
+            )
         return path
     names = [n for n in os.listdir(path) if re.fullmatch(r"checkpoint_\d+", n)] if os.path.isdir(path) else []
-    if not names:
+    if not names and not latest:
         raise ValueError(
             f"--resume_from_checkpoint {path} is neither a checkpoint nor a folder of checkpoint_<epoch>."
         )
-    return os.path.join(path, max(names, key=lambda n: int(n.split("_")[-1])))
+    found = None
+    for name in sorted(names, key=lambda n: int(n.split("_")[-1]), reverse=True):
+        problem = checkpoint_problem(os.path.join(path, name))
+        if problem is None:
+            found = os.path.join(path, name)
+            break
+        notes.append(f"skipped {os.path.join(path, name)}: {problem}")
+    if found is None:
+        notes.append(
+            f"--resume_from_checkpoint latest: no complete checkpoint in {path}; starting from scratch"
+        )
+    if utils.run.main_process():
+        for note in notes:
+            print(note)
+    return found
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why a checkpoint_<epoch> folder is not complete and readable (utils.checkpoint.checkpoint_problem on the
+    sizes recorded in its trainer_state.json; older checkpoints without one: the zip of checkpoint.pt), or None."""
+    if os.path.isfile(os.path.join(path, utils.checkpoint.STATE_FILE)):
+        return utils.checkpoint.checkpoint_problem(path)
+    return None if zipfile.is_zipfile(os.path.join(path, "checkpoint.pt")) else "checkpoint.pt is cut short"
+
+
+def check_resumable(args: Args) -> None:
+    """A checkpoint of another run (other defining flags) is refused in one sentence naming them."""
+    with open(os.path.join(args.resume_from_checkpoint, utils.checkpoint.STATE_FILE)) as f:
+        saved = json.load(f).get("run")
+    mismatch = utils.checkpoint.definition_mismatch(saved, utils.checkpoint.run_definition(args))
+    if mismatch:
+        raise ValueError(
+            f"--resume_from_checkpoint {args.resume_from_checkpoint} belongs to another run ({mismatch}); resume "
+            "with its flags, or start over with --overwrite_output_dir or another --output_dir."
+        )
+
+
+def holds_something(output_dir: str) -> bool:
+    """Whether --output_dir holds anything but unfinished checkpoint writes (checkpoints/tmp_checkpoint_<epoch>)."""
+    if not os.path.isdir(output_dir):
+        return False
+    names = set(os.listdir(output_dir))
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    if names == {"checkpoints"} and os.path.isdir(checkpoints):
+        return bool(set(os.listdir(checkpoints)) - set(utils.checkpoint.leftovers(checkpoints)))
+    return bool(names)
 
 
 def check_args(args: Args) -> list[str]:
@@ -440,6 +493,11 @@ def check_args(args: Args) -> list[str]:
     args.num_train_timesteps = int(args.sample_num_steps * args.train_timestep_fraction)
     if not (args.train_timestep_fraction <= 1 and args.num_train_timesteps >= 1):
         raise ValueError("--train_timestep_fraction must be <= 1 and keep at least one denoising step.")
+    sizes = ("num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch",
+             "train_batch_size", "train_gradient_accumulation_steps", "train_num_inner_epochs")  # fmt: skip
+    for flag in sizes:
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     samples = args.sample_batch_size * args.sample_num_batches_per_epoch
     if samples % args.train_batch_size:
         raise ValueError(f"the {samples} samples per epoch must be divisible by --train_batch_size.")
@@ -463,12 +521,15 @@ def check_args(args: Args) -> list[str]:
         raise ValueError("--train_use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes).")
     if args.resume_from_checkpoint is not None:
         args.resume_from_checkpoint = find_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    elif os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
+    if args.resume_from_checkpoint is not None:
+        check_resumable(args)
+    elif holds_something(args.output_dir) and not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {args.output_dir} is not empty: pass --overwrite_output_dir.")
     return read_prompts(args)
 
 
-def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Args, epoch: int, step: int):
+def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Args, epoch: int, step: int,
+                    definition: dict):  # fmt: skip
     """Trained weights, optimizer, stat tracker, epoch and every process's RNG states (JSON, no pickle): an
     exact restart. Written to tmp_checkpoint_<epoch> and renamed when complete, so a kill never leaves a
     half-written checkpoint that a resume would pick."""
@@ -488,7 +549,11 @@ def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Arg
     with open(os.path.join(directory, f"rng_state_{accelerator.process_index}.json"), "w") as f:
         json.dump(rng, f)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # what defines the run, and every file's size (a resume checks both)
+        record = {"epoch": epoch, "run": definition}
+        record["files"] = utils.checkpoint.file_sizes(directory)
+        with open(os.path.join(directory, utils.checkpoint.STATE_FILE), "w") as f:
+            json.dump(record, f, indent=1)
         final = os.path.join(checkpoints, f"checkpoint_{epoch}")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(directory, final)
@@ -546,6 +611,9 @@ Final metrics:
 
 def main(args: Args) -> None:
     prompts = check_args(args)  # before the heavy imports: bad input fails at once
+    definition = utils.checkpoint.run_definition(
+        args
+    )  # as check_args compared it with a resumed checkpoint's
     from accelerate.utils import broadcast_object_list, gather_object, set_seed
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from torch.utils.tensorboard import SummaryWriter
@@ -634,6 +702,13 @@ def main(args: Args) -> None:
     if args.resume_from_checkpoint is not None:
         resumable = (accelerator, unet, optimizer, tracker, prompt_rng)
         first_epoch, global_step = load_checkpoint(*resumable, args.resume_from_checkpoint)
+    elif accelerator.is_main_process:  # a fresh run: --overwrite_output_dir moves the old contents aside now
+        checkpoints = os.path.join(args.output_dir, "checkpoints")
+        for name in utils.checkpoint.leftovers(checkpoints):
+            shutil.rmtree(os.path.join(checkpoints, name), ignore_errors=True)
+        if args.overwrite_output_dir and holds_something(args.output_dir):
+            print(utils.checkpoint.move_aside(args.output_dir, "--overwrite_output_dir"))
+    accelerator.wait_for_everyone()
     executor = ThreadPoolExecutor(args.max_workers) if args.async_reward_computation else None
     final_metrics, clipping = {}, (args.train_clip_range, args.train_adv_clip_max)
     train_names = ("loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "epoch", "inner_epoch")
@@ -720,7 +795,7 @@ def main(args: Args) -> None:
         stopping = stop.requested()
         if (epoch + 1) % args.save_steps == 0 or stopping:
             path = save_checkpoint(
-                accelerator, unet, optimizer, tracker, prompt_rng, args, epoch, global_step
+                accelerator, unet, optimizer, tracker, prompt_rng, args, epoch, global_step, definition
             )
             if stopping:
                 raise stop.interrupt(path, epoch)

@@ -58,7 +58,7 @@ class Args:
     output_dir: str = "models/dpo"
     """where the trained policy (a plain causal-LM directory), its tokenizer and a model card are written"""
     overwrite_output_dir: bool = False
-    """allow a non-empty --output_dir (its files are replaced only once training has finished)"""
+    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
     push_to_hub: bool = False
     """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
@@ -468,6 +468,9 @@ def main(args: Args) -> dict:
     resumed = checkpointer.resume({"model": model}, {"model": optimizer}) or {"step": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
+    train_metrics = resumed.get(
+        "train_metrics", {}
+    )  # the last logged, for the model card of a run resumed at its end
     tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
 
     def evaluate(step: int) -> dict:
@@ -500,7 +503,7 @@ def main(args: Args) -> dict:
     global_step = resumed["step"]
     progress = tqdm(total=args.num_training_steps, initial=global_step, disable=not is_main)
     sums, micro_batches, tokens = torch.zeros(len(METRICS), device=device), 0, torch.zeros((), device=device)
-    train_start, log_start, train_metrics = time.time(), time.time(), {}
+    train_start, log_start = time.time(), time.time()
     model.train()
     while global_step < args.num_training_steps:
         for m in range(global_step * ga, (global_step + 1) * ga):
@@ -537,7 +540,7 @@ def main(args: Args) -> dict:
         ):
             evaluate(global_step)
         checkpointer.maybe_save(global_step, {"model": model}, {"model": optimizer},
-                                state={"scheduler": scheduler.state_dict()})  # fmt: skip
+                                state={"scheduler": scheduler.state_dict(), "train_metrics": train_metrics})  # fmt: skip
     progress.close()
     final = {f"train/{k}": v for k, v in train_metrics.items()} | {"train_seconds": time.time() - train_start}
     final |= evaluate(global_step) | {f"data/train_{k}": v for k, v in train_counts.items()}
@@ -560,8 +563,9 @@ def main(args: Args) -> dict:
         tokenizer.save_pretrained(tmp_dir)
         algorithm, dataset = f"DPO (loss_type={args.loss_type}, beta={args.beta})", args.dataset_name
         utils.write_model_card(
-            tmp_dir, algorithm, args.model_name_or_path, f"{dataset} ({args.dataset_train_split})", final
-        )
+            tmp_dir, algorithm, args.model_name_or_path, f"{dataset} ({args.dataset_train_split})", final,
+            title=os.path.basename(os.path.abspath(args.output_dir)),
+        )  # fmt: skip
         os.makedirs(args.output_dir, exist_ok=True)
         for file in os.listdir(tmp_dir):
             os.replace(os.path.join(tmp_dir, file), os.path.join(args.output_dir, file))

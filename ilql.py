@@ -72,7 +72,7 @@ class Args:
     output_dir: str = "models/ilql"
     """where the backbone (causal-LM directory), ilql_heads.safetensors, tokenizer and model card are saved"""
     overwrite_output_dir: bool = False
-    """allow a non-empty --output_dir (its files are replaced only once training has finished)"""
+    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
     push_to_hub: bool = False
     """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
@@ -603,7 +603,8 @@ def main(args: Args) -> dict:
     # the target Q heads moved toward the Q heads every steps_for_target_q_sync optimizer steps.
     progress = tqdm(total=args.num_training_steps, initial=step, disable=not is_main)
     sums, tokens, grad_norm = torch.zeros(len(METRICS), device=device), torch.zeros((), device=device), None
-    start, log_start, micro, metrics = time.time(), time.time(), 0, {}
+    start, log_start, micro = time.time(), time.time(), 0
+    metrics = state.get("metrics", {}) if state else {}  # the last logged, for a run resumed at its end
     model.train()
     while step < args.num_training_steps:
         for _ in range(args.gradient_accumulation_steps):
@@ -638,7 +639,8 @@ def main(args: Args) -> dict:
         # 4. Evaluation and the sample table; checkpoints.
         if eval_rows and args.eval_steps and step % args.eval_steps == 0 and step < args.num_training_steps:
             evaluate(step)
-        ckpt.maybe_save(step, models={"model": model}, optimizers={"model": optimizer}, state={"step": step})
+        ckpt.maybe_save(step, models={"model": model}, optimizers={"model": optimizer},
+                        state={"step": step, "metrics": metrics})  # fmt: skip
     progress.close()
     final = metrics | {"train_seconds": time.time() - start} | {f"data/{k}": v for k, v in counts.items()}
     if eval_rows:
@@ -659,7 +661,8 @@ def main(args: Args) -> dict:
         bare.save_heads(tmp_dir, heads_state, beta=args.beta, top_k=args.top_k, temperature=args.temperature)
         tokenizer.save_pretrained(tmp_dir)
         algorithm = f"ILQL (tau {args.tau}, gamma {args.gamma}, beta {args.beta}); decode with ilql.complete"
-        utils.write_model_card(tmp_dir, algorithm, args.model_name_or_path, args.dataset_name, final)
+        utils.write_model_card(tmp_dir, algorithm, args.model_name_or_path, args.dataset_name, final,
+                               title=os.path.basename(os.path.abspath(args.output_dir)))  # fmt: skip
         os.makedirs(args.output_dir, exist_ok=True)
         for file in os.listdir(tmp_dir):
             os.replace(os.path.join(tmp_dir, file), os.path.join(args.output_dir, file))

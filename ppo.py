@@ -55,7 +55,7 @@ class Args:
     output_dir: str | None = None
     """where to save the trained policy; None: models/{run_name}"""
     overwrite_output_dir: bool = False
-    """allow writing into a non-empty output_dir"""
+    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
     push_to_hub: bool = False
     """push --output_dir (the policy, without its checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None

@@ -50,7 +50,7 @@ class Args:
     output_dir: str = "models/sft"
     """where the fine-tuned model, its tokenizer, model card and metrics.json are saved"""
     overwrite_output_dir: bool = False
-    """allow writing into a non-empty --output_dir"""
+    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
     push_to_hub: bool = False
     """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None

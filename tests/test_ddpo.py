@@ -354,7 +354,8 @@ def test_two_processes_full_unet(tiny_sd, tmp_path):
     args = [str(ROOT / "ddpo.py"), "--pretrained_model", str(tiny_sd), *TINY_RUN, "--num_epochs", "1"]
     run_torchrun([*args, "--no_use_lora", "--output_dir", "out", "--run_name", "r"], cwd=tmp_path)
     checkpoint = tmp_path / "out" / "checkpoints" / "checkpoint_0"
-    assert {p.name for p in checkpoint.iterdir()} == {"checkpoint.pt", "rng_state_0.json", "rng_state_1.json"}
+    expected = {"checkpoint.pt", "rng_state_0.json", "rng_state_1.json", "trainer_state.json"}
+    assert {p.name for p in checkpoint.iterdir()} == expected
     card = (tmp_path / "out" / "README.md").read_text()
     assert "of 8 images, the full UNet" in card  # 2 processes x 2 batches x 2 images
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "out")

@@ -1,6 +1,6 @@
 """ppo.py and rloo.py survive long runs: kill -9 at an arbitrary point and resume from `latest` gives the weights of
 an uninterrupted run bit for bit (1 process and 2 processes), metrics.jsonl holds every update once, SIGTERM
-saves and names the checkpoint, and a NaN score or a diverging learning rate stops the run with one line naming
+saves and names the checkpoint, and a NaN score or a non-finite loss stops the run with one line naming
 the update while the last good checkpoint stays intact."""
 
 import json
@@ -176,13 +176,34 @@ def test_nan_score_stops_with_the_update_and_keeps_the_checkpoint(script, world,
     assert steps_logged(tmp_path, "nan") == [1, 2]
 
 
-@pytest.mark.parametrize("script", [pytest.param("ppo.py", marks=pytest.mark.slow), "rloo.py"])
-def test_diverging_learning_rate_is_caught(script, world, tmp_path):
-    args = flags(script, world, tmp_path, "div", "--learning_rate", "1e6", "--max_grad_norm", "0")
+# Scores that are finite (3e38 < float32's max) but whose differences are not: an IEEE overflow, the same on every
+# CPU (a learning rate of 1e6 overflowed on one CPU and not on another). The two completions of a prompt (rows i
+# and i + B/2, or 2j and 2j + 1) get opposite signs.
+OVERFLOW_FROM_THIRD_CALL = """
+calls = 0
+
+
+def f(prompts, completions):
+    global calls
+    calls += 1
+    if calls < 3:
+        return [float(len(c) % 5) for c in completions]
+    half = len(completions) // 2
+    return [3e38 if (i % 2 == 0) != (i >= half) else -3e38 for i in range(len(completions))]
+"""
+
+
+@pytest.mark.parametrize("script", ["rloo.py"])  # ppo.py: its score scaling and whitening absorb the overflow
+def test_a_non_finite_loss_is_caught(script, world, tmp_path):
+    """Finite scores from update 3 on whose advantages overflow: the run stops at update 3 with one line."""
+    (tmp_path / "overflow.py").write_text(OVERFLOW_FROM_THIRD_CALL)
+    args = flags(script, world, tmp_path, "div", "--reward_fn", f"{tmp_path / 'overflow.py'}:f")
+    args[args.index("--reward_model_path") : args.index("--reward_model_path") + 2] = []
     proc = run_script([script, *per_device(1), *args], check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"{script}: stopped: step ") and "is not finite (NaN or inf)" in last, last
+    assert last.startswith(f"{script}: stopped: step 3: ") and "is not finite (NaN or inf)" in last, last
+    assert "scores" not in last.split("step 3: ")[1].split(" is not")[0]  # the scores themselves were finite
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "div" / "model.safetensors").exists()
 

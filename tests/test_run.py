@@ -168,11 +168,18 @@ def test_checkpoint_resume_is_exact_and_rotates(tmp_path):
     assert torch.equal(model.weight, expected)
 
 
-def test_resume_errors_are_one_sentence(tmp_path):
-    with pytest.raises(ValueError, match="holds no complete checkpoint"):
-        checkpoint.Checkpointer(Accel(), make_args(tmp_path, resume_from_checkpoint="latest"))
+def test_resume_errors_are_one_sentence(tmp_path, capsys):
+    ckpt = checkpoint.Checkpointer(Accel(), make_args(tmp_path, resume_from_checkpoint="latest"))
+    assert (
+        ckpt.resume_path is None and "starting from scratch" in capsys.readouterr().out
+    )  # nothing to resume
     with pytest.raises(ValueError, match="is not a checkpoint"):
         checkpoint.Checkpointer(Accel(), make_args(tmp_path, resume_from_checkpoint=str(tmp_path)))
+    args = make_args(tmp_path, save_steps=1, seed=1)
+    checkpoint.Checkpointer(Accel(), args).save(1, {"policy": torch.nn.Linear(2, 2)})
+    other = make_args(tmp_path, resume_from_checkpoint="latest", seed=2)
+    with pytest.raises(ValueError, match=r"belongs to another run \(--seed \d+ there, \d+ here\)"):
+        checkpoint.Checkpointer(Accel(), other)
 
 
 def test_sigterm_saves_and_names_the_checkpoint(tmp_path):

@@ -59,8 +59,13 @@ def check_columns(dataset, required: Sequence[str], where: str) -> None:
 
 
 def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
-    """Refuse, before any work, to write into a non-empty `output_dir` unless `overwrite` is set."""
-    if output_dir and os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+    """Refuse, before any work, to write into a non-empty `output_dir` unless `overwrite` is set. Unfinished
+    checkpoint writes (tmp-checkpoint-N, left by a kill) do not count: they are removed when the run starts."""
+    import re
+
+    held = [n for n in os.listdir(output_dir) if not re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n)] if (
+        output_dir and os.path.isdir(output_dir)) else []  # fmt: skip
+    if held and not overwrite:
         raise ValueError(
             f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
         )
@@ -330,12 +335,25 @@ def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None 
 
 
 def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
-    """A reward model: a sequence classifier with exactly one label (anything else is refused in one sentence,
-    e.g. a causal LM, which would load with a fresh two-label head), dropout off."""
+    """A reward model: a sequence classifier with exactly one label and a trained score head, dropout off.
+    Anything else is refused in one sentence: a causal LM would load with a freshly initialised head (of two
+    labels, or of one when its config says num_labels=1) and score at random."""
     from transformers import AutoModelForSequenceClassification
 
-    model = from_pretrained(AutoModelForSequenceClassification, name_or_path, flag)
-    score_head(model)
+    model, info = from_pretrained(
+        AutoModelForSequenceClassification, name_or_path, flag, output_loading_info=True
+    )
+    _, head = score_head(model)
+    head_names = {
+        f"{prefix}.{name}" for prefix in ("score", "classifier") for name, _ in head.named_parameters()
+    }
+    missing = sorted(set(info.get("missing_keys") or ()) & head_names)
+    if missing:
+        architectures = ", ".join(getattr(model.config, "architectures", None) or ["unknown"])
+        raise ValueError(
+            f"{flag} {name_or_path} has no trained score head ({architectures}; {missing[0]} would be initialised "
+            "at random); pass a reward model trained with reward.py."
+        )
     disable_dropout(model)
     return model
 
@@ -362,17 +380,22 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
                 "turn evaluation off (--eval_strategy no or --dataset_test_split None) or pass a folder of "
                 f"{{split}}.jsonl files."
             )
-        return datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
+        if ext in (".json", ".jsonl", ".csv"):
+            with open(name_or_path, errors="replace") as f:
+                if not any(line.strip() for line in f):
+                    raise ValueError(f"{flag} {name_or_path} holds only blank lines: no rows.")
+        return _non_empty(datasets.load_dataset(builders[ext], data_files=name_or_path, split="train"), name_or_path,
+                          split, flag)  # fmt: skip
     if os.path.isdir(name_or_path):
         if os.path.exists(os.path.join(name_or_path, "dataset_dict.json")):
-            dataset_dict = datasets.load_from_disk(name_or_path)
+            dataset_dict = _load_from_disk(name_or_path, flag)
             if split not in dataset_dict:
                 raise ValueError(
                     f"{flag} {name_or_path} has no split {split!r}; its splits are {list(dataset_dict)}."
                 )
-            return dataset_dict[split]
+            return _non_empty(dataset_dict[split], name_or_path, split, flag)
         if os.path.exists(os.path.join(name_or_path, "dataset_info.json")):
-            return datasets.load_from_disk(name_or_path)
+            return _non_empty(_load_from_disk(name_or_path, flag), name_or_path, split, flag)
         for ext in builders:
             path = os.path.join(name_or_path, split + ext)
             if os.path.isfile(path):
@@ -383,12 +406,30 @@ def load_split(name_or_path: str, split: str, flag: str = "--dataset_name"):
     if _is_local(name_or_path):
         raise ValueError(f"{flag} {name_or_path} does not exist.")
     try:
-        return datasets.load_dataset(name_or_path, split=split)
+        return _non_empty(datasets.load_dataset(name_or_path, split=split), name_or_path, split, flag)
     except (ConnectionError, OSError) as error:
         raise ValueError(
             f"{flag} {name_or_path!r} could not be loaded from the hub ({type(error).__name__}); "
             "without network pass a save_to_disk directory or json/jsonl/parquet files."
         ) from None
+
+
+def _load_from_disk(path: str, flag: str):
+    """`datasets.load_from_disk`, with one sentence for a split saved with no rows (datasets fails on its zero
+    shards with an IndexError)."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(path)
+    except IndexError:
+        raise ValueError(f"{flag} {path} has a split with no rows (saved with save_to_disk).") from None
+
+
+def _non_empty(dataset, name_or_path: str, split: str, flag: str):
+    """`dataset`, or a one-sentence ValueError when it has no rows (a script would fail later with an index error)."""
+    if len(dataset) == 0:
+        raise ValueError(f"{flag} {name_or_path}: split {split!r} has no rows.")
+    return dataset
 
 
 def tokenize_prompts(
@@ -417,13 +458,15 @@ def print_samples(columns: dict[str, list], title: str = "samples", max_rows: in
     Console().print(table)
 
 
-def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict) -> None:
-    """Write `output_dir/README.md`: the algorithm, base model, dataset, the full command and final metrics."""
+def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
+                     title: str | None = None) -> None:  # fmt: skip
+    """Write `output_dir/README.md`: the algorithm, base model, dataset, the full command and final metrics. The
+    title is `title`, by default the folder's name (pass the final name when writing into a temporary folder)."""
     import shlex
     import sys
 
     lines = [
-        f"# {os.path.basename(os.path.abspath(output_dir))}",
+        f"# {title or os.path.basename(os.path.abspath(output_dir))}",
         "",
         f"- algorithm: {algorithm}",
         f"- base model: `{base_model}`",

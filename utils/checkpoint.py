@@ -6,24 +6,35 @@
 - `{name}_optimizer.pt`: each optimizer's state (tensors, numbers and lists only: loaded with
   `weights_only=True`);
 - `rng-{rank}.json`: every random state of each process (python, numpy, torch, the script's generators);
-- `trainer_state.json`: the step, the run name, the number of processes, and whatever the script passes as
+- `trainer_state.json`: the step, the run name, the number of processes, the flags that define the run
+  (`run_definition`: model, data, algorithm and batch flags; not output, logging or save flags), the size of
+  every other file of the checkpoint, the number of lines metrics.jsonl had, and whatever the script passes as
   `state` (counters, the data-order position, the adaptive KL controller, running moments...).
 
 A checkpoint is written to `tmp-checkpoint-{step}` and renamed when complete, so a kill in the middle of a
-write never leaves a folder that `--resume_from_checkpoint latest` would pick. SIGTERM and SIGINT are caught:
-the script finishes its current step, saves, and stops with a line naming the checkpoint.
+write never leaves a folder that `--resume_from_checkpoint latest` would pick; `latest` also checks every file
+against the recorded sizes (and the safetensors and zip headers) and skips, naming it, a damaged checkpoint; with
+no complete one it starts the run from scratch and says so. Resuming refuses, in one sentence naming the flags,
+a checkpoint of another run. `--overwrite_output_dir` on a fresh run moves what --output_dir held aside (to
+`{output_dir}.replaced-{time}`) when training starts, so old checkpoints are never resumed or rotated by mistake.
+SIGTERM and SIGINT are caught: the script finishes its current step, saves, and stops with a line naming the
+checkpoint.
 
 Nothing here unpickles Python objects, except DeepSpeed's own checkpoint format under DeepSpeed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import struct
+import time
+import zipfile
 
 import numpy as np
 import torch
@@ -33,6 +44,7 @@ from utils.run import TrainingInterrupted, bare
 
 STATE_FILE = "trainer_state.json"
 _LAST_SAVED: list[str] = []
+_RESUMED: dict = {}  # the trainer state this process resumed from (the Tracker reads metrics_lines in it)
 
 
 def last_saved() -> str | None:
@@ -40,8 +52,13 @@ def last_saved() -> str | None:
     return _LAST_SAVED[-1] if _LAST_SAVED else None
 
 
+def resumed_state() -> dict:
+    """The trainer state of the checkpoint this process resumed from ({} when it started from scratch)."""
+    return _RESUMED
+
+
 def list_checkpoints(output_dir: str) -> list[str]:
-    """Complete checkpoints in `output_dir`, oldest first."""
+    """Checkpoints in `output_dir` that were renamed into place (complete when written), oldest first."""
     if not os.path.isdir(output_dir):
         return []
     found = []
@@ -52,20 +69,167 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def find_checkpoint(resume_from: str, output_dir: str) -> str:
-    """The checkpoint folder `--resume_from_checkpoint` names: a path, or `latest` (the newest complete one in
-    `output_dir`). One-sentence ValueError when there is none."""
+def leftovers(output_dir: str) -> list[str]:
+    """Temporary folders of checkpoint writes that were cut short (never resumed from; removed when a run starts)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n))
+
+
+# Flags that do not change what a run computes: where it writes, what it logs, when it saves, how it is tracked.
+NOT_DEFINING = frozenset(
+    """output_dir overwrite_output_dir logging_dir run_name exp_name track wandb_project_name wandb_entity
+    push_to_hub hub_model_id save_steps save_total_limit resume_from_checkpoint logging_steps eval_strategy
+    eval_steps per_device_eval_batch_size num_sample_generations generate_during_eval num_samples
+    num_logged_images gradient_checkpointing world_size judge_api_key_env vllm_gpu_memory_utilization
+    max_workers async_reward_computation allow_tf32""".split()
+)
+
+
+def run_definition(args) -> dict:
+    """The flags that define a run (model, data, algorithm, batch sizes), JSON-safe, local paths made absolute:
+    what a checkpoint must share with the command that resumes it."""
+    names = [f.name for f in dataclasses.fields(args)] if dataclasses.is_dataclass(args) else list(vars(args))
+    definition = {}
+    for name in names:
+        if name in NOT_DEFINING:
+            continue
+        value = getattr(args, name, None)
+        if isinstance(value, tuple | list):
+            value = [v if isinstance(v, str | int | float | bool | type(None)) else str(v) for v in value]
+        elif isinstance(value, str) and os.path.exists(value):
+            value = os.path.abspath(value)
+        elif not isinstance(value, str | int | float | bool | type(None)):
+            value = str(value)
+        definition[name] = value
+    return definition
+
+
+def definition_mismatch(saved: dict | None, current: dict) -> str | None:
+    """The flags whose values differ between a checkpoint's run and this one, as a phrase (None if none).
+    A flag the checkpoint did not record (an older checkpoint, a newer script) is not compared."""
+    differing = [
+        f"--{name} {saved[name]} there, {value} here"
+        for name, value in current.items()
+        if saved is not None and name in saved and saved[name] != value
+    ]
+    return "; ".join(differing) if differing else None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why a safetensors file is unreadable (cut short, bad header), or None."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "has no header"
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            return "is cut short"
+        try:
+            header = json.loads(f.read(length))
+            ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "has an unreadable header"
+    return "is cut short" if 8 + length + max(ends, default=0) > size else None
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why `path` is not a complete, readable checkpoint (a phrase), or None when it is: its trainer_state.json
+    parses, every file it lists has the recorded size, every safetensors file is whole, every .pt zip has its
+    central directory."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return f"its {STATE_FILE} is missing or unreadable"
+    for name, size in (state.get("files") or {}).items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes, {size} were written"
+    for root, _, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            problem = None
+            if name.endswith(".safetensors"):
+                problem = _safetensors_problem(file)
+            elif name.endswith(".pt") and not zipfile.is_zipfile(file):
+                problem = "is cut short"
+            if problem:
+                return f"{os.path.relpath(file, path)} {problem}"
+    return None
+
+
+def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:
+    """The checkpoint folder `--resume_from_checkpoint` names, and notes for the log. `latest`: the newest
+    complete and readable checkpoint-N in `output_dir` (each one skipped is named with the reason; None when
+    there is none: the run starts from scratch). A path: that checkpoint, or a one-sentence ValueError when it
+    is not one or is damaged."""
     if resume_from == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise ValueError(f"--resume_from_checkpoint latest: {output_dir} holds no complete checkpoint-N.")
-        return found[-1]
+        notes = []
+        for path in reversed(list_checkpoints(output_dir)):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path, notes
+            notes.append(f"skipped {path}: {problem}")
+        left = leftovers(output_dir)
+        if left:
+            notes.append(f"ignored the unfinished {', '.join(left)}")
+        notes.append(
+            f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}; starting from scratch"
+        )
+        return None, notes
     if not os.path.isfile(os.path.join(resume_from, STATE_FILE)):
         raise ValueError(
             f"--resume_from_checkpoint {resume_from} is not a checkpoint (no {STATE_FILE}); pass a "
             "checkpoint-N folder or `latest`."
         )
-    return resume_from
+    problem = checkpoint_problem(resume_from)
+    if problem is not None:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume_from} is damaged: {problem}; pass an earlier checkpoint-N or `latest`."
+        )
+    return resume_from, []
+
+
+def file_sizes(path: str) -> dict[str, int]:
+    """{relative path: size} of every file under `path`, but trainer_state.json."""
+    sizes = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            relative = os.path.relpath(file, path)
+            if relative != STATE_FILE:
+                sizes[relative] = os.path.getsize(file)
+    return sizes
+
+
+def move_aside(path: str, what: str) -> str | None:
+    """Move everything in the folder `path` into `{path}.replaced-{time}` (nothing is deleted); returns a line
+    saying so, or None when `path` held nothing."""
+    if not os.path.isdir(path) or not os.listdir(path):
+        return None
+    names = sorted(os.listdir(path))
+    base = os.path.normpath(path) + time.strftime(".replaced-%Y%m%d-%H%M%S")
+    aside, n = base, 1
+    while os.path.exists(aside):
+        aside, n = f"{base}-{n}", n + 1
+    os.makedirs(aside)
+    for name in names:
+        os.replace(os.path.join(path, name), os.path.join(aside, name))
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{what}: moved the previous contents of {path} ({shown}) to {aside}"
+
+
+def metrics_lines(args) -> int | None:
+    """How many lines the run's metrics.jsonl holds now (None without one)."""
+    path = os.path.join(getattr(args, "logging_dir", "") or "", str(args.run_name), "metrics.jsonl")
+    if not getattr(args, "logging_dir", None) or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,8 +301,11 @@ class Checkpointer:
     """Saves and restores a run's checkpoints; reads `args.output_dir`, `args.save_steps` (0 or None: only on
     a signal), `args.save_total_limit` (None: keep all) and `args.resume_from_checkpoint` (a path or `latest`).
 
-    Building it checks the resume path (before any model is loaded), takes the run name of the checkpoint so
-    logs continue in the same folder, and installs the SIGTERM/SIGINT handlers."""
+    Building it checks the resume path (before any model is loaded): the checkpoint must be complete, written by
+    as many processes and by a run with the same defining flags (`run_definition`); it takes the run name of the
+    checkpoint so logs continue in the same folder, and installs the SIGTERM/SIGINT handlers. A fresh run (no
+    resume, or `latest` finding nothing) must have an empty --output_dir or --overwrite_output_dir, in which case
+    `resume` moves the old contents aside when training starts."""
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -147,10 +314,14 @@ class Checkpointer:
         self.limit = getattr(args, "save_total_limit", None)
         if self.save_steps < 0 or (self.limit is not None and self.limit < 1):
             raise ValueError("--save_steps must be >= 0 and --save_total_limit >= 1.")
-        self.resume_path = None
+        self.definition = run_definition(args)
+        self.resume_path, self.start_over = None, False
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
-            self.resume_path = find_checkpoint(resume_from, args.output_dir)
+            self.resume_path, notes = find_checkpoint(resume_from, args.output_dir)
+            for note in notes if accelerator.is_main_process else ():
+                print(note, flush=True)
+        if self.resume_path:
             with open(os.path.join(self.resume_path, STATE_FILE)) as f:
                 saved = json.load(f)
             if saved["world_size"] != accelerator.num_processes:
@@ -158,41 +329,82 @@ class Checkpointer:
                     f"{self.resume_path} was written by {saved['world_size']} processes; resume it with as many "
                     f"(this run has {accelerator.num_processes})."
                 )
+            mismatch = definition_mismatch(saved.get("run"), self.definition)
+            if mismatch:
+                raise ValueError(
+                    f"--resume_from_checkpoint {self.resume_path} belongs to another run ({mismatch}); resume with "
+                    "its flags, or start over with --overwrite_output_dir or another --output_dir."
+                )
             args.run_name = saved["run_name"]
+        else:
+            import utils
+
+            overwrite = bool(getattr(args, "overwrite_output_dir", False))
+            utils.check_output_dir(args.output_dir, overwrite)
+            held = set(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else set()
+            self.start_over = overwrite and bool(held - set(leftovers(args.output_dir)))
         self.stop = StopSignal(accelerator)
 
     # -- resume
     def resume(self, models: dict[str, nn.Module], optimizers: dict | None = None,
                generators: dict[str, torch.Generator] | None = None) -> dict | None:  # fmt: skip
         """Load the checkpoint given by --resume_from_checkpoint into the (prepared) models and optimizers and
-        restore every random state; returns the saved state (with its `step`), or None when not resuming."""
+        restore every random state; returns the saved state (with its `step`), or None when not resuming. Called
+        when training starts: a fresh run with --overwrite_output_dir moves the old contents of --output_dir aside
+        here (not earlier: a run that fails on a bad input leaves everything as it was), and unfinished
+        tmp-checkpoint-N folders are removed."""
+        self._clear_the_way()
         if self.resume_path is None:
             return None
         path, optimizers, generators = self.resume_path, optimizers or {}, generators or {}
-        for name, model in models.items():
-            if self.accelerator.state.deepspeed_plugin is not None:
-                model.load_checkpoint(os.path.join(path, name), tag="state")
-                continue
-            from safetensors.torch import load_model
+        try:
+            for name, model in models.items():
+                if self.accelerator.state.deepspeed_plugin is not None:
+                    model.load_checkpoint(os.path.join(path, name), tag="state")
+                    continue
+                from safetensors.torch import load_model
 
-            device = self.accelerator.device  # "cpu:0" (MULTI_CPU) is not a device name safetensors takes
-            load_model(
-                bare(model),
-                os.path.join(path, f"{name}.safetensors"),
-                device=str(device) if device.type != "cpu" else "cpu",
-            )
-        if self.accelerator.state.deepspeed_plugin is None:  # DeepSpeed's checkpoint held the optimizers
-            for name, optimizer in optimizers.items():
-                state = torch.load(
-                    os.path.join(path, f"{name}_optimizer.pt"), map_location="cpu", weights_only=True
+                device = self.accelerator.device  # "cpu:0" (MULTI_CPU) is not a device name safetensors takes
+                load_model(
+                    bare(model),
+                    os.path.join(path, f"{name}.safetensors"),
+                    device=str(device) if device.type != "cpu" else "cpu",
                 )
-                optimizer.load_state_dict(state)
-        with open(os.path.join(path, f"rng-{self.accelerator.process_index}.json")) as f:
-            set_rng_state(json.load(f), generators)
+            if self.accelerator.state.deepspeed_plugin is None:  # DeepSpeed's checkpoint held the optimizers
+                for name, optimizer in optimizers.items():
+                    state = torch.load(
+                        os.path.join(path, f"{name}_optimizer.pt"), map_location="cpu", weights_only=True
+                    )
+                    optimizer.load_state_dict(state)
+            with open(os.path.join(path, f"rng-{self.accelerator.process_index}.json")) as f:
+                set_rng_state(json.load(f), generators)
+        except (
+            OSError,
+            RuntimeError,
+            KeyError,
+            ValueError,
+        ) as error:  # damaged after the checks, or another model
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise ValueError(
+                f"--resume_from_checkpoint {path} could not be loaded into this run's models ({reason})."
+            ) from None
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
         _LAST_SAVED.append(path)
+        _RESUMED.clear()
+        _RESUMED.update(state)
         return state
+
+    def _clear_the_way(self) -> None:
+        """On the main process: move the old contents of --output_dir aside (a fresh run with
+        --overwrite_output_dir) and remove unfinished checkpoint writes; every process waits for it."""
+        if self.accelerator.is_main_process:
+            if self.start_over:
+                print(move_aside(self.output_dir, "--overwrite_output_dir"), flush=True)
+            for name in leftovers(self.output_dir):
+                shutil.rmtree(os.path.join(self.output_dir, name), ignore_errors=True)
+        self.start_over = False
+        self.accelerator.wait_for_everyone()
 
     # -- save
     def maybe_save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
@@ -213,6 +425,8 @@ class Checkpointer:
              state: dict | None = None) -> str:  # fmt: skip
         """Write checkpoint-{step} atomically (every process takes part) and keep the newest save_total_limit."""
         accelerator, optimizers, generators = self.accelerator, optimizers or {}, generators or {}
+        if self.start_over:  # a script that saves without calling resume first
+            self._clear_the_way()
         final = os.path.join(self.output_dir, f"checkpoint-{step}")
         tmp = os.path.join(self.output_dir, f"tmp-checkpoint-{step}")
         if accelerator.is_main_process:
@@ -234,7 +448,8 @@ class Checkpointer:
             json.dump(rng_state(generators), f)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            meta = {"step": step, "run_name": self.args.run_name, "world_size": accelerator.num_processes}
+            meta = {"step": step, "run_name": self.args.run_name, "world_size": accelerator.num_processes,
+                    "run": self.definition, "metrics_lines": metrics_lines(self.args), "files": file_sizes(tmp)}  # fmt: skip
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump({**(state or {}), **meta}, f, indent=1)
             shutil.rmtree(final, ignore_errors=True)

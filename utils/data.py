@@ -209,8 +209,17 @@ def tokenize_prompts(
 # ----------------------------------------------------------------------------------------------------------------
 # Rendering conversations
 # ----------------------------------------------------------------------------------------------------------------
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    """The chat template's text for `messages` (with the assistant's opening when `generation_prompt`)."""
+    """The chat template's text for `messages` (with the assistant's opening when `generation_prompt`). A role
+    other than TRL's (`ROLES`) is refused: most templates drop or mislabel such a message without a word."""
+    for message in messages:
+        if message.get("role") not in ROLES:
+            raise ValueError(
+                f"a message has role {message.get('role')!r}; the roles are {', '.join(ROLES)}: fix the dataset."
+            )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 

@@ -99,6 +99,20 @@ def parse_args(args_class, argv: list[str] | None = None):
     return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
 
 
+def check_flag_values(args) -> None:
+    """Checks every script shares, before its own: learning rates finite and >= 0; --max_prompt_length, when
+    set, at least 1 (0 would mean no truncation at all)."""
+    import math
+
+    for name, value in vars(args).items():
+        if name.endswith("learning_rate") and isinstance(value, int | float):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"--{name} must be a finite number >= 0, got {value}.")
+    max_prompt_length = getattr(args, "max_prompt_length", None)
+    if isinstance(max_prompt_length, int) and max_prompt_length < 1:
+        raise ValueError(f"--max_prompt_length must be at least 1 (or left unset), got {max_prompt_length}.")
+
+
 def raised_here(error: BaseException, script: str) -> bool:
     """Whether `error` was raised by the project's own code (the script or utils/), i.e. is a message for the
     user; an error raised inside a library is a bug to show with its traceback."""
@@ -114,11 +128,13 @@ def raised_here(error: BaseException, script: str) -> bool:
 
 def run_cli(args_class, main: Callable) -> None:
     """Parse the flags and run `main(args)`, turning the errors a user can act on into one line on stderr:
-    bad input (ValueError) exits 2, a non-finite value 1, SIGTERM 143 and SIGINT 130 after a checkpoint."""
+    bad input (ValueError) exits 2, a non-finite value 1, SIGTERM 143 and SIGINT 130 after a checkpoint (on
+    every process; the line is printed by the main process only)."""
     script = os.path.basename(sys.argv[0])
     show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
     try:
         args = parse_args(args_class)
+        check_flag_values(args)
         main(args)
     except ValueError as error:
         if show_traceback or not raised_here(error, sys.argv[0]):
@@ -128,11 +144,18 @@ def run_cli(args_class, main: Callable) -> None:
     except NonFiniteError as error:
         if show_traceback:
             raise
-        print(f"{script}: stopped: {error}", file=sys.stderr)
+        if main_process():  # every process stops together; one line for the run
+            print(f"{script}: stopped: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     except TrainingInterrupted as error:
-        print(f"{script}: interrupted: {error}", file=sys.stderr)
+        if main_process():
+            print(f"{script}: interrupted: {error}", file=sys.stderr)
         raise SystemExit(error.exit_code) from None
+
+
+def main_process() -> bool:
+    """Whether this is the first process of the run (RANK 0 under torchrun / accelerate launch, or alone)."""
+    return int(os.environ.get("RANK", "0") or 0) == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,19 +165,33 @@ def make_accelerator(
     args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None, mixed_precision=None
 ):
     """The Accelerator of a run. Precision: bf16 with `--bf16`, else what `accelerate launch` configured.
-    On CPU the process group uses gloo (without it every process believes it is rank 0 of 1). Under DeepSpeed
+    On CPU the process group uses gloo (without it every process believes it is rank 0 of 1), and several
+    processes on a machine without GPUs run as MULTI_CPU, whatever the accelerate config says. Under DeepSpeed
     the micro-batch size, accumulation and `--max_grad_norm` go into its config: DeepSpeed clips gradients
     itself and ignores accelerate's clip_grad_norm_ (and would otherwise clip at 1.0 silently)."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun / accelerate launch set it
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set it
+    launched, on_cpu = world_size > 1, not torch.cuda.is_available()
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and on_cpu else []
+    # Several processes on a machine without GPUs, not under DeepSpeed (which ACCELERATE_USE_CPU would turn
+    # off): MULTI_CPU. Otherwise a multi-GPU config there gives distributed type NO, where every process
+    # trains alone and gather/reduce do nothing.
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("true", "1")
     accelerator = Accelerator(
         mixed_precision=mixed_precision or ("bf16" if getattr(args, "bf16", False) else None),
         gradient_accumulation_steps=gradient_accumulation_steps,
         kwargs_handlers=handlers,
+        cpu=launched and on_cpu and not deepspeed,
     )
+    if launched and (
+        accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
+    ):
+        raise ValueError(
+            f"launched as {world_size} processes, but accelerate set up {accelerator.num_processes} without "
+            "distributed training; on a machine without GPUs launch with --cpu (or ACCELERATE_USE_CPU=true)."
+        )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         config = plugin.deepspeed_config
@@ -310,7 +347,8 @@ class Tracker:
 
     Resuming from a checkpoint at `start_step` continues the same files: the lines of metrics.jsonl after
     that step (logged by the interrupted run after its last checkpoint) are dropped and TensorBoard purges
-    its events after it, so no step appears twice or goes missing."""
+    its events after it, so no step appears twice or goes missing. A fresh run whose {logging_dir}/{run_name}
+    already holds logs (an explicit --run_name used before) moves them aside first, saying where."""
 
     def __init__(self, args, accelerator, start_step: int = 0):
         self.active = accelerator.is_main_process
@@ -321,11 +359,28 @@ class Tracker:
             return
         from torch.utils.tensorboard import SummaryWriter
 
+        from utils import checkpoint
+
+        if (
+            not start_step
+        ):  # a fresh run never writes into (or truncates) an earlier run's logs of the same name
+            moved = checkpoint.move_aside(self.run_dir, f"run name {args.run_name}")
+            if moved:
+                print(moved, flush=True)
         os.makedirs(self.run_dir, exist_ok=True)
         kept = []
         if start_step and os.path.exists(self.path):
+            # The lines the checkpoint saw (what was logged after it, e.g. a final evaluation cut short, goes);
+            # an older checkpoint without that count: the lines up to its step.
+            resumed = checkpoint.resumed_state()
+            same = resumed.get("step") == start_step and resumed.get("run_name") == args.run_name
+            count = resumed.get("metrics_lines") if same else None
             with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                lines = [line for line in f if line.strip()]
+            if count is not None:
+                kept = lines[:count]
+            else:
+                kept = [line for line in lines if json.loads(line).get("step", 0) <= start_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
         self.writer = SummaryWriter(self.run_dir, purge_step=start_step + 1 if start_step else None)
