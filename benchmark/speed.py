@@ -1,27 +1,49 @@
 """Speed and memory of the scripts side by side with TRL's trainers, on the same workload, in one run.
 
     python benchmark/speed.py --trl_python .venv-trl/bin/python --trl_ppo_python .venv-trl-ppo/bin/python
+    python benchmark/speed.py --preset tldr_qwen --runs 1 --parallel 2     # real shapes, see below
 
-For each algorithm (sft, reward, dpo, rloo, ppo, and grpo when grpo.py exists) the same workload runs three ways,
-each in its own process, in `--runs` rounds of ours, TRL, bare for every algorithm (`--parallel` of them at once;
-1 runs them one after the other):
+For each algorithm (sft, reward, dpo, rloo, ppo, grpo, online_dpo; grpo when grpo.py exists) the same workload
+runs three ways, each in its own process, in `--runs` rounds of ours, TRL, bare for every algorithm (`--parallel`
+of them at once; 1 runs them one after the other):
     ours   the script's real command line (sft.py, reward.py, ...);
     trl    TRL's trainer with the same model, data, batch sizes, lengths and number of optimizer steps
            (TRL runs in its own environment, see requirements-trl.txt: the project never imports TRL);
     bare   the same generation and forward/backward passes as a minimal loop (benchmark/bare_work.py): the work
            no implementation can avoid, so `ours / bare` says how much the script adds on top of it.
 
+Shapes (`--preset`; every size can still be set by its own flag):
+    toy        the tiny world (tiny_world.py: vocabulary ~1k, <= 128 tokens, 8-token responses, 1.1M parameters);
+               batch 32, 12 steps of sft/reward/dpo/online_dpo; 4 updates of 64 completions (2 mini-batches of 32,
+               k = 4) for rloo (2 epochs), grpo (2 iterations) and ppo (4 epochs). The README's table.
+    tldr       prompt 512 + response 53 tokens, vocabulary 50304;
+    tldr_qwen  prompt 512 + response 53 tokens, vocabulary 151936 (Qwen's);
+    grpo       prompt 128 + completion 256 tokens, vocabulary 151936.
+    The three real shapes use a world of random words (shape_world.py: every prompt exactly that many tokens,
+    every completion, chosen and rejected exactly the response length with its EOS; RL sides sample exactly the
+    response length, TRL with min_new_tokens so no row stops early) and a Llama body of hidden 256 x 2 layers
+    (MLP 1024, 4 heads), untied embeddings, float32, no gradient checkpointing, 4 rows per forward/backward
+    micro-batch: 4 sequences (sft), 2 pairs (reward, dpo: 2 chosen + 2 rejected), 2 prompts x 2 completions
+    (online_dpo), 4 completions (rloo, ppo, grpo). 3 optimizer steps of sft, reward, dpo and online_dpo (one
+    update each); 3 updates of rloo, grpo and ppo, each a rollout of 8 completions (2 prompts x k = 4; ppo 8
+    prompts) and 1 epoch of 2 mini-batches of 4 (2 optimizer steps). On a quiet 2-core CPU one side of one
+    algorithm takes about 1-2 minutes at vocabulary 151936 and peaks at up to ~7 GiB: use --parallel 1 or 2.
+
 Counted the same way on all three sides: every optimizer step is timed by a hook on torch's optimizers, so the
 in-loop throughput is (updates - 1) * examples per update / (time from the end of the first update to the end of
-the last), with examples = sequences (sft), preference pairs (reward, dpo) or completions (rloo, ppo, grpo);
-the first update (warm-up) and everything before and after the loop are left out. The whole-process wall time
-(imports, loading, data preparation, training, saving) and the peak resident memory (`ru_maxrss` of the child)
-are measured by this process. Each figure is reported as our median, TRL's median and the median of the
-per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).
+the last), with examples = sequences (sft), preference pairs (reward, dpo, online_dpo) or completions (rloo, ppo,
+grpo), and the in-loop CPU (process_time) and wall seconds per update are over the same span: the first update
+(warm-up) and everything before and after the loop are left out. The whole-process wall time (imports, loading,
+data preparation, training, saving) and the peak resident memory (`ru_maxrss` of the child) are measured by this
+process; the peak private memory (RssAnon, free of shared-library pages) is sampled every 20 ms in the child.
+Every pass through the Llama body is counted by its [rows x tokens] shape and grad mode (`forward_shapes` of
+each run), so the work of two sides can be compared directly. Each figure is reported as our median, TRL's
+median and the median of the per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).
 
 Writes `--output` (every run, the medians, the ratios, the commands, package and TRL versions) and a bar plot
-beside it. On a shared machine, absolute numbers move with the load; the ratios of interleaved runs are the
-figures to read. Evaluation, sample tables and tracking are off on every side: the loop is training only.
+beside it. On a shared machine, absolute numbers move with the load; the ratios of interleaved runs and the CPU
+seconds are the figures to read. Evaluation, sample tables and tracking are off on every side: the loop is
+training only.
 """
 
 from __future__ import annotations
