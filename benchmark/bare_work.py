@@ -14,6 +14,9 @@ What each loop does per optimizer step or update (B = batch_size, R = response_l
     grpo     the same without the reference model (beta 0), group-normalized advantages, token-level loss
     ppo      the same rollout plus the critic's values, GAE, then epochs x 2 mini-batches of policy and critic
              forward, backward, step
+    online_dpo  sample 2 completions of each of B prompts (key-value cache, R steps), reward forward, the better
+             one chosen, then policy forward (grad) and reference forward (no grad) on the 2B rows, sigmoid
+             DPO loss, backward, step
 """
 
 from __future__ import annotations
@@ -159,6 +162,38 @@ def run(spec: dict) -> None:
             optimizer.step()
             optimizer.zero_grad()
         model.save_pretrained(spec["output_dir"])
+        return
+
+    if algorithm == "online_dpo":
+        R, T = spec["response_length"], spec["temperature"]
+        prompts = encode([r["prompt"] for r in split("sft")])
+        rng.shuffle(prompts)
+        policy = CausalLM.from_pretrained(f"{world}/policy")
+        ref = CausalLM.from_pretrained(f"{world}/policy").eval().requires_grad_(False)
+        reward = Classifier.from_pretrained(f"{world}/reward", num_labels=1).eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            queries, query_mask = left_pad(prompts[step * B : (step + 1) * B], pad)
+            queries, query_mask = queries.repeat(2, 1), query_mask.repeat(2, 1)  # rows c * B + p
+            responses, _ = sample(policy.eval(), queries, query_mask, R, T, generator)
+            ids, Q = torch.cat([queries, responses], 1), queries.size(1)
+            after_eos = (responses == eos).long().cumsum(1) - (responses == eos).long()
+            response_mask = (after_eos == 0).long()
+            mask = torch.cat([query_mask, response_mask], 1)
+            with torch.no_grad():
+                scores = last_token_score(reward, ids, mask).view(2, B)
+                ref_logps = (token_logprobs(ref, ids, mask, Q, T) * response_mask).sum(1).view(2, B)
+            policy.train()
+            logps = (token_logprobs(policy, ids, mask, Q, T) * response_mask).sum(1).view(2, B)
+            first_wins = scores[0] > scores[1]
+            h = (logps[0] - ref_logps[0]) - (logps[1] - ref_logps[1])
+            h = torch.where(first_wins, h, -h)
+            loss = -F.logsigmoid(spec["beta"] * h).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        policy.save_pretrained(spec["output_dir"])
         return
 
     # Online algorithms: rollout of 2B completions, then epochs x 2 mini-batches of B.

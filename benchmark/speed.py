@@ -1,27 +1,49 @@
 """Speed and memory of the scripts side by side with TRL's trainers, on the same workload, in one run.
 
     python benchmark/speed.py --trl_python .venv-trl/bin/python --trl_ppo_python .venv-trl-ppo/bin/python
+    python benchmark/speed.py --preset tldr_qwen --runs 1 --parallel 2     # real shapes, see below
 
-For each algorithm (sft, reward, dpo, rloo, ppo, and grpo when grpo.py exists) the same workload runs three ways,
-each in its own process, in `--runs` rounds of ours, TRL, bare for every algorithm (`--parallel` of them at once;
-1 runs them one after the other):
+For each algorithm (sft, reward, dpo, rloo, ppo, grpo, online_dpo; grpo when grpo.py exists) the same workload
+runs three ways, each in its own process, in `--runs` rounds of ours, TRL, bare for every algorithm (`--parallel`
+of them at once; 1 runs them one after the other):
     ours   the script's real command line (sft.py, reward.py, ...);
     trl    TRL's trainer with the same model, data, batch sizes, lengths and number of optimizer steps
            (TRL runs in its own environment, see requirements-trl.txt: the project never imports TRL);
     bare   the same generation and forward/backward passes as a minimal loop (benchmark/bare_work.py): the work
            no implementation can avoid, so `ours / bare` says how much the script adds on top of it.
 
+Shapes (`--preset`; every size can still be set by its own flag):
+    toy        the tiny world (tiny_world.py: vocabulary ~1k, <= 128 tokens, 8-token responses, 1.1M parameters);
+               batch 32, 12 steps of sft/reward/dpo/online_dpo; 4 updates of 64 completions (2 mini-batches of 32,
+               k = 4) for rloo (2 epochs), grpo (2 iterations) and ppo (4 epochs). The README's table.
+    tldr       prompt 512 + response 53 tokens, vocabulary 50304;
+    tldr_qwen  prompt 512 + response 53 tokens, vocabulary 151936 (Qwen's);
+    grpo       prompt 128 + completion 256 tokens, vocabulary 151936.
+    The three real shapes use a world of random words (shape_world.py: every prompt exactly that many tokens,
+    every completion, chosen and rejected exactly the response length with its EOS; RL sides sample exactly the
+    response length, TRL with min_new_tokens so no row stops early) and a Llama body of hidden 256 x 2 layers
+    (MLP 1024, 4 heads), untied embeddings, float32, no gradient checkpointing, 4 rows per forward/backward
+    micro-batch: 4 sequences (sft), 2 pairs (reward, dpo: 2 chosen + 2 rejected), 2 prompts x 2 completions
+    (online_dpo), 4 completions (rloo, ppo, grpo). 3 optimizer steps of sft, reward, dpo and online_dpo (one
+    update each); 3 updates of rloo, grpo and ppo, each a rollout of 8 completions (2 prompts x k = 4; ppo 8
+    prompts) and 1 epoch of 2 mini-batches of 4 (2 optimizer steps). On a quiet 2-core CPU one side of one
+    algorithm takes about 1-2 minutes at vocabulary 151936 and peaks at up to ~7 GiB: use --parallel 1 or 2.
+
 Counted the same way on all three sides: every optimizer step is timed by a hook on torch's optimizers, so the
 in-loop throughput is (updates - 1) * examples per update / (time from the end of the first update to the end of
-the last), with examples = sequences (sft), preference pairs (reward, dpo) or completions (rloo, ppo, grpo);
-the first update (warm-up) and everything before and after the loop are left out. The whole-process wall time
-(imports, loading, data preparation, training, saving) and the peak resident memory (`ru_maxrss` of the child)
-are measured by this process. Each figure is reported as our median, TRL's median and the median of the
-per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).
+the last), with examples = sequences (sft), preference pairs (reward, dpo, online_dpo) or completions (rloo, ppo,
+grpo), and the in-loop CPU (process_time) and wall seconds per update are over the same span: the first update
+(warm-up) and everything before and after the loop are left out. The whole-process wall time (imports, loading,
+data preparation, training, saving) and the peak resident memory (`ru_maxrss` of the child) are measured by this
+process; the peak private memory (RssAnon, free of shared-library pages) is sampled every 20 ms in the child.
+Every pass through the Llama body is counted by its [rows x tokens] shape and grad mode (`forward_shapes` of
+each run), so the work of two sides can be compared directly. Each figure is reported as our median, TRL's
+median and the median of the per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).
 
 Writes `--output` (every run, the medians, the ratios, the commands, package and TRL versions) and a bar plot
-beside it. On a shared machine, absolute numbers move with the load; the ratios of interleaved runs are the
-figures to read. Evaluation, sample tables and tracking are off on every side: the loop is training only.
+beside it. On a shared machine, absolute numbers move with the load; the ratios of interleaved runs and the CPU
+seconds are the figures to read. Evaluation, sample tables and tracking are off on every side: the loop is
+training only.
 """
 
 from __future__ import annotations
@@ -40,8 +62,38 @@ from dataclasses import asdict, dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ALGORITHMS = ["sft", "reward", "dpo", "rloo", "ppo", "grpo"]
+ALGORITHMS = ["sft", "reward", "dpo", "rloo", "ppo", "grpo", "online_dpo"]
 SIDES = ["ours", "trl", "bare"]
+# toy: the tiny world (vocabulary ~1k, posts of 30-odd tokens, <= 128 tokens in all, 8-token responses), the
+# workload of the README's table. The real shapes: a world of random words (shape_world.py) with a Llama body of
+# hidden 256 x 2 layers (MLP 1024, 4 heads), untied embeddings, float32, no gradient checkpointing, and 4 rows
+# (sequences) per forward/backward micro-batch: 4 sequences (sft), 2 pairs (reward, dpo), 2 prompts x 2
+# completions (online_dpo), 4 completions (rloo, ppo, grpo mini-batches). 3 optimizer steps of sft, reward, dpo
+# and online_dpo; 3 updates of rloo, ppo and grpo, each a rollout of 8 completions (2 prompts x k = 4 for rloo
+# and grpo, 8 prompts for ppo) and 1 epoch of 2 mini-batches of 4. The first update is warm-up, so each in-loop
+# figure is over updates 2-3. On a 2-core CPU one side of one algorithm takes about 1-2 minutes at vocabulary
+# 151936 (about a third of that at 50304) and peaks at up to ~7 GiB: use --parallel 1 or 2.
+REAL = {"hidden_size": 256, "num_layers": 2, "intermediate_size": 1024, "batch_size": 4, "pair_batch_size": 2,
+        "steps": 3, "updates": 3, "epochs": 1}  # fmt: skip
+PRESETS = {
+    "toy": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 512, "batch_size": 32, "pair_batch_size": 32,
+            "steps": 12, "updates": 4, "epochs": None, "response_length": 8, "prompt_length": None,
+            "vocab_size": None, "max_length": 128},
+    "tldr": {**REAL, "prompt_length": 512, "response_length": 53, "vocab_size": 50304, "max_length": 565},
+    "tldr_qwen": {**REAL, "prompt_length": 512, "response_length": 53, "vocab_size": 151936, "max_length": 565},
+    "grpo": {**REAL, "prompt_length": 128, "response_length": 256, "vocab_size": 151936, "max_length": 384},
+}  # fmt: skip
+TOY_EPOCHS = {"rloo": 2, "ppo": 4, "grpo": 2}
+
+
+def resolve(args: Args) -> Args:
+    """Fill every size left at None from the preset."""
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown --preset {args.preset}; choose from {list(PRESETS)}.")
+    for name, value in PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 @dataclass
@@ -57,35 +109,48 @@ class Args:
     """python of the environment with the newest TRL that still ships PPO (1.12, trl.experimental.ppo)"""
     no_bare: bool = False
     """skip the bare-work runs"""
-    work_dir: str = "benchmark/work/speed"
-    """the world, the trained models and the logs of every run (not committed)"""
-    output: str = "benchmark/results/speed.json"
-    """the results; the plot goes beside it with the extension .png"""
+    work_dir: str | None = None
+    """the world, the trained models and the logs of every run (not committed); None: benchmark/work/speed for
+    the toy preset, benchmark/work/speed-<preset> for the others"""
+    output: str | None = None
+    """the results, the plot beside it with the extension .png; None: benchmark/results/speed.json (toy),
+    benchmark/results/speed_<preset>.json (the others)"""
     threads: int = 1
     """torch threads in every run (OMP_NUM_THREADS too)"""
     parallel: int = 6
     """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
     so each pair sees the same load on a shared machine; 6: two algorithms at a time)"""
 
-    # Model and workload
-    hidden_size: int = 128
-    """hidden size of the tiny world's models (tiny_world.py --hidden_size)"""
-    num_layers: int = 4
-    """layers of the tiny world's models"""
-    intermediate_size: int = 512
-    """MLP width of the tiny world's models"""
-    batch_size: int = 32
-    """sequences (sft), pairs (reward, dpo) or completions (rl) per optimizer step"""
-    steps: int = 12
-    """optimizer steps of sft, reward and dpo"""
-    updates: int = 4
+    # Model and workload (None: the --preset's value, see PRESETS)
+    preset: str = "toy"
+    """workload shapes: toy (the tiny world), tldr (prompt 512 + response 53, vocabulary 50304), tldr_qwen (the
+    same at vocabulary 151936) or grpo (prompt 128 + completion 256, vocabulary 151936); see PRESETS"""
+    hidden_size: int | None = None
+    """hidden size of the world's models"""
+    num_layers: int | None = None
+    """layers of the world's models"""
+    intermediate_size: int | None = None
+    """MLP width of the world's models"""
+    batch_size: int | None = None
+    """sequences (sft) or completions (rl) per optimizer step (one micro-batch)"""
+    pair_batch_size: int | None = None
+    """preference pairs (reward, dpo) or prompts (online_dpo, 2 completions each) per optimizer step"""
+    steps: int | None = None
+    """optimizer steps of sft, reward, dpo and online_dpo (one update each)"""
+    updates: int | None = None
     """rollout-and-train updates of rloo, ppo and grpo (each 2 mini-batches of --batch_size completions)"""
+    epochs: int | None = None
+    """passes over each rollout (rloo, grpo: 2 at toy; ppo: 4 at toy; all 1 at the real shapes)"""
     rloo_k: int = 4
     """completions per prompt (rloo_k, num_generations)"""
-    response_length: int = 8
-    """tokens sampled per completion"""
-    max_length: int = 128
-    """longest tokenized sequence for sft, reward and dpo (no example of the tiny world is longer)"""
+    response_length: int | None = None
+    """tokens sampled per completion; tokens of every completion, chosen and rejected (EOS included)"""
+    prompt_length: int | None = None
+    """tokens of every prompt (real shapes; the tiny world's prompts are its posts, 30-odd tokens)"""
+    vocab_size: int | None = None
+    """vocabulary of the world (real shapes; the tiny world's is about 1k)"""
+    max_length: int | None = None
+    """longest tokenized sequence for sft, reward and dpo (no example of the world is longer)"""
     learning_rate: float = 1e-4
     """learning rate on every side"""
     from_runs: str | None = None
@@ -103,10 +168,13 @@ def workload(algorithm: str, args: Args, world: str, out: str) -> dict:
     data = f"{world}/dataset"
     B, k, R, lr = args.batch_size, args.rloo_k, args.response_length, str(args.learning_rate)
     common = ["--output_dir", out, "--overwrite_output_dir", "--logging_dir", f"{out}-runs", "--seed", "1"]
-    spec = {"algorithm": algorithm, "world": world, "output_dir": out, "batch_size": B, "learning_rate": lr,
-            "max_length": args.max_length, "response_length": R, "k": k, "temperature": 0.7, "kl_coef": 0.05,
+    spec = {"algorithm": algorithm, "preset": args.preset, "world": world, "output_dir": out, "batch_size": B,
+            "learning_rate": lr, "max_length": args.max_length, "prompt_length": args.prompt_length,
+            "vocab_size": args.vocab_size, "response_length": R, "k": k, "temperature": 0.7, "kl_coef": 0.05,
             "beta": 0.1}  # fmt: skip
     if algorithm in ("sft", "reward", "dpo"):
+        if algorithm != "sft":
+            B = spec["batch_size"] = args.pair_batch_size
         spec |= {
             "updates": args.steps,
             "steps_per_update": 1,
@@ -124,17 +192,30 @@ def workload(algorithm: str, args: Args, world: str, out: str) -> dict:
             cmd = ["reward.py", "--model_name_or_path", f"{world}/policy", "--dataset_name", data,
                    "--dataset_train_split", "preference", "--normalize", "False", *train]  # fmt: skip
         else:
+            prompt = args.max_length - 1 if args.prompt_length is None else args.prompt_length
             cmd = ["dpo.py", "--model_name_or_path", f"{world}/policy", "--dataset_name", data,
-                   "--dataset_train_split", "preference", "--beta", "0.1", "--max_prompt_length", str(args.max_length - 1),
+                   "--dataset_train_split", "preference", "--beta", "0.1", "--max_prompt_length", str(prompt),
                    *train]  # fmt: skip
+    elif algorithm == "online_dpo":
+        # One update = P prompts x 2 sampled completions, annotated by the reward model, one DPO step.
+        P = args.pair_batch_size
+        spec |= {"updates": args.steps, "steps_per_update": 1, "per_update": P, "epochs": 1, "mini_batches": 1,
+                 "batch_size": P, "unit": "pairs"}  # fmt: skip
+        cmd = ["online_dpo.py", "--model_name_or_path", f"{world}/policy", "--reward_model_path", f"{world}/reward",
+               "--dataset_name", data, "--dataset_train_split", "sft", "--temperature", "0.7", "--learning_rate", lr,
+               "--per_device_train_batch_size", str(P), "--local_rollout_forward_batch_size", str(2 * P),
+               "--max_new_tokens", str(R), "--beta", "0.1", "--max_steps", str(args.steps),
+               "--num_sample_generations", "0"]  # fmt: skip
     else:
-        epochs = {"rloo": 2, "ppo": 4, "grpo": 2}[algorithm]
+        epochs = TOY_EPOCHS[algorithm] if args.epochs is None else args.epochs
         spec |= {"updates": args.updates, "steps_per_update": 2 * epochs, "per_update": 2 * B, "epochs": epochs,
                  "mini_batches": 2, "unit": "episodes"}  # fmt: skip
         episodes = str(args.updates * 2 * B)
         rollout = ["--dataset_name", data, "--dataset_train_split", "sft", "--temperature", "0.7",
                    "--learning_rate", lr, "--per_device_train_batch_size", str(B),
                    "--local_rollout_forward_batch_size", str(2 * B)]  # fmt: skip
+        if args.prompt_length is not None:
+            rollout += ["--max_prompt_length", str(args.prompt_length)]
         if algorithm == "grpo":
             cmd = ["grpo.py", "--model_name_or_path", f"{world}/policy", "--reward_model_path", f"{world}/reward",
                    *rollout, "--num_generations", str(k), "--max_completion_length", str(R),
@@ -181,6 +262,7 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
             time.sleep(0.02)
 
     threading.Thread(target=watch_memory, daemon=True).start()
+    forward_shapes = record_forward_shapes()
     try:
         if side == "ours":
             sys.argv = list(spec["ours_command"])
@@ -199,8 +281,29 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
     finally:
         with open(timing_path, "w") as f:
             json.dump(
-                {"step_times": step_times, "step_cpu_times": step_cpu_times, "peak_anon_kib": peak_anon[0]}, f
-            )
+                {"step_times": step_times, "step_cpu_times": step_cpu_times, "peak_anon_kib": peak_anon[0],
+                 "forward_shapes": forward_shapes}, f
+            )  # fmt: skip
+
+
+def record_forward_shapes() -> dict:
+    """Count every pass through the Llama body (policy, reference, reward model, critic; generation steps too) by
+    its [rows x tokens] shape and whether autograd records it: the same counts on two sides mean the same model
+    work (the LM head and the losses aside). Returns the dict the counts go into."""
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    shapes = {}
+    forward = modeling_llama.LlamaModel.forward
+
+    def counted(self, input_ids=None, *args, inputs_embeds=None, **kwargs):
+        x = input_ids if input_ids is not None else inputs_embeds
+        key = f"{'grad' if torch.is_grad_enabled() else 'no_grad'} {x.shape[0]}x{x.shape[1]}"
+        shapes[key] = shapes.get(key, 0) + 1
+        return forward(self, input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+
+    modeling_llama.LlamaModel.forward = counted
+    return shapes
 
 
 def run_trl(spec: dict) -> None:
@@ -239,6 +342,17 @@ def run_trl(spec: dict) -> None:
         config = DPOConfig(**common, max_length=spec["max_length"], logging_steps=10, beta=spec["beta"])
         train = data["preference"].select_columns(["prompt", "chosen", "rejected"])
         trainer = DPOTrainer(f"{world}/policy", args=config, train_dataset=train, processing_class=tokenizer)
+    elif algorithm == "online_dpo":
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        R = spec["response_length"]
+        config = OnlineDPOConfig(**common, max_new_tokens=R, max_length=spec["max_length"], beta=[spec["beta"]],
+                                 temperature=spec["temperature"], generation_kwargs={"min_new_tokens": R},
+                                 logging_steps=10)  # fmt: skip
+        train = data["sft"].select_columns(["prompt"])
+        trainer = OnlineDPOTrainer(f"{world}/policy", reward_funcs=f"{world}/reward", args=config,
+                                   train_dataset=train, processing_class=tokenizer,
+                                   reward_processing_classes=tokenizer)  # fmt: skip
     elif algorithm in ("rloo", "grpo"):
         from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -246,7 +360,8 @@ def run_trl(spec: dict) -> None:
         kl = {"beta": spec["kl_coef"]} if algorithm == "rloo" else {}  # GRPO: beta 0 on both sides
         config = Config(**common, num_generations=spec["k"], max_completion_length=spec["response_length"],
                         temperature=spec["temperature"], steps_per_generation=spec["mini_batches"],
-                        num_iterations=spec["epochs"], logging_steps=spec["steps_per_update"], **kl)  # fmt: skip
+                        num_iterations=spec["epochs"], logging_steps=spec["steps_per_update"],
+                        generation_kwargs={"min_new_tokens": spec["response_length"]}, **kl)  # fmt: skip
         train = data["sft"].select_columns(["prompt"])
         trainer = Trainer(f"{world}/policy", reward_funcs=f"{world}/reward", args=config, train_dataset=train,
                           processing_class=tokenizer)  # fmt: skip
@@ -286,6 +401,12 @@ def in_loop_throughput(step_times: list[float], spec: dict) -> float:
     return (n - 1) * spec["per_update"] / (step_times[n * S - 1] - step_times[S - 1])
 
 
+def per_update(times: list[float], spec: dict) -> float:
+    """Seconds (wall or CPU) per update from the end of the first update to the end of the last."""
+    S, n = spec["steps_per_update"], spec["updates"]
+    return (times[n * S - 1] - times[S - 1]) / (n - 1)
+
+
 def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> dict:
     """One child process; returns throughput, wall time, peak RSS and the time before/after the loop."""
     spec_path, timing_path = log_path + ".spec.json", log_path + ".timing.json"
@@ -316,6 +437,9 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
     return {
         "throughput": in_loop_throughput(times, spec),
         "throughput_cpu": in_loop_throughput(timing["step_cpu_times"], spec),
+        "cpu_per_update_s": per_update(timing["step_cpu_times"], spec),
+        "wall_per_update_s": per_update(times, spec),
+        "forward_shapes": timing.get("forward_shapes"),
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "wall_s": wall,
         "peak_rss_mib": usage.ru_maxrss / 1024,
@@ -342,6 +466,8 @@ def summarize(runs: dict) -> dict:
         for figure in (
             "throughput",
             "throughput_cpu",
+            "cpu_per_update_s",
+            "wall_per_update_s",
             "wall_s",
             "cpu_s",
             "peak_rss_mib",
@@ -389,6 +515,28 @@ def table(summary: dict, units: dict) -> str:
             f"{num(rss, 'ours')} | {num(rss, 'trl')} | {fmt_ratio(rss.get('ours/trl'))} | "
             f"{num(anon, 'ours')} | {num(anon, 'trl')} | {fmt_ratio(anon.get('ours/trl'))} |"
         )
+    return "\n".join(lines)
+
+
+def memory_table(summary: dict) -> str:
+    """Per figure (peak RSS, peak private memory, in-loop CPU and wall seconds per update, whole-process wall):
+    ours / TRL / bare medians, then the ratios ours / TRL and ours / bare (medians over the pairs)."""
+    figures = [("peak_rss_mib", "peak RSS MiB", 0), ("peak_anon_mib", "peak private MiB", 0),
+               ("cpu_per_update_s", "CPU s / update", 1), ("wall_per_update_s", "wall s / update", 1),
+               ("wall_s", "process wall s", 0)]  # fmt: skip
+    head = " | ".join(f"{label}: ours / TRL / bare | ours / TRL | ours / bare" for _, label, _ in figures)
+    lines = [f"| algorithm | {head} |", "|---" * (1 + 3 * len(figures)) + "|"]
+
+    def ratio(r):
+        return "-" if r is None else f"{r['median']:.2f}"
+
+    for algorithm, e in summary.items():
+        cells = []
+        for figure, _, digits in figures:
+            f = e.get(figure, {})
+            values = " / ".join(f"{f[side]:.{digits}f}" if side in f else "-" for side in SIDES)
+            cells += [values, ratio(f.get("ours/trl")), ratio(f.get("ours/bare"))]
+        lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -452,6 +600,12 @@ def versions(python: str, names: list[str]) -> dict:
 
 
 def main(args: Args) -> dict:
+    args = resolve(args)
+    toy = args.preset == "toy"
+    if args.work_dir is None:
+        args.work_dir = "benchmark/work/speed" if toy else f"benchmark/work/speed-{args.preset}"
+    if args.output is None:
+        args.output = "benchmark/results/speed.json" if toy else f"benchmark/results/speed_{args.preset}.json"
     unknown = set(args.algorithms) - set(ALGORITHMS)
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {ALGORITHMS}.")
@@ -478,11 +632,20 @@ def main(args: Args) -> dict:
         "num_layers": args.num_layers,
         "intermediate_size": args.intermediate_size,
     }
+    if not toy:
+        wanted |= {"vocab_size": args.vocab_size, "prompt_length": args.prompt_length,
+                   "response_length": args.response_length}  # fmt: skip
+        size += [
+            f"--{k}={v}"
+            for k, v in wanted.items()
+            if k not in ("hidden_size", "num_layers", "intermediate_size")
+        ]
     if not os.path.exists(world_config) or any(
         json.load(open(world_config)).get(k) != v for k, v in wanted.items()
     ):
-        print(f"building the tiny world in {world}", flush=True)
-        subprocess.run([sys.executable, os.path.join(HERE, "tiny_world.py"), "--output_dir", world, *size],
+        builder = "tiny_world.py" if toy else "shape_world.py"
+        print(f"building the world in {world} ({builder})", flush=True)
+        subprocess.run([sys.executable, os.path.join(HERE, builder), "--output_dir", world, *size],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     sides = [s for s in SIDES if s != "bare" or not args.no_bare]
     runs = {a: {s: [] for s in sides} for a in algorithms}
@@ -580,6 +743,7 @@ def main(args: Args) -> dict:
     plot(summary, os.path.splitext(args.output)[0] + ".png",
          f"medians over interleaved runs (pairs: {counts}; whiskers: min-max over pairs), shared 2-core CPU; {trl_names}")  # fmt: skip
     print(table(summary, units))
+    print(memory_table(summary))
     print(f"TRL: {trl_names}; {len(failures)} failed runs; {result['total_seconds']:.0f} s in all")
     return result
 
