@@ -190,7 +190,6 @@ def test_nan_weights_stop_sft_with_one_line_and_keep_the_output_dir(world, tmp_p
         "sft.py: stopped: step 1: loss, grad_norm is not finite (NaN or inf); no checkpoint was written."
     )
     assert not (out / "model.safetensors").exists()
-    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("diverge.replaced-")]
-    assert (
-        moved / "keep.txt"
-    ).read_text() == "mine"  # --overwrite_output_dir moved it aside, nothing deleted
+    # --overwrite_output_dir moves the old contents aside only when the run first writes there: never here.
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("diverge.replaced-")]

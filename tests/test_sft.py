@@ -368,7 +368,7 @@ def test_bad_datasets_fail_with_one_sentence(world, tmp_path, kept_output_dir):
     columns = datasets.Features({"prompt": datasets.Value("string"), "completion": datasets.Value("string")})
     split = datasets.Dataset.from_dict({"prompt": [], "completion": []}, features=columns)
     datasets.DatasetDict({"train": split}).save_to_disk(empty, num_shards={"train": 1})
-    with pytest.raises(ValueError, match="split 'train' is empty"):
+    with pytest.raises(ValueError, match="split 'train' has no rows"):
         sft.main(bad_args(world, kept_output_dir, dataset_name=str(empty), dataset_train_split="train"))
     with pytest.raises(ValueError, match="has no split 'nope'"):
         sft.main(bad_args(world, kept_output_dir, dataset_train_split="nope"))

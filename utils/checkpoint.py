@@ -16,7 +16,8 @@ write never leaves a folder that `--resume_from_checkpoint latest` would pick; `
 against the recorded sizes (and the safetensors and zip headers) and skips, naming it, a damaged checkpoint; with
 no complete one it starts the run from scratch and says so. Resuming refuses, in one sentence naming the flags,
 a checkpoint of another run. `--overwrite_output_dir` on a fresh run moves what --output_dir held aside (to
-`{output_dir}.replaced-{time}`) when training starts, so old checkpoints are never resumed or rotated by mistake.
+`{output_dir}.replaced-{time}`) when the run first writes there (its first checkpoint or its final model), so old
+checkpoints are never resumed or rotated by mistake and a run that fails before writing leaves it as it was.
 SIGTERM and SIGINT are caught: the script finishes its current step, saves, and stops with a line naming the
 checkpoint.
 
@@ -45,6 +46,7 @@ from utils.run import TrainingInterrupted, bare
 STATE_FILE = "trainer_state.json"
 _LAST_SAVED: list[str] = []
 _RESUMED: dict = {}  # the trainer state this process resumed from (the Tracker reads metrics_lines in it)
+_START_OVER: set[str] = set()  # output dirs whose old contents go aside at the run's first write there
 
 
 def last_saved() -> str | None:
@@ -305,7 +307,7 @@ class Checkpointer:
     as many processes and by a run with the same defining flags (`run_definition`); it takes the run name of the
     checkpoint so logs continue in the same folder, and installs the SIGTERM/SIGINT handlers. A fresh run (no
     resume, or `latest` finding nothing) must have an empty --output_dir or --overwrite_output_dir, in which case
-    `resume` moves the old contents aside when training starts."""
+    the old contents are moved aside at the run's first write there (`start_over`)."""
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -315,7 +317,8 @@ class Checkpointer:
         if self.save_steps < 0 or (self.limit is not None and self.limit < 1):
             raise ValueError("--save_steps must be >= 0 and --save_total_limit >= 1.")
         self.definition = run_definition(args)
-        self.resume_path, self.start_over = None, False
+        self.resume_path = None
+        _START_OVER.discard(os.path.normpath(self.output_dir))
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
             self.resume_path, notes = find_checkpoint(resume_from, args.output_dir)
@@ -342,7 +345,8 @@ class Checkpointer:
             overwrite = bool(getattr(args, "overwrite_output_dir", False))
             utils.check_output_dir(args.output_dir, overwrite)
             held = set(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else set()
-            self.start_over = overwrite and bool(held - set(leftovers(args.output_dir)))
+            if overwrite and held - set(leftovers(args.output_dir)):
+                _START_OVER.add(os.path.normpath(args.output_dir))
         self.stop = StopSignal(accelerator)
 
     # -- resume
@@ -350,9 +354,7 @@ class Checkpointer:
                generators: dict[str, torch.Generator] | None = None) -> dict | None:  # fmt: skip
         """Load the checkpoint given by --resume_from_checkpoint into the (prepared) models and optimizers and
         restore every random state; returns the saved state (with its `step`), or None when not resuming. Called
-        when training starts: a fresh run with --overwrite_output_dir moves the old contents of --output_dir aside
-        here (not earlier: a run that fails on a bad input leaves everything as it was), and unfinished
-        tmp-checkpoint-N folders are removed."""
+        when training starts: unfinished tmp-checkpoint-N folders are removed here."""
         self._clear_the_way()
         if self.resume_path is None:
             return None
@@ -396,14 +398,10 @@ class Checkpointer:
         return state
 
     def _clear_the_way(self) -> None:
-        """On the main process: move the old contents of --output_dir aside (a fresh run with
-        --overwrite_output_dir) and remove unfinished checkpoint writes; every process waits for it."""
+        """On the main process: remove unfinished checkpoint writes; every process waits for it."""
         if self.accelerator.is_main_process:
-            if self.start_over:
-                print(move_aside(self.output_dir, "--overwrite_output_dir"), flush=True)
             for name in leftovers(self.output_dir):
                 shutil.rmtree(os.path.join(self.output_dir, name), ignore_errors=True)
-        self.start_over = False
         self.accelerator.wait_for_everyone()
 
     # -- save
@@ -425,8 +423,7 @@ class Checkpointer:
              state: dict | None = None) -> str:  # fmt: skip
         """Write checkpoint-{step} atomically (every process takes part) and keep the newest save_total_limit."""
         accelerator, optimizers, generators = self.accelerator, optimizers or {}, generators or {}
-        if self.start_over:  # a script that saves without calling resume first
-            self._clear_the_way()
+        start_over(accelerator, self.output_dir)
         final = os.path.join(self.output_dir, f"checkpoint-{step}")
         tmp = os.path.join(self.output_dir, f"tmp-checkpoint-{step}")
         if accelerator.is_main_process:
@@ -478,6 +475,17 @@ def push_to_hub(args) -> None:
     )
 
 
+def start_over(accelerator, output_dir: str) -> None:
+    """Before a fresh run with --overwrite_output_dir first writes into `output_dir`: its old contents go to
+    `{output_dir}.replaced-{time}` (said in one line). Every process must call it."""
+    if os.path.normpath(output_dir) not in _START_OVER:
+        return
+    if accelerator.is_main_process:
+        print(move_aside(output_dir, "--overwrite_output_dir"), flush=True)
+    _START_OVER.discard(os.path.normpath(output_dir))
+    accelerator.wait_for_everyone()
+
+
 def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
                submodule: str | None = None) -> None:  # fmt: skip
     """Save the trained `model` to --output_dir as a plain transformers checkpoint with its tokenizer and a model
@@ -486,6 +494,7 @@ def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, b
     import utils
 
     accelerator.wait_for_everyone()
+    start_over(accelerator, args.output_dir)
     state_dict = accelerator.get_state_dict(model)
     module = accelerator.unwrap_model(model)
     if submodule is not None:
