@@ -1,0 +1,68 @@
+"""The README's real-shape table: peak memory and in-loop CPU time per update, ours / TRL, from speed.py's result
+files, optionally beside the same figures of an earlier run (say, before a change).
+
+    python benchmark/speed_compare.py benchmark/results/speed_tldr.json benchmark/results/speed_tldr_qwen.json \
+        benchmark/results/speed_grpo.json --before benchmark/results/speed_tldr_before.json \
+        benchmark/results/speed_tldr_qwen_before.json benchmark/results/speed_grpo_before.json
+
+Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset. Ratios are those
+of the same run (ours and TRL measured side by side), so runs under different loads can be set beside each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+ALGORITHMS = ["sft", "reward", "dpo", "rloo", "ppo", "grpo", "online_dpo"]
+
+
+def ratio(summary: dict, algorithm: str, metric: str) -> str:
+    """ours / TRL of one metric, with both figures, or '-' where a side did not run."""
+    figures = summary.get(algorithm, {}).get(metric, {})
+    ours, trl = figures.get("ours"), figures.get("trl")
+    if ours is None or trl is None:
+        return "-"
+    unit = " MiB" if "mib" in metric else " s"
+    return f"{ours / trl:.2f} ({ours:.0f} / {trl:.0f}{unit})" if unit == " MiB" else f"{ours / trl:.2f}"
+
+
+def load(path: str) -> tuple[str, dict]:
+    with open(path) as f:
+        data = json.load(f)
+    args = data["args"]
+    name = f"{args['preset']}: {args['prompt_length']} + {args['response_length']}, V {args['vocab_size']}"
+    if args["preset"] == "toy":
+        name = "toy: tiny world, V ~1k"
+    return args["preset"], {"name": name, "summary": data["summary"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="speed.py result files, one per preset")
+    parser.add_argument("--before", nargs="*", default=[], help="earlier result files of the same presets")
+    args = parser.parse_args()
+    before = dict(load(p) for p in args.before)
+    header = ["shape", "algorithm", "peak RSS ours / TRL (MiB)", "CPU s per update ours / TRL"]
+    if before:
+        header += ["before: peak RSS ours / TRL", "before: CPU ours / TRL"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for path in args.results:
+        preset, result = load(path)
+        for algorithm in ALGORITHMS:
+            if algorithm not in result["summary"]:
+                continue
+            row = [result["name"], algorithm, ratio(result["summary"], algorithm, "peak_rss_mib"),
+                   ratio(result["summary"], algorithm, "cpu_per_update_s")]  # fmt: skip
+            if before:
+                earlier = before.get(preset, {}).get("summary", {})
+                row += [
+                    ratio(earlier, algorithm, "peak_rss_mib"),
+                    ratio(earlier, algorithm, "cpu_per_update_s"),
+                ]
+            print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
