@@ -387,7 +387,10 @@ def run_trl(spec: dict) -> None:
     else:
         raise ValueError(f"no TRL trainer for {algorithm}")
     trainer.train()
-    trainer.save_model(spec["output_dir"])
+    if algorithm == "ppo":  # TRL 1.12's PPOTrainer.save_model fails under transformers 5.19 (a Trainer attribute
+        trainer.policy_model.save_pretrained(spec["output_dir"])  # its __init__ never sets); it saves the policy
+    else:
+        trainer.save_model(spec["output_dir"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
