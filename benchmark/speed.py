@@ -387,8 +387,10 @@ def run_trl(spec: dict) -> None:
     else:
         raise ValueError(f"no TRL trainer for {algorithm}")
     trainer.train()
-    if algorithm == "ppo":  # TRL 1.12's PPOTrainer.save_model fails under transformers 5.19 (a Trainer attribute
-        trainer.policy_model.save_pretrained(spec["output_dir"])  # its __init__ never sets); it saves the policy
+    # TRL 1.12's PPOTrainer.save_model fails under transformers 5.19 (it reads a Trainer attribute that the PPO
+    # trainer's __init__ never sets); what it would save is the policy.
+    if algorithm == "ppo":
+        trainer.policy_model.save_pretrained(spec["output_dir"])
     else:
         trainer.save_model(spec["output_dir"])
 
