@@ -387,7 +387,12 @@ def run_trl(spec: dict) -> None:
     else:
         raise ValueError(f"no TRL trainer for {algorithm}")
     trainer.train()
-    trainer.save_model(spec["output_dir"])
+    # TRL 1.12's PPOTrainer.save_model fails under transformers 5.19 (it reads a Trainer attribute that the PPO
+    # trainer's __init__ never sets); what it would save is the policy.
+    if algorithm == "ppo":
+        trainer.policy_model.save_pretrained(spec["output_dir"])
+    else:
+        trainer.save_model(spec["output_dir"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
