@@ -25,9 +25,10 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 import utils
 import utils.checkpoint
@@ -74,12 +75,12 @@ class Args:
     """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides the weights"""
     sft_model_path: str | None = None
     """the SFT policy to start from; also the frozen reference model of the KL penalty"""
-    reward_model_path: str | None = None
+    reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence classifier (one label) giving the score; or use --reward_fn"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""
-    reward_fn: str | None = None
+    reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
     """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
     texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     dataset_name: str = "trl-lib/tldr"
