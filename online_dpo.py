@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import torch
-import tyro
 import torch.nn.functional as F
+import tyro
 
 import utils
 import utils.data

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-import tyro
 import torch.nn as nn
+import tyro
 
 import utils
 import utils.checkpoint
