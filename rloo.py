@@ -118,7 +118,7 @@ class Args:
     """optimizer steps per epoch over one update's batch"""
     num_ppo_epochs: int = 4
     """epochs over each batch of completions; > 1 relies on the clipped objective"""
-    rloo_k: int = 2
+    rloo_k: Annotated[int, tyro.conf.arg(aliases=("--num_generations",))] = 2
     """completions sampled per prompt (at least 2: the baseline is the mean of the other k-1)"""
     kl_coef: float = 0.05
     """weight of the KL penalty to the reference model"""
