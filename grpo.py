@@ -77,7 +77,7 @@ class Args:
     model_name_or_path: str | None = None
     """the policy to start from (hub id or local dir) and its tokenizer; also the reference model when beta > 0"""
     reward_funcs: Annotated[list[str] | None, tyro.conf.arg(aliases=("--reward_fn",))] = None
-    """reward functions, each path/to/file.py:function returning one float per completion: called as
+    """reward functions, each path/to/file.py:function or module.function, returning one float per completion: called as
     function(prompts, completions) on texts, or, when it takes **kwargs, as TRL calls it (keywords prompts,
     completions and every dataset column, e.g. solution; messages for conversational prompts)"""
     reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None

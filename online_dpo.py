@@ -94,7 +94,7 @@ class Args:
     reward_tokenizer_path: str | None = None
     """the reward model's own tokenizer when it differs from the policy's (None: the reward model's directory)"""
     reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
-    """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
+    """path/to/file.py:function or module.function, returning one float per completion: called as function(prompts, completions) on
     texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     judge: str | None = None
     """pairwise judge: path/to/file.py:function called as function(prompts, pairs) -> for each (a, b) pair 0 (a

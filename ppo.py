@@ -80,7 +80,7 @@ class Args:
     reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence-classification reward model (one label); or pass --reward_fn"""
     reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
-    """path/to/file.py:function taking (prompts, completions) and returning one float each, instead of a model"""
+    """path/to/file.py:function or module.function taking (prompts, completions) and returning one float each, instead of a model"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""

@@ -81,7 +81,7 @@ class Args:
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""
     reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
-    """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
+    """path/to/file.py:function or module.function, returning one float per completion: called as function(prompts, completions) on
     texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
