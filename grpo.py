@@ -28,9 +28,10 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 import utils
 import utils.checkpoint
@@ -75,11 +76,11 @@ class Args:
     # Models and data
     model_name_or_path: str | None = None
     """the policy to start from (hub id or local dir) and its tokenizer; also the reference model when beta > 0"""
-    reward_funcs: list[str] | None = None
-    """reward functions, each path/to/file.py:function returning one float per completion: called as
+    reward_funcs: Annotated[list[str] | None, tyro.conf.arg(aliases=("--reward_fn",))] = None
+    """reward functions, each path/to/file.py:function or module.function, returning one float per completion: called as
     function(prompts, completions) on texts, or, when it takes **kwargs, as TRL calls it (keywords prompts,
     completions and every dataset column, e.g. solution; messages for conversational prompts)"""
-    reward_model_path: str | None = None
+    reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """a sequence classifier (one label) as one more reward, after the --reward_funcs"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer when it differs from the policy's (None: the one in --reward_model_path)"""

@@ -32,10 +32,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 
 import utils
 import utils.data
@@ -88,12 +89,12 @@ class Args:
     # Models and data
     model_name_or_path: str | None = None
     """the policy to start from (usually the SFT model) and its tokenizer; also the frozen reference model"""
-    reward_model_path: str | None = None
+    reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence classifier (one label) scoring each completion; or use --reward_fn or --judge"""
     reward_tokenizer_path: str | None = None
     """the reward model's own tokenizer when it differs from the policy's (None: the reward model's directory)"""
-    reward_fn: str | None = None
-    """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
+    reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
+    """path/to/file.py:function or module.function, returning one float per completion: called as function(prompts, completions) on
     texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     judge: str | None = None
     """pairwise judge: path/to/file.py:function called as function(prompts, pairs) -> for each (a, b) pair 0 (a

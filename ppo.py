@@ -22,10 +22,11 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn as nn
+import tyro
 
 import utils
 import utils.checkpoint
@@ -76,10 +77,10 @@ class Args:
     """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides the weights"""
     sft_model_path: str | None = None
     """the SFT model: the initial policy and the frozen reference model (None: --model_name_or_path)"""
-    reward_model_path: str | None = None
+    reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence-classification reward model (one label); or pass --reward_fn"""
-    reward_fn: str | None = None
-    """path/to/file.py:function taking (prompts, completions) and returning one float each, instead of a model"""
+    reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
+    """path/to/file.py:function or module.function taking (prompts, completions) and returning one float each, instead of a model"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""

@@ -427,7 +427,7 @@ def main(args: Args) -> None:
     if args.disable_dropout:
         utils.disable_dropout(model)
     if args.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        utils.enable_gradient_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                   weight_decay=args.weight_decay)  # fmt: skip
     score_model, optimizer = accelerator.prepare(ScoreModel(model), optimizer)

@@ -25,9 +25,10 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 import utils
 import utils.checkpoint
@@ -74,13 +75,13 @@ class Args:
     """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides the weights"""
     sft_model_path: str | None = None
     """the SFT policy to start from; also the frozen reference model of the KL penalty"""
-    reward_model_path: str | None = None
+    reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence classifier (one label) giving the score; or use --reward_fn"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""
-    reward_fn: str | None = None
-    """path/to/file.py:function returning one float per completion: called as function(prompts, completions) on
+    reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
+    """path/to/file.py:function or module.function, returning one float per completion: called as function(prompts, completions) on
     texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
@@ -117,7 +118,7 @@ class Args:
     """optimizer steps per epoch over one update's batch"""
     num_ppo_epochs: int = 4
     """epochs over each batch of completions; > 1 relies on the clipped objective"""
-    rloo_k: int = 2
+    rloo_k: Annotated[int, tyro.conf.arg(aliases=("--num_generations",))] = 2
     """completions sampled per prompt (at least 2: the baseline is the mean of the other k-1)"""
     kl_coef: float = 0.05
     """weight of the KL penalty to the reference model"""

@@ -50,7 +50,7 @@ def test_boolean_with_a_bad_value_is_refused():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--no_remove_unused_columns"], "unknown flag --no_remove_unused_columns; see --help"),
+        (["--zzz"], "unknown flag --zzz; see --help"),
         (["--learning_rat", "0.1"], "unknown flag --learning_rat; did you mean --learning_rate?"),
         (["--bf16", "--gradient-checkpointin"], "did you mean --gradient_checkpointing?"),
     ],

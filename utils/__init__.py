@@ -216,14 +216,48 @@ def compute_scores(
     return call_reward_fn(reward_fn, prompts, completions, columns).to(query_responses.device)
 
 
+TRL_BUILTIN_REWARDS = (
+    "accuracy_reward",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+    "get_soft_overlong_punishment",
+)
+
+
 def load_reward_fn(spec: str) -> Callable:
-    """Load `path/to/file.py:function`, a function (prompts: list[str], completions: list[str]) -> floats."""
+    """Load a reward function (prompts: list[str], completions: list[str]) -> floats, or one TRL-style with
+    **kwargs (see call_reward_fn), from `path/to/file.py:function` or, as TRL takes it, a dotted import path
+    `module.function` (imported from the working directory)."""
+    import sys
+
     path, sep, name = spec.rpartition(":")
+    if not sep and spec in TRL_BUILTIN_REWARDS:
+        raise ValueError(
+            f"--reward_fn {spec} is one of TRL's built-in rewards, which are not shipped here; pass your own "
+            "as path/to/file.py:function or module.function."
+        )
+    if not sep and "." in spec.strip(".") and "/" not in spec and not spec.endswith(".py"):
+        module_name, _, name = spec.rpartition(".")
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(
+                f"--reward_fn {spec}: module {module_name!r} cannot be imported ({error})."
+            ) from None
+        finally:
+            sys.path.pop(0)
+        if not callable(getattr(module, name, None)):
+            raise ValueError(
+                f"--reward_fn {spec}: module {module_name!r} defines no function named {name!r}."
+            )
+        return getattr(module, name)
     if not sep or not path or not name:
-        raise ValueError(f"--reward_fn must look like path/to/file.py:function, got {spec!r}.")
+        raise ValueError(
+            f"--reward_fn must look like path/to/file.py:function or module.function, got {spec!r}."
+        )
     if not os.path.isfile(path):
         raise ValueError(f"--reward_fn file {path} does not exist.")
-    import sys
 
     module_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(module_name, path)

@@ -82,24 +82,38 @@ def is_conversation(value) -> bool:
     )
 
 
-def detect_format(dataset, where: str, text_field: str = "text") -> tuple[str, bool]:
+# The columns each type reads, in the order a dataset's type is recognised (the first whose columns are all there).
+TYPE_COLUMNS = {
+    "preference": ("prompt", "chosen", "rejected"),
+    "implicit_preference": ("chosen", "rejected"),
+    "prompt_completion": ("prompt", "completion"),
+    "prompt_only": ("prompt",),
+    "language_modeling": ("messages",),  # or --dataset_text_field
+}
+
+
+def detect_format(
+    dataset, where: str, text_field: str = "text", accepted: Sequence[str] | None = None
+) -> tuple[str, bool]:
     """(type, conversational) of a dataset from its columns and first row; type is one of "language_modeling",
-    "prompt_only", "prompt_completion", "preference", "implicit_preference". A ValueError names the
-    columns found when they match no type, or when the values are neither strings nor conversations."""
+    "prompt_only", "prompt_completion", "preference", "implicit_preference". With `accepted` (the types the
+    caller reads), the type is the first of those the columns allow, and only its columns are looked at: a
+    column the caller ignores never decides anything (e.g. the conversational `chosen` beside a string `prompt`
+    that an RL script samples from). A ValueError names the columns found when they match no type, or when the
+    columns read are neither all strings nor all conversations."""
     columns = set(dataset.column_names)
     if len(dataset) == 0:
         raise ValueError(f"{where} is empty.")
-    if {"chosen", "rejected"} <= columns:
-        kind, keys = ("preference", ["prompt", "chosen", "rejected"]) if "prompt" in columns else (
-            "implicit_preference", ["chosen", "rejected"])  # fmt: skip
-    elif "prompt" in columns:
-        kind, keys = ("prompt_completion", ["prompt", "completion"]) if "completion" in columns else (
-            "prompt_only", ["prompt"])  # fmt: skip
-    elif "messages" in columns:
-        kind, keys = "language_modeling", ["messages"]
-    elif text_field in columns:
-        kind, keys = "language_modeling", [text_field]
-    else:
+    kind, keys = None, []
+    for name, needed in TYPE_COLUMNS.items():
+        if name == "language_modeling":
+            needed = ("messages",) if "messages" in columns else (text_field,)
+        if (accepted is None or name in accepted) and set(needed) <= columns:
+            kind, keys = name, list(needed)
+            break
+    if kind is None and accepted is not None:
+        check_type(dataset, "", accepted, where, text_field)
+    if kind is None:
         raise ValueError(
             f"{where} matches none of TRL's dataset types {FORMATS}; found columns {sorted(columns)}."
         )
@@ -318,8 +332,8 @@ def columns_of_rows(columns: dict[str, list], examples, rows) -> dict[str, list]
     return {name: [values[examples[r % P]] for r in rows.tolist()] for name, values in columns.items()}
 
 
-def _prepare(dataset, tokenizer, where: str, text_field: str = "text"):
-    kind, conversational = detect_format(dataset, where, text_field)
+def _prepare(dataset, tokenizer, where: str, accepted: Sequence[str], text_field: str = "text"):
+    kind, conversational = detect_format(dataset, where, text_field, accepted)
     if conversational:
         require_chat_template(tokenizer, where)
     return kind, conversational
@@ -328,9 +342,7 @@ def _prepare(dataset, tokenizer, where: str, text_field: str = "text"):
 def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
     """The prompts of a dataset with a `prompt` column (prompt-only, prompt-completion or preference), standard
     or rendered with the generation prompt: what the RL scripts sample completions for."""
-    kind, conversational = _prepare(dataset, tokenizer, where)
-    if "prompt" not in dataset.column_names:
-        raise ValueError(f"{where} has no prompt column; found columns {sorted(dataset.column_names)}.")
+    kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_only"])  # the prompt alone is read
     prompts = column(dataset, "prompt")
     if not conversational:
         return prompts
@@ -339,8 +351,7 @@ def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
 
 def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
     """(prompts, completions) of a prompt-completion dataset, standard or conversational (rendered)."""
-    kind, conversational = _prepare(dataset, tokenizer, where)
-    check_type(dataset, kind, ["prompt_completion"], where)
+    kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_completion"])
     if not conversational:
         return column(dataset, "prompt"), column(dataset, "completion")
     pairs = [
@@ -353,8 +364,7 @@ def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], 
 def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
     """{prompt, chosen, rejected} texts of a preference dataset, explicit or implicit prompt, standard or
     conversational. Each chosen/rejected text is the continuation of its prompt text."""
-    kind, conversational = _prepare(dataset, tokenizer, where)
-    check_type(dataset, kind, ["preference", "implicit_preference"], where)
+    kind, conversational = _prepare(dataset, tokenizer, where, ["preference", "implicit_preference"])
     out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
     prompts = column(dataset, "prompt") if kind == "preference" else [None] * len(dataset)
     for i, (prompt, chosen, rejected) in enumerate(
@@ -391,8 +401,9 @@ def sft_examples(
     The loss masks are all ones, except with `assistant_only_loss` (conversations only): ones on the assistant
     turns (content and end of turn) only. The scripts' truncation rules come after.
     """
-    kind, conversational = _prepare(dataset, tokenizer, where, text_field)
-    check_type(dataset, kind, ["prompt_completion", "language_modeling"], where, text_field)
+    kind, conversational = _prepare(
+        dataset, tokenizer, where, ["prompt_completion", "language_modeling"], text_field
+    )
     if assistant_only_loss and not conversational:
         raise ValueError(f"{where} is standard (text) data; --assistant_only_loss needs conversational data.")
     eos, rows = tokenizer.eos_token_id, []
@@ -450,7 +461,7 @@ def sample_prompts(dataset, tokenizer, where: str, count: int, text_field: str =
     prompt-completion data; for conversations, everything before the last assistant turn and that turn. Data
     with no prompt (plain text) gives none."""
     head = dataset.select(range(min(count, len(dataset))))
-    kind, conversational = detect_format(head, where, text_field)
+    kind, conversational = detect_format(head, where, text_field, ["prompt_completion", "language_modeling"])
     if kind == "prompt_completion":
         return prompt_completion_texts(head, tokenizer, where)
     if kind != "language_modeling" or not conversational:

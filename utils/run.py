@@ -83,18 +83,104 @@ def check_flags(args_class, argv: list[str]) -> None:
 
     known = known_flags(args_class)
     for token in argv:
-        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+        name = _flag_name(token)
+        if name and name not in known and name in TRL_REFUSED:
+            raise ValueError(f"--{name} (a TRL flag) means nothing here: {TRL_REFUSED[name]}.")
         if name and name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"did you mean --{close[0]}?" if close else "see --help for the flags it takes."
             raise ValueError(f"unknown flag --{name}; {hint}")
 
 
+# TRL flags that mean nothing here. A harmless one is dropped, with its values, and a one-line note says why;
+# any other is refused in one sentence (check_flags). A flag the script takes itself is never looked up here.
+TRL_HARMLESS = {
+    "remove_unused_columns": "a script reads only the columns of its data format and ignores the others anyway",
+    "report_to": "metrics always go to TensorBoard (--logging_dir), and to W&B with --track",
+    "bf16_full_eval": "evaluation runs in the training precision",
+    "logging_first_step": "metrics are logged on the script's own schedule",
+    "logging_strategy": "metrics are logged on the script's own schedule",
+    "log_level": "the scripts print one line per event and a progress bar",
+    "save_strategy": "checkpoints are written every --save_steps steps (0: only on SIGTERM), and at the end",
+    "save_only_model": "a checkpoint holds what an exact resume needs",
+    "dataset_num_proc": "data is prepared in one process",
+    "dataloader_num_workers": "batches are built in the training process",
+    "dataset_streaming": "the dataset is read whole",
+    "attn_implementation": "the model's default attention is used",
+    "use_liger_kernel": "the plain PyTorch forward is used",
+    "gradient_checkpointing_kwargs": "--gradient_checkpointing always uses non-reentrant checkpointing",
+    "ddp_find_unused_parameters": "every parameter gets a gradient",
+    "trust_remote_code": "models load with the classes of the installed transformers",
+    "model_revision": "hub models load at their main revision",
+}
+TRL_REFUSED = {
+    "use_peft": "LoRA is only in sft.py and dpo.py",
+    "lora_r": "LoRA is only in sft.py and dpo.py",
+    "lora_alpha": "LoRA is only in sft.py and dpo.py",
+    "lora_dropout": "LoRA is only in sft.py and dpo.py",
+    "lora_task_type": "LoRA is only in sft.py and dpo.py",
+    "lora_target_modules": "LoRA is only in sft.py and dpo.py",
+    "load_in_4bit": "quantized training is not supported",
+    "load_in_8bit": "quantized training is not supported",
+    "fp16": "fp16 is not supported; use --bf16",
+    "deepspeed": "give DeepSpeed to accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml (or zero3)",
+    "optim": "the optimizer is AdamW, written in the script",
+    "torch_dtype": "weights are trained in float32 (DeepSpeed's bf16 or --bf16 autocast give bf16 compute)",
+    "dtype": "weights are trained in float32 (DeepSpeed's bf16 or --bf16 autocast give bf16 compute)",
+}
+
+
+def _flag_name(token: str) -> str:
+    return token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+
+
+def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = None) -> list[str]:
+    """argv without TRL's harmless flags (each with the values after it, or `--flag=value`), a note for each
+    in `notes`; `--warmup_steps` below 1 (a fraction of training, as transformers reads it) becomes
+    --warmup_ratio where the script has it. Flags the script takes are left alone."""
+    known, out, i = known_flags(args_class), [], 0
+    while i < len(argv):
+        token, name = argv[i], _flag_name(argv[i])
+        base = name[3:] if name.startswith("no_") and name[3:] in TRL_HARMLESS else name
+        end = i + 1
+        while end < len(argv) and not argv[end].startswith("--"):
+            end += 1  # the flag's values
+        if name and name not in known and base in TRL_HARMLESS:
+            if notes is not None:
+                notes.append(f"--{name} (a TRL flag) is ignored: {TRL_HARMLESS[base]}.")
+            i = end
+            continue
+        if name == "warmup_steps" and name not in known and "warmup_ratio" in known:
+            value = token.partition("=")[2] if "=" in token else " ".join(argv[i + 1 : end])
+            try:
+                fraction = float(value)
+            except ValueError:
+                fraction = -1.0
+            if not 0 <= fraction < 1:
+                raise ValueError(
+                    f"--warmup_steps {value}: give the warmup as a fraction of training, --warmup_ratio "
+                    "(or --warmup_steps below 1, which is read as that fraction)."
+                )
+            out += ["--warmup_ratio", repr(fraction)]
+            i = end
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def parse_args(args_class, argv: list[str] | None = None):
-    """The dataclass filled from the command line (tyro, underscores), booleans also written with a value."""
+    """The dataclass filled from the command line (tyro, underscores), booleans also written with a value; TRL's
+    flags that mean nothing here dropped with a note (harmless) or refused (see TRL_HARMLESS, TRL_REFUSED)."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
+    notes: list[str] = []
+    argv = translate_trl_flags(args_class, argv, notes)
+    if int(os.environ.get("RANK", "0")) == 0:
+        script = os.path.basename(sys.argv[0]) or "script"
+        for note in notes:
+            print(f"{script}: note: {note}", file=sys.stderr)
     check_flags(args_class, argv)
     return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
 
