@@ -20,10 +20,11 @@ negligible there. This world has the shapes of real runs, and nothing to learn: 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
+
+from tiny_world import save_models_and_data
 
 SPECIAL = ["<|endoftext|>", "<|pad|>", "<|unk|>"]
 
@@ -83,9 +84,7 @@ def make_splits(args: Args) -> dict[str, list[dict]]:
 
 
 def build(args: Args) -> str:
-    import datasets
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaConfig
 
     tokenizer = make_tokenizer(args.vocab_size)
     splits = make_splits(args)
@@ -107,24 +106,7 @@ def build(args: Args) -> str:
         num_labels=1,
     )
     os.makedirs(args.output_dir, exist_ok=True)
-    torch.manual_seed(args.seed)
-    policy = LlamaForCausalLM(config)
-    policy.generation_config.pad_token_id = tokenizer.pad_token_id
-    policy.save_pretrained(os.path.join(args.output_dir, "policy"))
-    tokenizer.save_pretrained(os.path.join(args.output_dir, "policy"))
-    torch.manual_seed(args.seed + 1)
-    reward = LlamaForSequenceClassification(config)
-    reward.save_pretrained(os.path.join(args.output_dir, "reward"))
-    tokenizer.save_pretrained(os.path.join(args.output_dir, "reward"))
-    dataset_dir = os.path.join(args.output_dir, "dataset")
-    datasets.DatasetDict(
-        {name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}
-    ).save_to_disk(dataset_dir)
-    for name, rows in splits.items():
-        with open(os.path.join(dataset_dir, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    with open(os.path.join(args.output_dir, "world.json"), "w") as f:
-        json.dump({k: v for k, v in vars(args).items() if k != "output_dir"}, f, indent=2)
+    save_models_and_data(args, config, tokenizer, splits)
     return args.output_dir
 
 

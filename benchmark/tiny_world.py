@@ -302,9 +302,6 @@ def model_config(args: Args, tokenizer):
 
 def build(args: Args) -> str:
     """Write the whole world into `args.output_dir` and return that path."""
-    import datasets
-    import torch
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     splits = make_splits(args)
     corpus = [
@@ -317,7 +314,18 @@ def build(args: Args) -> str:
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
 
-    config = model_config(args, tokenizer)
+    save_models_and_data(args, model_config(args, tokenizer), tokenizer, splits)
+    build_chat(args, splits, tokenizer)
+    return args.output_dir
+
+
+def save_models_and_data(args, config, tokenizer, splits: dict[str, list[dict]]) -> None:
+    """Write policy/ (a random-init causal LM of `config`), reward/ (the same body as a one-label classifier),
+    dataset/ (the splits with save_to_disk and as jsonl) and world.json (`args`) under args.output_dir."""
+    import datasets
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
     torch.manual_seed(args.seed)
     policy = LlamaForCausalLM(config)
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -327,7 +335,6 @@ def build(args: Args) -> str:
     reward = LlamaForSequenceClassification(config)
     reward.save_pretrained(os.path.join(args.output_dir, "reward"))
     tokenizer.save_pretrained(os.path.join(args.output_dir, "reward"))
-
     dataset_dir = os.path.join(args.output_dir, "dataset")
     datasets.DatasetDict(
         {name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}
@@ -337,8 +344,6 @@ def build(args: Args) -> str:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     with open(os.path.join(args.output_dir, "world.json"), "w") as f:
         json.dump({k: v for k, v in vars(args).items() if k != "output_dir"}, f, indent=2)
-    build_chat(args, splits, tokenizer)
-    return args.output_dir
 
 
 def build_chat(args: Args, splits: dict[str, list[dict]], tokenizer) -> None:
