@@ -5,7 +5,9 @@ files, optionally beside the same figures of an earlier run (say, before a chang
         benchmark/results/speed_grpo.json --before benchmark/results/speed_tldr_before.json \
         benchmark/results/speed_tldr_qwen_before.json benchmark/results/speed_grpo_before.json
 
-Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset. Ratios are those
+Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset. A later file
+of the same preset (a rerun of some algorithms, `--algorithms ppo`) replaces the rows it has figures for. A later file
+of the same preset (a rerun of some algorithms, `--algorithms ppo`) replaces the rows it has figures for. Ratios are those
 of the same run (ours and TRL measured side by side), so runs under different loads can be set beside each other.
 """
 
@@ -48,6 +50,7 @@ def main() -> None:
         header += ["before: peak RSS ours / TRL", "before: CPU ours / TRL"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    rows = {}
     for path in args.results:
         preset, result = load(path)
         for algorithm in ALGORITHMS:
@@ -61,7 +64,10 @@ def main() -> None:
                     ratio(earlier, algorithm, "peak_rss_mib"),
                     ratio(earlier, algorithm, "cpu_per_update_s"),
                 ]
-            print("| " + " | ".join(row) + " |")
+            if (preset, algorithm) not in rows or row[2] != "-":
+                rows[(preset, algorithm)] = row
+    for row in rows.values():
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

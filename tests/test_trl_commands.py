@@ -210,6 +210,13 @@ def test_trl_command_runs(name, stand_ins, tmp_path, monkeypatch, capsys):
     assert tokens[0] == "python"
     script = tokens[1]
     args = [stand_ins.get(t, t) for t in tokens[2:] if t != "--push_to_hub"]
+    # TRL's minimal PPO/RLOO commands pass the base causal LM as reward model, which TRL silently gives a random
+    # score head; ours refuse that in one sentence (a meaningless reward), so the stand-in is a one-label model.
+    policy, reward = stand_ins["EleutherAI/pythia-1b-deduped"], stand_ins["trl-lib/pythia-1b-deduped-tldr-rm"]
+    args = [
+        reward if a == policy and i and args[i - 1].startswith("--reward_model") else a
+        for i, a in enumerate(args)
+    ]
     args += SIZES[script].split()
     if script in RL_SCRIPTS:
         args.append("--gradient_checkpointing")
