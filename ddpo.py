@@ -826,7 +826,7 @@ def main(args: Args) -> None:
         writer.close()
         if args.track:
             wandb.finish()
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
 
 
 if __name__ == "__main__":

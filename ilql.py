@@ -671,8 +671,7 @@ def main(args: Args) -> dict:
         if args.push_to_hub:
             utils.checkpoint.push_to_hub(args)
     tracker.close()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
     return final
 
 

@@ -627,7 +627,7 @@ def main(args: Args) -> None:
         accelerator, policy, tokenizer, args, algorithm, args.model_name_or_path, metrics
     )
     tracker.close()
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
 
 
 if __name__ == "__main__":

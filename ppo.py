@@ -807,8 +807,7 @@ def main(args: Args) -> dict:
     # 11. Save the policy alone (no value head) as a plain causal LM, with its tokenizer and a model card.
     utils.checkpoint.save_model(accelerator, model, tokenizer, args, "PPO", policy_path, metrics, "policy")
     tracker.close()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
     return metrics
 
 

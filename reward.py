@@ -551,7 +551,7 @@ def main(args: Args) -> None:
             utils.checkpoint.push_to_hub(args)
         print(f"reward model written to {args.output_dir}")
     tracker.close()
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
 
 
 if __name__ == "__main__":

@@ -606,7 +606,7 @@ def main(args: Args) -> dict:
     # 10. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
     utils.checkpoint.save_model(accelerator, policy, tokenizer, args, "RLOO", policy_path, metrics)
     tracker.close()
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
     return metrics
 
 

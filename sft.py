@@ -458,7 +458,7 @@ def main(args: Args) -> dict:
             utils.checkpoint.push_to_hub(args)
     tracker.close()
     accelerator.print(f"saved to {args.output_dir}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-    accelerator.end_training()
+    utils.run.end_run(accelerator)
     return metrics
 
 

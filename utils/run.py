@@ -292,6 +292,18 @@ def make_accelerator(
     return accelerator
 
 
+def end_run(accelerator) -> None:
+    """Tear the run down together: every process waits for the others (the main one may still be writing the
+    model card) before the process group is destroyed. A process that destroys its group and exits while a
+    peer still holds the connection can abort at exit ("terminate called without an active exception", seen
+    under DeepSpeed on CPU), and the launcher then fails a run that finished."""
+    import gc
+
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    gc.collect()  # engines and gloo work objects go now, while the interpreter is whole, not at its shutdown
+
+
 def zero_stage(accelerator) -> int:
     """The DeepSpeed ZeRO stage of the run; 0 without DeepSpeed."""
     plugin = accelerator.state.deepspeed_plugin
