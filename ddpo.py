@@ -736,7 +736,9 @@ def main(args: Args) -> None:
 
         # 2. advantages, from the rewards of all processes
         all_rewards = accelerator.gather(torch.tensor(local_rewards, device=device)).cpu().numpy()
-        utils.run.check_finite(global_step, rewards=torch.as_tensor(all_rewards))  # the same on every process
+        utils.tracking.check_finite(
+            global_step, rewards=torch.as_tensor(all_rewards)
+        )  # the same on every process
         all_prompts = gather_object(local_prompts)
         if tracker is not None:
             all_advantages = tracker.update(all_prompts, all_rewards)
@@ -784,7 +786,7 @@ def main(args: Args) -> None:
                     if accelerator.sync_gradients:  # an optimizer step was taken: log its averages
                         means = accelerator.reduce(torch.stack(step_stats).mean(0), reduction="mean").tolist()
                         step_stats, global_step = [], global_step + 1
-                        utils.run.check_finite(global_step, accelerator, loss=means[0])
+                        utils.tracking.check_finite(global_step, accelerator, loss=means[0])
                         final_metrics.update(zip(train_names, means + [epoch, inner_epoch]))
                         if accelerator.is_main_process:
                             for name in train_names:

@@ -471,7 +471,7 @@ def main(args: Args) -> dict:
     train_metrics = resumed.get(
         "train_metrics", {}
     )  # the last logged, for the model card of a run resumed at its end
-    tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=resumed["step"])
 
     def evaluate(step: int) -> dict:
         """Metrics over the whole test split (gathered from every process) and a table of greedy samples."""
@@ -520,7 +520,7 @@ def main(args: Args) -> dict:
         global_step += 1
         progress.update(1)
         grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
-        utils.run.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
+        utils.tracking.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
         if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
             means = accelerator.reduce(sums / micro_batches, reduction="mean").tolist()
             tokens_per_second = accelerator.reduce(tokens, reduction="sum").item() / (time.time() - log_start)

@@ -421,7 +421,7 @@ def main(args: Args) -> None:
     step, generation = (state["step"], state["generation"]) if state else (0, 0)  # generations made so far
     for _ in range(generation):
         next(batches)
-    tracker = utils.run.Tracker(args, accelerator, start_step=step)
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=step)
 
     chunk, R, T = args.local_rollout_forward_batch_size, args.max_completion_length, args.temperature
 
@@ -546,7 +546,7 @@ def main(args: Args) -> None:
             step += 1
             progress.update(1)
             grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
-            utils.run.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+            utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
 
             # 5. Metrics, averaged over processes, under TRL's names.
             if step % args.logging_steps == 0 or step == args.total_steps:

@@ -557,7 +557,7 @@ def main(args: Args) -> dict:
     step = state["step"] if state else 0
     for _ in range(step):  # the schedule is a function of the step
         scheduler.step()
-    tracker = utils.run.Tracker(args, accelerator, start_step=step)
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=step)
     # The data order: a fresh seeded shuffle every epoch, the same on every process, which takes its slice; a
     # resumed run skips the micro-batches already trained on.
     batches = utils.prompt_batches(
@@ -621,7 +621,7 @@ def main(args: Args) -> dict:
         step += 1
         progress.update(1)
         grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
-        utils.run.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+        utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
         if step % args.steps_for_target_q_sync == 0:  # the same update on every process, as the Q heads agree
             sync_target_q_heads(model, accelerator, args.alpha)
 

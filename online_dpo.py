@@ -43,8 +43,6 @@ import utils.data
 import utils.scoring
 from utils.checkpoint import Checkpointer
 from utils.run import (
-    Tracker,
-    check_finite,
     clip_grad_norm,
     gathered_for_generation,
     grad_norm_after_step,
@@ -52,6 +50,7 @@ from utils.run import (
     prepare_frozen,
     run_cli,
 )
+from utils.tracking import Tracker, check_finite
 
 
 @dataclass

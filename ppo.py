@@ -656,7 +656,7 @@ def main(args: Args) -> dict:
     batches = utils.prompt_batches(len(train_rows), args.local_batch_size, args.world_size, rank, args.seed)
     for _ in range(state.get("prompt_batches", 0)):  # the data order continues where the checkpoint left it
         next(batches)
-    tracker = utils.run.Tracker(args, accelerator, start_step=start)
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=start)
     sample_freq = max(1, args.num_total_batches // args.num_sample_generations) if test_rows else 0
     episode, start_time, metrics = start * args.batch_size, time.time(), {}
 
@@ -690,7 +690,7 @@ def main(args: Args) -> dict:
                 rank * args.local_batch_size, recompute_old_logprobs, engine,
             )  # fmt: skip
         mask, scores = data["mask"], data["scores"]
-        utils.run.check_finite(update, accelerator, scores=scores)
+        utils.tracking.check_finite(update, accelerator, scores=scores)
         # 6. Rewards: optional score shaping, per-token KL penalty, the score on the last response token.
         if moments is not None:
             moments.update(accelerator.gather(scores))
@@ -749,7 +749,7 @@ def main(args: Args) -> dict:
             )
             measured_norms = [n for n in grad_norms if n is not None]
             grad_norm = sum(measured_norms) / len(measured_norms) if measured_norms else None
-            utils.run.check_finite(
+            utils.tracking.check_finite(
                 update, accelerator, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm
             )
             ratio_sums = accelerator.reduce(ratio_sums, reduction="sum")

@@ -442,7 +442,7 @@ def main(args: Args) -> None:
     resumed = checkpointer.resume({"model": score_model}, {"model": optimizer}) or {"step": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
-    tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=resumed["step"])
     log = tracker.log
 
     def evaluate(scorer: nn.Module, step: int) -> dict:
@@ -482,7 +482,7 @@ def main(args: Args) -> None:
         global_step += 1
         progress.update()
         grad_norm = utils.run.grad_norm_after_step(score_model, grad_norm)
-        utils.run.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
+        utils.tracking.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
         if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
             loss_sum, correct, margin_sum, count = accelerator.reduce(sums, reduction="sum").tolist()
             sums.zero_()

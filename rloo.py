@@ -446,7 +446,7 @@ def main(args: Args) -> dict:
     )
     for _ in range(state.get("prompt_batches", 0)):  # the data order continues where the checkpoint left it
         next(batches)
-    tracker = utils.run.Tracker(args, accelerator, start_step=start)
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=start)
     chunk, T = args.local_rollout_forward_batch_size, args.temperature
     B, P = args.local_batch_size, args.local_dataloader_batch_size
 
@@ -482,7 +482,7 @@ def main(args: Args) -> dict:
             )  # fmt: skip
         responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
         old_logprobs, scores = data["logprobs"], data["scores"]
-        utils.run.check_finite(update, accelerator, scores=scores)
+        utils.tracking.check_finite(update, accelerator, scores=scores)
         rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
         has_eos = ((responses == eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
@@ -549,7 +549,7 @@ def main(args: Args) -> dict:
             episode = update * args.batch_size
             measured_norms = [n for n in grad_norms if n is not None]
             grad_norm = sum(measured_norms) / len(measured_norms) if measured_norms else None
-            utils.run.check_finite(update, accelerator, loss=stats[0], grad_norm=grad_norm)
+            utils.tracking.check_finite(update, accelerator, loss=stats[0], grad_norm=grad_norm)
             metrics = {
                 "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
                 "objective/kl": gathered_mean(kl.sum(1)),

@@ -358,7 +358,7 @@ def main(args: Args) -> dict:
     resumed = checkpointer.resume({"model": model}, {"model": optimizer}) or {"step": 0, "num_tokens": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
-    tracker = utils.run.Tracker(args, accelerator, start_step=resumed["step"])
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=resumed["step"])
 
     def evaluate(step: int) -> float:
         model.eval()
@@ -418,7 +418,7 @@ def main(args: Args) -> dict:
                 optimizer.zero_grad()
             window[:2] += torch.tensor([nll.item(), batch["attention_mask"].sum().item()])
         grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
-        utils.run.check_finite(step, accelerator, loss=nll, grad_norm=grad_norm)
+        utils.tracking.check_finite(step, accelerator, loss=nll, grad_norm=grad_norm)
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
         scheduler.step()

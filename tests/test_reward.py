@@ -355,7 +355,7 @@ def test_bad_input_fails_with_one_clear_sentence(world, tmp_path):
 def test_empty_split_is_refused(world, tmp_path, monkeypatch):
     # an empty split cannot be saved to disk by `datasets`, so it is handed over in memory
     empty = datasets.Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []})
-    monkeypatch.setattr(utils, "load_split", lambda *args, **kwargs: empty)
+    monkeypatch.setattr(utils.data, "load_split", lambda *args, **kwargs: empty)
     with pytest.raises(ValueError, match="split 'preference' is empty"):
         reward.main(bad_args(world, tmp_path))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import run_script
-from utils import checkpoint, run
+from utils import checkpoint, run, tracking
 
 
 @dataclass
@@ -197,19 +197,19 @@ def test_sigterm_saves_and_names_the_checkpoint(tmp_path):
 
 
 def test_check_finite_names_step_and_quantity():
-    run.check_finite(3, loss=torch.tensor(1.0), scores=torch.ones(4))
+    tracking.check_finite(3, loss=torch.tensor(1.0), scores=torch.ones(4))
     with pytest.raises(run.NonFiniteError, match=r"step 7: scores is not finite"):
-        run.check_finite(7, loss=1.0, scores=torch.tensor([1.0, float("nan")]))
+        tracking.check_finite(7, loss=1.0, scores=torch.tensor([1.0, float("nan")]))
 
 
 def test_tracker_resume_drops_later_steps(tmp_path):
     args = SimpleNamespace(logging_dir=str(tmp_path), run_name="r", track=False)
     accel = Accel()
-    tracker = run.Tracker(args, accel)
+    tracker = tracking.Tracker(args, accel)
     for step in range(1, 6):
         tracker.log({"loss": float(step)}, step)
     tracker.close()
-    tracker = run.Tracker(args, accel, start_step=3)
+    tracker = tracking.Tracker(args, accel, start_step=3)
     tracker.log({"loss": 40.0}, 4)
     tracker.close()
     with open(tmp_path / "r" / "metrics.jsonl") as f:

@@ -340,10 +340,8 @@ class Checkpointer:
                 )
             args.run_name = saved["run_name"]
         else:
-            import utils
-
             overwrite = bool(getattr(args, "overwrite_output_dir", False))
-            utils.check_output_dir(args.output_dir, overwrite)
+            check_output_dir(args.output_dir, overwrite)
             held = set(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else set()
             if overwrite and held - set(leftovers(args.output_dir)):
                 _START_OVER.add(os.path.normpath(args.output_dir))
@@ -462,6 +460,50 @@ class Checkpointer:
 # ----------------------------------------------------------------------------------------------------------------
 # The final model
 # ----------------------------------------------------------------------------------------------------------------
+def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
+    """Refuse, before any work, to write into a non-empty `output_dir` unless `overwrite` is set. Unfinished
+    checkpoint writes (tmp-checkpoint-N, left by a kill) do not count: they are removed when the run starts."""
+    import re
+
+    held = [n for n in os.listdir(output_dir) if not re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n)] if (
+        output_dir and os.path.isdir(output_dir)) else []  # fmt: skip
+    if held and not overwrite:
+        raise ValueError(
+            f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
+        )
+
+
+def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
+                     title: str | None = None) -> None:  # fmt: skip
+    """Write `output_dir/README.md`: the algorithm, base model, dataset, the full command and final metrics. The
+    title is `title`, by default the folder's name (pass the final name when writing into a temporary folder)."""
+    import shlex
+    import sys
+
+    lines = [
+        f"# {title or os.path.basename(os.path.abspath(output_dir))}",
+        "",
+        f"- algorithm: {algorithm}",
+        f"- base model: `{base_model}`",
+        f"- dataset: `{dataset}`",
+        "",
+        "## Command",
+        "",
+        "```",
+        shlex.join(["python", *sys.argv]),
+        "```",
+        "",
+        "## Final metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *[f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()],
+        "",
+    ]
+    with open(os.path.join(output_dir, "README.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
 def push_to_hub(args) -> None:
     """Upload --output_dir (without its resumable checkpoints) to the hub repository --hub_model_id, by default
     named like the output folder; the repository is created if needed."""
@@ -491,8 +533,6 @@ def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, b
     """Save the trained `model` to --output_dir as a plain transformers checkpoint with its tokenizer and a model
     card, then push it with --push_to_hub. Every process must call it: under ZeRO-3 the state dict gathers the
     shards. `submodule`: save only that attribute of the model (the policy of a policy-and-value model)."""
-    import utils
-
     accelerator.wait_for_everyone()
     start_over(accelerator, args.output_dir)
     state_dict = accelerator.get_state_dict(model)
@@ -508,6 +548,6 @@ def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, b
     )  # fmt: skip
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
-        utils.write_model_card(args.output_dir, algorithm, base_model, args.dataset_name, metrics)
+        write_model_card(args.output_dir, algorithm, base_model, args.dataset_name, metrics)
         if args.push_to_hub:
             push_to_hub(args)

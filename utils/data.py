@@ -27,7 +27,9 @@ setting, e.g. Llama's), and never twice (a chat template that writes the BOS tex
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import torch
 
 FORMATS = (
     "language modeling (text or messages), prompt-only (prompt), prompt-completion (prompt, completion), "
@@ -38,36 +40,108 @@ FORMATS = (
 # ----------------------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------------------
-def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
-    """`utils.load_split` with a dataset configuration (--dataset_config): the hub's configuration name, or for a
-    local dataset the sub-folder of that name (a folder per configuration, like the hub's)."""
-    import utils
+def is_local(name_or_path: str) -> bool:
+    """Whether `name_or_path` names a local path (which must then exist) rather than a hub id."""
+    return (
+        os.path.exists(name_or_path)
+        or name_or_path.startswith((".", "/", "~"))
+        or name_or_path.count("/") > 1
+    )
 
-    if config is None:
-        return utils.load_split(name_or_path, split, flag)
-    if os.path.isdir(name_or_path):
-        path = os.path.join(name_or_path, config)
-        if not os.path.isdir(path):
-            found = sorted(
-                d for d in os.listdir(name_or_path) if os.path.isdir(os.path.join(name_or_path, d))
+
+def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
+    """A `datasets.Dataset` from a hub id, a `save_to_disk` directory, a directory of `{split}.jsonl/json/parquet`
+    files, or one json/jsonl/parquet/csv file (whose only split, named 'train' or like the file, is its content;
+    any other split name is refused, so a test split never silently holds the training rows). A dataset
+    configuration (--dataset_config) is the hub's configuration name, or for a local folder the sub-folder of
+    that name (a folder per configuration, like the hub's). Anything missing or empty is one ValueError."""
+    import datasets
+
+    if config is not None and os.path.exists(name_or_path):
+        if not os.path.isdir(name_or_path):
+            raise ValueError(
+                f"--dataset_config {config!r} needs a hub id or a folder of configurations, not a file."
             )
+        found = sorted(d for d in os.listdir(name_or_path) if os.path.isdir(os.path.join(name_or_path, d)))
+        if config not in found:
             raise ValueError(
                 f"{flag} {name_or_path} has no configuration {config!r} (--dataset_config); found {found}."
             )
-        return utils.load_split(path, split, flag)
-    if os.path.exists(name_or_path):
-        raise ValueError(
-            f"--dataset_config {config!r} needs a hub id or a folder of configurations, not a file."
-        )
+        name_or_path, config = os.path.join(name_or_path, config), None
+    builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    if os.path.isfile(name_or_path):
+        ext = os.path.splitext(name_or_path)[1]
+        if os.path.getsize(name_or_path) == 0:
+            raise ValueError(f"{flag} {name_or_path} is empty.")
+        if ext not in builders:
+            raise ValueError(
+                f"{flag} {name_or_path}: unknown file type {ext!r}; use json, jsonl, parquet or csv."
+            )
+        stem = os.path.splitext(os.path.basename(name_or_path))[0]
+        if split not in ("train", stem):  # one file is one split: never evaluate on the training rows
+            raise ValueError(
+                f"{flag} {name_or_path} is one file, whose only split is 'train' (or {stem!r}), not {split!r}; "
+                "turn evaluation off (--eval_strategy no or --dataset_test_split None) or pass a folder of "
+                f"{{split}}.jsonl files."
+            )
+        if ext in (".json", ".jsonl", ".csv"):
+            with open(name_or_path, errors="replace") as f:
+                if not any(line.strip() for line in f):
+                    raise ValueError(f"{flag} {name_or_path} holds only blank lines: no rows.")
+        dataset = datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
+    elif os.path.isdir(name_or_path):
+        files = [os.path.join(name_or_path, split + ext) for ext in builders]
+        if os.path.exists(os.path.join(name_or_path, "dataset_dict.json")):
+            dataset_dict = _load_from_disk(name_or_path, flag)
+            if split not in dataset_dict:
+                raise ValueError(
+                    f"{flag} {name_or_path} has no split {split!r}; its splits are {list(dataset_dict)}."
+                )
+            dataset = dataset_dict[split]
+        elif os.path.exists(os.path.join(name_or_path, "dataset_info.json")):
+            dataset = _load_from_disk(name_or_path, flag)
+        elif any(os.path.isfile(path) for path in files):
+            return load_split(next(path for path in files if os.path.isfile(path)), split, None, flag)
+        else:
+            raise ValueError(
+                f"{flag} {name_or_path} holds no dataset saved with save_to_disk and no {split}.jsonl."
+            )
+    elif is_local(name_or_path):
+        raise ValueError(f"{flag} {name_or_path} does not exist.")
+    else:
+        try:
+            dataset = datasets.load_dataset(name_or_path, config, split=split)
+        except (ConnectionError, OSError) as error:
+            raise ValueError(
+                f"{flag} {name_or_path!r}{f' ({config})' if config else ''} could not be loaded from the hub "
+                f"({type(error).__name__}); without network pass a save_to_disk directory or json/jsonl/parquet "
+                "files."
+            ) from None
+    if len(dataset) == 0:  # a script would fail later with an index error
+        raise ValueError(f"{flag} {name_or_path}: split {split!r} has no rows.")
+    return dataset
+
+
+def _load_from_disk(path: str, flag: str):
+    """`datasets.load_from_disk`, with one sentence for a split saved with no rows (datasets fails on its zero
+    shards with an IndexError)."""
     import datasets
 
     try:
-        return datasets.load_dataset(name_or_path, config, split=split)
-    except (ConnectionError, OSError) as error:
+        return datasets.load_from_disk(path)
+    except IndexError:
+        raise ValueError(f"{flag} {path} has a split with no rows (saved with save_to_disk).") from None
+
+
+def check_columns(dataset, required: Sequence[str], where: str) -> None:
+    """Raise a ValueError naming the expected and the found columns when `dataset` lacks one of `required`."""
+    missing = [c for c in required if c not in dataset.column_names]
+    if missing:
         raise ValueError(
-            f"{flag} {name_or_path!r} ({config}) could not be loaded from the hub ({type(error).__name__}); "
-            "without network pass a save_to_disk directory or json/jsonl/parquet files."
-        ) from None
+            f"{where} is missing column(s) {missing}: expected {list(required)}, found {dataset.column_names}."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{where} is empty.")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,3 +549,35 @@ def sample_prompts(dataset, tokenizer, where: str, count: int, text_field: str =
             prompts.append(prompt)
             references.append(reference)
     return prompts, references
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch orders: which rows each process takes, a pure function of the step
+# ----------------------------------------------------------------------------------------------------------------
+def prompt_batches(
+    num_prompts: int, per_process: int, world_size: int, rank: int, seed: int
+) -> Iterator[list[int]]:
+    """Endless batches of prompt indices for this process: a fresh seeded shuffle every pass (the same on every
+    process), cut into batches of `per_process * world_size`, process `rank` taking its slice; the incomplete
+    batch at the end of a pass is dropped."""
+    per_update, epoch = per_process * world_size, 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, num_prompts - per_update + 1, per_update):
+            yield order[start + rank * per_process : start + (rank + 1) * per_process].tolist()
+        epoch += 1
+
+
+def shuffled_micro_batch(
+    num_rows: int, m: int, micro: int, world_size: int, rank: int, seed: int
+) -> list[int]:
+    """Row indices of this process's m-th micro-batch of a supervised run: every epoch a fresh shuffle seeded by
+    seed + epoch (the same on every process), cut into global micro-batches of `micro * world_size` rows,
+    process `rank` taking its slice; the incomplete tail of an epoch is dropped. A pure function of m, so a
+    resumed run finds any step again, and one process accumulating k micro-batches sees the rows that k
+    processes see at once."""
+    per_epoch = num_rows // (micro * world_size)
+    epoch, i = divmod(m, per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    start = (i * world_size + rank) * micro
+    return order[start : start + micro].tolist()

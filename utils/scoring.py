@@ -21,13 +21,217 @@ Two paths, chosen once (`same_tokenizer`):
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-import utils
+from utils import data
+from utils.generation import lengths_to_mask, pad, position_ids_from_mask
+from utils.loading import disable_dropout, from_pretrained
 
+# ----------------------------------------------------------------------------------------------------------------
+# Reward models: a score at every token, at the last token, in batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(backbone, head) of a sequence-classification model, so a score can be read at every token."""
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if backbone is None or head is None:
+        raise ValueError(
+            f"{type(model).__name__} has no backbone + `score` head; load it as a sequence classifier."
+        )
+    if getattr(head, "out_features", 1) != 1:
+        raise ValueError(
+            f"the reward model has {head.out_features} labels; it must have exactly one (num_labels=1)."
+        )
+    return backbone, head
+
+
+def per_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head applied to the last hidden state at every position: [B, T] (a critic's values).
+
+    A head made without bias (Llama's, GPT-NeoX's) gets `config.score_bias`, the shift reward.py stores when it
+    normalizes a reward model, so every script that scores through here sees normalized scores."""
+    backbone, head = score_head(model)
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    scores = head(hidden).squeeze(-1)
+    if getattr(head, "bias", None) is None:
+        scores = scores + (getattr(model.config, "score_bias", None) or 0.0)
+    return scores
+
+
+def last_token_indices(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position where `attention_mask` [B, T] is set (the EOS of a truncated response)."""
+    positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(1)
+
+
+def get_score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A reward model's score [B], read at the last real token of each row (left or right padding alike)."""
+    scores = per_token_scores(model, input_ids, attention_mask)
+    return scores.gather(1, last_token_indices(attention_mask)[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def batched_score(model, input_ids, attention_mask, chunk_size: int) -> torch.Tensor:
+    """`get_score` in chunks of `chunk_size` rows, without gradient: [B]."""
+    return torch.cat(
+        [
+            get_score(model, input_ids[i : i + chunk_size], attention_mask[i : i + chunk_size])
+            for i in range(0, input_ids.size(0), chunk_size)
+        ]
+    )
+
+
+def compute_scores(
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    tokenizer,
+    chunk_size: int,
+    reward_model: nn.Module | None = None,
+    reward_fn: Callable | None = None,
+    columns: dict[str, list] | None = None,
+) -> torch.Tensor:
+    """Scores [B] of truncated query+response rows, from a reward model (read at the last real token) or from a
+    reward function called on the decoded prompts and completions (the completion stops at its stop token) and,
+    for a TRL-style function, the dataset `columns` of each row (see call_reward_fn)."""
+    if reward_fn is None:
+        return batched_score(reward_model, query_responses, attention_mask, chunk_size)
+    mask = attention_mask.bool()
+    prompts = [
+        tokenizer.decode(q[m], skip_special_tokens=True)
+        for q, m in zip(query_responses[:, :context_length], mask[:, :context_length])
+    ]
+    completions = [
+        tokenizer.decode(r[m], skip_special_tokens=True)
+        for r, m in zip(query_responses[:, context_length:], mask[:, context_length:])
+    ]
+    return call_reward_fn(reward_fn, prompts, completions, columns).to(query_responses.device)
+
+
+TRL_BUILTIN_REWARDS = (
+    "accuracy_reward",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+    "get_soft_overlong_punishment",
+)
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """Load a reward function (prompts: list[str], completions: list[str]) -> floats, or one TRL-style with
+    **kwargs (see call_reward_fn), from `path/to/file.py:function` or, as TRL takes it, a dotted import path
+    `module.function` (imported from the working directory)."""
+    import sys
+
+    path, sep, name = spec.rpartition(":")
+    if not sep and spec in TRL_BUILTIN_REWARDS:
+        raise ValueError(
+            f"--reward_fn {spec} is one of TRL's built-in rewards, which are not shipped here; pass your own "
+            "as path/to/file.py:function or module.function."
+        )
+    if not sep and "." in spec.strip(".") and "/" not in spec and not spec.endswith(".py"):
+        module_name, _, name = spec.rpartition(".")
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(
+                f"--reward_fn {spec}: module {module_name!r} cannot be imported ({error})."
+            ) from None
+        finally:
+            sys.path.pop(0)
+        if not callable(getattr(module, name, None)):
+            raise ValueError(
+                f"--reward_fn {spec}: module {module_name!r} defines no function named {name!r}."
+            )
+        return getattr(module, name)
+    if not sep or not path or not name:
+        raise ValueError(
+            f"--reward_fn must look like path/to/file.py:function or module.function, got {spec!r}."
+        )
+    if not os.path.isfile(path):
+        raise ValueError(f"--reward_fn file {path} does not exist.")
+
+    module_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up there
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"--reward_fn file {path} defines no function named {name!r}.")
+    return getattr(module, name)
+
+
+def call_reward_fn(
+    fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+) -> torch.Tensor:
+    """Call a reward function and check its answer: one float per completion. Returns [B] float32.
+
+    A function with a `**kwargs` parameter is called as TRL calls its reward functions: with the keywords
+    `prompts` (the dataset's `prompt` column when given), `completions` and every other column of the rows'
+    dataset examples (`columns`, e.g. `solution`); when the prompts are conversations (message lists), each
+    completion is one assistant message, [{"role": "assistant", "content": text}]. Any other function is called as
+    fn(prompts, completions) on the texts. A NaN or an infinity is returned as it is: the training scripts stop
+    on it with `utils.tracking.check_finite`, naming the update and the last good checkpoint."""
+    import inspect
+
+    parameters = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        extra = {k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion")}
+        raw_prompts = (columns or {}).get("prompt")
+        if raw_prompts:  # the dataset's own prompts, not their decoded (possibly left-truncated) tokens
+            prompts = list(raw_prompts)
+            if data.is_conversation(raw_prompts[0]):
+                completions = [[{"role": "assistant", "content": c}] for c in completions]
+        values = list(fn(prompts=prompts, completions=completions, **extra))
+    else:
+        values = list(fn(prompts, completions))
+    if len(values) != len(completions):
+        raise ValueError(
+            f"the reward function returned {len(values)} values for {len(completions)} completions."
+        )
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
+    """A reward model: a sequence classifier with exactly one label and a trained score head, dropout off.
+    Anything else is refused in one sentence: a causal LM would load with a freshly initialised head (of two
+    labels, or of one when its config says num_labels=1) and score at random."""
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = from_pretrained(
+        AutoModelForSequenceClassification, name_or_path, flag, output_loading_info=True
+    )
+    _, head = score_head(model)
+    head_names = {
+        f"{prefix}.{name}" for prefix in ("score", "classifier") for name, _ in head.named_parameters()
+    }
+    missing = sorted(set(info.get("missing_keys") or ()) & head_names)
+    if missing:
+        architectures = ", ".join(getattr(model.config, "architectures", None) or ["unknown"])
+        raise ValueError(
+            f"{flag} {name_or_path} has no trained score head ({architectures}; {missing[0]} would be initialised "
+            "at random); pass a reward model trained with reward.py."
+        )
+    disable_dropout(model)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Different tokenizers: decode with the policy's, encode with the reward model's
+# ----------------------------------------------------------------------------------------------------------------
 UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report model_max_length as about 1e30
 
 
@@ -55,7 +259,7 @@ def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: 
         return None
     path = reward_tokenizer_path or reward_model_path
     flag = "--reward_tokenizer_path" if reward_tokenizer_path else "--reward_model_path"
-    return utils.from_pretrained(AutoTokenizer, path, flag)
+    return from_pretrained(AutoTokenizer, path, flag)
 
 
 def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
@@ -147,7 +351,7 @@ class RewardScorer:
         """(prompts, completions, finished) decoded with the policy's tokenizer from the real tokens of each row
         (special tokens such as EOS and padding dropped; ids the policy's tokenizer does not hold are skipped);
         finished[b]: the completion's last real token is the policy's EOS."""
-        last = utils.last_token_indices(attention_mask)
+        last = last_token_indices(attention_mask)
         eos = self.policy_tokenizer.eos_token_id
         finished = (query_responses.gather(1, last[:, None]).squeeze(1) == eos) & (last >= context_length)
         mask = attention_mask.bool() & (query_responses < len(self.policy_tokenizer))
@@ -195,12 +399,12 @@ class RewardScorer:
         (the dataset columns of each row) only for a reward function that takes them (utils.call_reward_fn)."""
         fits = self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
         if self.reward_fn is not None or (self.same_tokenizer and fits):  # the fast path: ids as they are
-            return utils.compute_scores(
+            return compute_scores(
                 query_responses, attention_mask, context_length, self.policy_tokenizer, chunk_size,
                 self.reward_model, self.reward_fn, columns,
             )  # fmt: skip
         rows = self.encode(query_responses, attention_mask, context_length, prompts)
         pad_id = first_id(self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id)
-        ids = utils.pad(rows, pad_id, "right").to(query_responses.device)  # masks come from the lengths
-        mask = utils.lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
-        return utils.batched_score(self.reward_model, ids, mask.long(), chunk_size)
+        ids = pad(rows, pad_id, "right").to(query_responses.device)  # masks come from the lengths
+        mask = lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
+        return batched_score(self.reward_model, ids, mask.long(), chunk_size)

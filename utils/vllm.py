@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import utils
+from utils.generation import batched_response_logprobs
 from utils.run import gathered_for_generation
 
 CPU_KV_CACHE_GIB = (
@@ -183,7 +183,7 @@ class Engine:
         attention_mask = torch.cat(
             [query_mask.bool(), torch.ones_like(responses, dtype=torch.bool).to(queries.device)], 1
         )
-        logprobs = utils.batched_response_logprobs(
+        logprobs = batched_response_logprobs(
             model, query_responses, attention_mask, queries.size(1), temperature, chunk_size
         )
         return query_responses, logprobs

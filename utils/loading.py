@@ -1,0 +1,63 @@
+"""Loading models and tokenizers from the hub or a local folder, with one-sentence errors, and the settings every
+script gives a freshly loaded model (dropout off, gradient checkpointing)."""
+
+from __future__ import annotations
+
+import os
+
+import torch.nn as nn
+
+from utils.data import is_local, set_chat_template
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn off every dropout (modules, attention-probability dropout, config) so logprobs are deterministic."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout_p"):
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in list(vars(config).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(config, key, 0.0)
+
+
+def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
+    """`cls.from_pretrained(name_or_path)` with a one-sentence error for a missing path or an unreachable hub."""
+    if is_local(name_or_path) and not os.path.exists(name_or_path):
+        raise ValueError(f"{flag} {name_or_path} does not exist.")
+    try:
+        return cls.from_pretrained(name_or_path, **kwargs)
+    except OSError as error:
+        if os.path.exists(name_or_path):
+            raise
+        raise ValueError(
+            f"{flag} {name_or_path!r} could not be loaded from the hub ({type(error).__name__}); "
+            "without network pass a local directory saved with save_pretrained."
+        ) from None
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in the backward pass, with PyTorch's non-reentrant checkpointing (transformers 5.20
+    renamed the method; the old name still works there, with a warning)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None = None):
+    """The tokenizer of `name_or_path`, padding with EOS when it has no pad token (safe: every mask in these
+    scripts comes from lengths, never from comparing ids with the pad id), with the Jinja chat template of
+    `chat_template_path` when given (utils.data.set_chat_template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = from_pretrained(AutoTokenizer, name_or_path, flag)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    set_chat_template(tokenizer, chat_template_path)
+    return tokenizer
