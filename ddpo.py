@@ -683,7 +683,7 @@ def main(args: Args) -> None:
     else:
         unet.requires_grad_(True).float()
     trainable = [p for p in unet.parameters() if p.requires_grad]
-    optimizer_class = torch.optim.AdamW
+    optimizer_class = utils.run.adamw
     if args.train_use_8bit_adam:
         import bitsandbytes
 

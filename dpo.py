@@ -347,6 +347,7 @@ def main(args: Args) -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    # 1. Flags and accelerator.
     if args.max_prompt_length == Args.max_prompt_length and args.max_prompt_length >= args.max_length:
         args.max_prompt_length = max(1, args.max_length // 2)  # the default follows a smaller --max_length
     check_args(args)
@@ -360,7 +361,7 @@ def main(args: Args) -> dict:
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     set_seed(args.seed)
 
-    # Data first: missing columns and impossible lengths fail before any model is loaded.
+    # 2. Data first: missing columns and impossible lengths fail before any model is loaded.
     tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
     (train_rows, train_counts), (eval_rows, eval_counts) = [
@@ -391,6 +392,8 @@ def main(args: Args) -> dict:
         batch = collate_fn([train_rows[j] for j in rows])
         return {key: value.to(device) for key, value in batch.items()}
 
+    # 3. Models: the policy (LoRA adapters when asked) and the frozen reference, unless LoRA (the base with the
+    # adapters disabled) or precomputed log-probabilities stand in for it; optimizer and schedule.
     load_model = partial(
         utils.from_pretrained, AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
     )
@@ -413,7 +416,7 @@ def main(args: Args) -> dict:
         utils.disable_dropout(ref_model)
         ref_model = utils.run.prepare_frozen(ref_model, accelerator)
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = utils.run.adamw(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
     model, optimizer, eval_loader = accelerator.prepare(model, optimizer, eval_loader)
 
     args.batch_size = micro * ga * world
@@ -432,6 +435,7 @@ def main(args: Args) -> dict:
         with module.disable_adapter() if args.use_peft else nullcontext(), accelerator.autocast():
             return completion_logps(module, batch)[0]
 
+    # 4. The reference log-probabilities of every pair, once, when precomputed.
     ref_tables = {}  # split -> [rows, (chosen, rejected)], filled by one pass before training
     if needs_reference and args.precompute_ref_log_probs:
         model.eval()
@@ -500,6 +504,8 @@ def main(args: Args) -> dict:
         print(
             f"{args.num_training_steps} steps of {args.batch_size} pairs on {accelerator.num_processes} process(es)"
         )
+    # 5. Training: the preference loss per micro-batch, an optimizer step every --gradient_accumulation_steps,
+    # metrics, evaluation and checkpoints.
     global_step = resumed["step"]
     progress = tqdm(total=args.num_training_steps, initial=global_step, disable=not is_main)
     sums, micro_batches, tokens = torch.zeros(len(METRICS), device=device), 0, torch.zeros((), device=device)
@@ -546,7 +552,7 @@ def main(args: Args) -> dict:
     final |= evaluate(global_step) | {f"data/train_{k}": v for k, v in train_counts.items()}
     final |= {f"data/test_{k}": v for k, v in eval_counts.items()}
 
-    # Saved into a temporary directory, moved in at the end: a failed run leaves --output_dir as it was.
+    # 6. Save into a temporary directory, moved in at the end: a failed run leaves --output_dir as it was.
     accelerator.wait_for_everyone()
     parent, name = os.path.split(os.path.abspath(args.output_dir))
     tmp_dir = os.path.join(parent, f".{name}.{args.run_name}.partial")

@@ -388,7 +388,7 @@ def main(args: Args) -> None:
         reward_model = utils.load_reward_model(args.reward_model_path)
     if args.gradient_checkpointing:
         utils.enable_gradient_checkpointing(policy)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     engine = None  # with --use_vllm, a vLLM engine samples the completions
     if args.use_vllm:

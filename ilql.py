@@ -548,7 +548,7 @@ def main(args: Args) -> dict:
         utils.enable_gradient_checkpointing(backbone)
     model = ILQLModel(backbone, args.two_qs)
     trained = [p for p in model.parameters() if p.requires_grad]  # the target heads are not
-    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = utils.run.adamw(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_training_steps),
                               args.num_training_steps)  # fmt: skip

@@ -372,7 +372,7 @@ def main(args: Args) -> None:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    # Everything that can be checked before loading a model.
+    # 1. Flags, accelerator and data: everything that can be checked before loading a model.
     fill_sizes(args, world_size=1)
     accelerator = make_accelerator(
         args, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -404,7 +404,7 @@ def main(args: Args) -> None:
     set_seed(args.seed)
     device, rank = accelerator.device, accelerator.process_index
 
-    # The prompts as text (conversations rendered with the chat template and the assistant's opening), tokenized.
+    # 2. The prompts as text (conversations rendered with the chat template and the assistant's opening), tokenized.
     tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     where = f"--dataset_name {args.dataset_name}"
@@ -418,7 +418,7 @@ def main(args: Args) -> None:
         )
         sample_prompts = utils.data.tokenize_prompts(tokenizer, texts, args.max_prompt_length)
 
-    # Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
+    # 3. Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
     # logprobs of the training forward pass equal those of sampling.
     policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     ref_policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
@@ -427,7 +427,7 @@ def main(args: Args) -> None:
         utils.disable_dropout(model)
     if args.gradient_checkpointing:
         utils.enable_gradient_checkpointing(policy)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = prepare_frozen(ref_policy, accelerator)
     if reward_model is not None:
@@ -440,7 +440,7 @@ def main(args: Args) -> None:
         scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
         accelerator.print(scorer.describe())
 
-    # Resume (policy, optimizer, RNG streams, update counter), then logging.
+    # 4. State of the run: resume (policy, optimizer, RNG streams, update counter), then logging.
     sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
     state = ckpt.resume(models={"policy": policy}, optimizers={"policy": optimizer},
                         generators={"sampling": sampling_generator})  # fmt: skip
@@ -491,7 +491,7 @@ def main(args: Args) -> None:
             group["lr"] = lr
         beta = beta_for_epoch(args.beta, (update - 1) // updates_per_epoch)
 
-        # 1. Rollout: P prompts stored once [P, Q], two completions each in completion-major order (row i <-
+        # 5. Rollout: P prompts stored once [P, Q], two completions each in completion-major order (row i <-
         # prompt i % P), truncated after EOS; reference logprobs of the truncated rows at the same temperature.
         examples = next(batches)  # dataset indices of this process's P prompts
         queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
@@ -513,7 +513,7 @@ def main(args: Args) -> None:
         ref_logprobs = torch.cat(ref_logprobs)
         has_eos = ((responses == eos_id) & response_mask).any(1)
 
-        # 2. Annotation: the better completion of each prompt is 'chosen'; ties are skipped (weight 0).
+        # 6. Annotation: the better completion of each prompt is 'chosen'; ties are skipped (weight 0).
         if judge is None:
             scores = torch.cat(scores).float()
             if args.missing_eos_penalty is not None:
@@ -526,7 +526,7 @@ def main(args: Args) -> None:
         chosen_rows, rejected_rows, kept = pairs_from_verdicts(verdicts)
         num_kept = accelerator.reduce(kept.sum(), reduction="sum").item()
 
-        # 3. One DPO step on the fresh pairs: micro-batches of pairs (chosen and rejected rows in one forward),
+        # 7. One DPO step on the fresh pairs: micro-batches of pairs (chosen and rejected rows in one forward),
         # the loss summed over kept pairs and divided by their number over every process, so it is the mean over
         # the update's kept pairs whatever the split (accelerate divides by the accumulation steps, DDP averages).
         policy.train()
@@ -563,7 +563,7 @@ def main(args: Args) -> None:
                     (logps[n:].detach() * weight).sum(), weight.sum(),
                 ])  # fmt: skip
 
-        # 4. Metrics, gathered over processes (pair statistics over the kept pairs).
+        # 8. Metrics, gathered over processes (pair statistics over the kept pairs).
         with torch.no_grad():
             sums = accelerator.reduce(sums, reduction="sum")
             pair_means = (sums[:6] / sums[6].clamp(min=1)).tolist()
@@ -620,7 +620,7 @@ def main(args: Args) -> None:
         ckpt.maybe_save(update, models={"policy": policy}, optimizers={"policy": optimizer},
                         generators={"sampling": sampling_generator})  # fmt: skip
 
-    # Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    # 9. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
     algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
     utils.checkpoint.save_model(
         accelerator, policy, tokenizer, args, algorithm, args.model_name_or_path, metrics

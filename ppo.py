@@ -628,7 +628,7 @@ def main(args: Args) -> dict:
     for m in (policy, critic) if args.gradient_checkpointing else ():
         utils.enable_gradient_checkpointing(m)
     model = PolicyAndValue(policy, critic)
-    optimizer = torch.optim.AdamW(
+    optimizer = utils.run.adamw(
         model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=0
     )
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -374,7 +374,7 @@ def main(args: Args) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoConfig, get_scheduler
 
-    # --- checks and data, before any model is loaded ---
+    # 1. Checks and data, before any model is loaded.
     check_args(args)
     utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
     tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
@@ -421,14 +421,14 @@ def main(args: Args) -> None:
         batch = collate([train_rows[j] for j in rows], tokenizer.pad_token_id)
         return {key: value.to(device) for key, value in batch.items()}
 
-    # --- model: a sequence classifier with one label (a causal LM gets a newly initialised score head) ---
+    # 2. Model: a sequence classifier with one label (a causal LM gets a newly initialised score head).
     model = load_reward_model(args.model_name_or_path, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     if args.disable_dropout:
         utils.disable_dropout(model)
     if args.gradient_checkpointing:
         utils.enable_gradient_checkpointing(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
+    optimizer = utils.run.adamw(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                   weight_decay=args.weight_decay)  # fmt: skip
     score_model, optimizer = accelerator.prepare(ScoreModel(model), optimizer)
     if "test" in data:
@@ -454,7 +454,7 @@ def main(args: Args) -> None:
         accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 
-    # --- training: one forward pass per batch scores the chosen and the rejected completions ---
+    # 3. Training: one forward pass per batch scores the chosen and the rejected completions.
     global_step, final_metrics, start = resumed["step"], {}, time.time()
     # sums over the logging window: loss * pairs, correct pairs, r_c - r_r, pairs
     sums = torch.zeros(4, device=device)
@@ -503,7 +503,7 @@ def main(args: Args) -> None:
     if "test" in data:
         final_metrics.update(evaluate(score_model, global_step))
 
-    # --- save: every process takes part (ZeRO-3 gathers the weights); the tokenizer goes beside ---
+    # 4. Save: every process takes part (ZeRO-3 gathers the weights); the tokenizer goes beside.
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(score_model)
     if is_main:
@@ -515,7 +515,7 @@ def main(args: Args) -> None:
     del score_model, optimizer, model, state_dict
     accelerator.free_memory()
 
-    # --- normalisation: reference completions' mean score -> 0 (std -> 1), measured again after reloading ---
+    # 5. Normalisation: reference completions' mean score -> 0 (std -> 1), measured again after reloading.
     # Every process loads the whole saved model (outside ZeRO-3's sharded init) and scores its share.
     if args.normalize:
         norm_loader = accelerator.prepare(loader(data["normalize"][0], args.per_device_eval_batch_size))

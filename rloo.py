@@ -423,7 +423,7 @@ def main(args: Args) -> dict:
         utils.disable_dropout(model)
     if args.gradient_checkpointing:
         utils.enable_gradient_checkpointing(policy)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length

@@ -289,6 +289,7 @@ def main(args: Args) -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+    # 1. Flags and accelerator.
     check_args(args)
     utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
     ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
@@ -300,7 +301,7 @@ def main(args: Args) -> dict:
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     main_process, run_dir = accelerator.is_main_process, os.path.join(args.logging_dir, args.run_name)
 
-    # Data first, so that a bad dataset or flag fails before the model is loaded.
+    # 2. Data first, so that a bad dataset or flag fails before the model is loaded.
     tokenizer = utils.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token; SFT appends one.")
@@ -329,6 +330,7 @@ def main(args: Args) -> dict:
     args.total_steps = args.total_steps or max(1, int(args.num_train_epochs * steps_per_epoch))
     accelerator.print(f"train: {counts}, eval: {eval_counts}; {args.total_steps} steps of {args.batch_size}")
 
+    # 3. Model (with LoRA adapters when asked), optimizer and schedule; the state of a resumed run.
     set_seed(args.seed)
     model = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -349,7 +351,7 @@ def main(args: Args) -> dict:
                           target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
         model = get_peft_model(model, lora)
     params, decay = [p for p in model.parameters() if p.requires_grad], args.weight_decay
-    optimizer = torch.optim.AdamW(params, args.learning_rate, eps=args.adam_epsilon, weight_decay=decay)
+    optimizer = utils.run.adamw(params, args.learning_rate, eps=args.adam_epsilon, weight_decay=decay)
     warmup_steps = math.ceil(args.warmup_ratio * args.total_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped here, once per step
@@ -385,6 +387,7 @@ def main(args: Args) -> dict:
                         f.write(json.dumps({"step": step, "prompt": p, "sample": s, "reference": r}) + "\n")
         return loss
 
+    # 4. Training: the completion tokens' negative log-likelihood, evaluation and checkpoints every few steps.
     metrics = {"eval/initial_loss": evaluate(0)} if eval_rows and not resumed["step"] else {}
     window = torch.zeros(3, dtype=torch.float64)  # since the last log: nll sum, input tokens, seconds
     window_loss_tokens, num_tokens, epoch, generator = 0.0, resumed["num_tokens"], -1, torch.Generator()
@@ -439,7 +442,7 @@ def main(args: Args) -> dict:
         checkpointer.maybe_save(step, {"model": model}, {"model": optimizer},
                                 state={"num_tokens": num_tokens, "scheduler": scheduler.state_dict()})  # fmt: skip
 
-    # Save: every process takes part (ZeRO-3 gathers the weights), the main process writes.
+    # 5. Save: every process takes part (ZeRO-3 gathers the weights), the main process writes.
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     if args.use_peft:

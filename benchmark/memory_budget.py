@@ -10,8 +10,8 @@ dtype of s bytes (bf16: 2):
     logits before (rloo, ppo, grpo, online_dpo)        T*V*s + R*V*4 (float32 slice) + R*V*4 (/ temperature)
                                                        + R*V*4 (log_softmax, kept for backward)
     logits after (every script)                        T*4 (per-token logprobs); plus one tile of at most
-                                                       2**24 logits in flight per process, whatever B, T, V:
-                                                       2**24 * (s + 12) bytes, about 0.2 GiB
+                                                       LOGIT_TILE_ELEMENTS (2**22) logits in flight per
+                                                       process, whatever B, T, V: 2**22 * (s + 12) bytes
     activations (both)                                 layers * T * 2 * (10*H + 4*I): the tensors a Llama or
                                                        GPT-NeoX layer keeps for backward in bf16 (norm inputs
                                                        and outputs, q, k, v, rotated q and k, attention output,
@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from utils.generation import LOGIT_TILE_ELEMENTS as TILE  # noqa: E402
 
 GIB = 1024**3
-TILE = 2**24
 
 # name: (parameters, layers, hidden, MLP width, vocabulary of the LM head) from the models' published configs
 MODELS = {

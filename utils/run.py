@@ -298,6 +298,13 @@ def make_accelerator(
     return accelerator
 
 
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """`torch.optim.AdamW(params, **kwargs)` with the fused kernel, as transformers' Trainer (and so TRL) uses by
+    default: it updates each parameter in one pass, where the plain loop builds temporaries as large as the
+    largest parameter (two of the [V, H] embedding: 300 MiB at Qwen's vocabulary and hidden 256)."""
+    return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
 def end_run(accelerator) -> None:
     """Tear the run down together: every process waits for the others (the main one may still be writing the
     model card) before the process group is destroyed. A process that destroys its group and exits while a
