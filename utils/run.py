@@ -298,11 +298,11 @@ def make_accelerator(
     return accelerator
 
 
-def adamw(params, **kwargs) -> torch.optim.AdamW:
-    """`torch.optim.AdamW(params, **kwargs)` with the fused kernel, as transformers' Trainer (and so TRL) uses by
+def adamw(params, *args, **kwargs) -> torch.optim.AdamW:
+    """`torch.optim.AdamW(params, *args, **kwargs)` with the fused kernel, as transformers' Trainer (and so TRL) uses by
     default: it updates each parameter in one pass, where the plain loop builds temporaries as large as the
     largest parameter (two of the [V, H] embedding: 300 MiB at Qwen's vocabulary and hidden 256)."""
-    return torch.optim.AdamW(params, fused=True, **kwargs)
+    return torch.optim.AdamW(params, *args, fused=True, **kwargs)
 
 
 def end_run(accelerator) -> None:
