@@ -87,8 +87,13 @@ def ci(script):
 
 @pytest.mark.parametrize(
     "script, stage",
-    [pytest.param("ppo.py", 2, marks=pytest.mark.slow), ("ppo.py", 3), ("rloo.py", 2), ("rloo.py", 3)],
-)  # CI: ppo's ZeRO-3 path, which has more to it (frozen models as DeepSpeed inference engines)
+    [
+        pytest.param("ppo.py", 2, marks=pytest.mark.slow),
+        ("ppo.py", 3),
+        pytest.param("rloo.py", 2, marks=pytest.mark.slow),
+        ("rloo.py", 3),
+    ],
+)  # CI: ZeRO-3, which has more to it (frozen models as DeepSpeed inference engines, sharded saving)
 def test_zero_saves_a_model_that_reloads_and_zero3_shards(script, stage, runs, world):
     from transformers import AutoModelForCausalLM
 

@@ -135,7 +135,7 @@ def kill_sigterm_resume(script, world, tmp_path, nproc):
         assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
+@pytest.mark.parametrize("script", ["ppo.py", pytest.param("rloo.py", marks=pytest.mark.slow)])  # CI: ppo's
 def test_kill_sigterm_and_resume_is_bit_exact(script, world, tmp_path):
     kill_sigterm_resume(script, world, tmp_path, nproc=1)
 
