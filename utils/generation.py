@@ -116,8 +116,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 # call, in forward and backward), autocast, tied embeddings and a LoRA-wrapped head work unchanged.
 # ----------------------------------------------------------------------------------------------------------------
 LOGIT_TILE_ELEMENTS = 2**22
-"""float32 logits one tile holds at most (16 MiB; a tile of 2**24 cost 75 MiB more peak memory at the GRPO shape
-for no speed on CPU, see README Memory)"""
+"""float32 logits one tile holds at most (16 MiB; 2**24 cost 70 MiB more peak memory at the GRPO shape for no
+speed on CPU: benchmark/step_memory.py)"""
 TILE_TOKENS = 4096
 """tokens of a tile of a linear head (its vocabulary slice is LOGIT_TILE_ELEMENTS / tokens wide)"""
 
