@@ -6,7 +6,6 @@ files, optionally beside the same figures of an earlier run (say, before a chang
         benchmark/results/speed_tldr_qwen_before.json benchmark/results/speed_grpo_before.json
 
 Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset. A later file
-of the same preset (a rerun of some algorithms, `--algorithms ppo`) replaces the rows it has figures for. A later file
 of the same preset (a rerun of some algorithms, `--algorithms ppo`) replaces the rows it has figures for. Ratios are those
 of the same run (ours and TRL measured side by side), so runs under different loads can be set beside each other.
 """

@@ -363,3 +363,46 @@ def test_shuffled_micro_batch_covers_each_row_once_per_epoch_on_any_process_coun
             assert len(seen) == len(set(seen)) == per_epoch * micro * world  # no row twice, tail dropped
             expected = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
             assert seen == expected[: len(seen)]  # the epoch's seeded order, cut into process slices
+
+
+def utils_imports() -> dict[str, set[str]]:
+    """For each module of utils/, the utils modules it imports (at the top or inside a function)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(utils.__file__).parent
+    modules = {path.stem for path in folder.glob("*.py") if path.stem != "__init__"}
+    graph = {}
+    for name in modules:
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("utils"):
+                found |= (
+                    {node.module.partition(".")[2]} if "." in node.module else {a.name for a in node.names}
+                )
+            elif isinstance(node, ast.Import):
+                found |= {
+                    a.name.partition(".")[2] or "__init__" for a in node.names if a.name.startswith("utils")
+                }
+        graph[name] = found - {name}
+    return graph
+
+
+def test_utils_modules_form_no_import_circle():
+    graph = utils_imports()
+    assert all(targets <= set(graph) for targets in graph.values()), (
+        graph
+    )  # no module imports the package itself
+    done, visiting = set(), []
+
+    def visit(name):
+        assert name not in visiting, f"import circle: {' -> '.join(visiting + [name])}"
+        if name not in done:
+            visiting.append(name)
+            for target in graph[name]:
+                visit(target)
+            visiting.pop()
+            done.add(name)
+
+    for name in graph:
+        visit(name)
