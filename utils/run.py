@@ -1,7 +1,7 @@
 """The run skeleton every script shares: command line and error handling, the accelerator (one process, DDP,
 DeepSpeed ZeRO-2/3, on CPU or GPU), frozen models in the trained model's precision, generation under ZeRO-3,
-gradient clipping that DeepSpeed honours, the fused AdamW every script trains with, and the end of a run. Metrics and the non-finite guard are
-utils/tracking.py; checkpoints utils/checkpoint.py.
+gradient clipping that DeepSpeed honours, the fused AdamW every script trains with, and the end of a run.
+Metrics and the non-finite guard are utils/tracking.py; checkpoints utils/checkpoint.py.
 
 A script's `__main__` is one line, `utils.run.run_cli(Args, main)`. Bad input raises `ValueError` with one
 sentence; it reaches the user as `script.py: error: <sentence>` (exit 2), never as a traceback. Set
