@@ -1,4 +1,6 @@
-"""Scores of sampled completions when the reward model may have its own tokenizer.
+"""Rewards: reward models (a score at every token for a critic, at the last real token for a reward), loading one
+(a trained one-label head, or a one-sentence refusal), reward functions (`path.py:function` or TRL-style with
+**kwargs), and scores of sampled completions when the reward model has its own tokenizer.
 
 The RL scripts build one `RewardScorer` and call it on every batch of truncated query + response rows:
 
@@ -7,8 +9,7 @@ The RL scripts build one `RewardScorer` and call it on every batch of truncated 
 
 Two paths, chosen once (`same_tokenizer`):
 - the reward model's tokenizer is the policy's (same vocabulary, same EOS/BOS/UNK): the policy's token ids go to
-  the reward model as they are and the score is read at the last real token (`utils.compute_scores`), exactly as
-  before this module existed;
+  the reward model as they are and the score is read at the last real token (`compute_scores`);
 - otherwise (a Llama or Qwen reward model behind a Pythia policy; TRL's `reward_processing_classes`): each
   prompt and truncated completion is decoded with the policy's tokenizer and encoded again with the reward
   model's, following reward.py's convention (prompt tokens, completion tokens, then the reward tokenizer's EOS
@@ -33,11 +34,10 @@ from utils import data
 from utils.generation import lengths_to_mask, pad, position_ids_from_mask
 from utils.loading import disable_dropout, from_pretrained
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reward models: a score at every token, at the last token, in batches
 # ----------------------------------------------------------------------------------------------------------------
-
-
 def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, head) of a sequence-classification model, so a score can be read at every token."""
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
@@ -121,6 +121,9 @@ def compute_scores(
     return call_reward_fn(reward_fn, prompts, completions, columns).to(query_responses.device)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Reward functions: `path/to/file.py:function` or `module.function`, plain or TRL-style
+# ----------------------------------------------------------------------------------------------------------------
 TRL_BUILTIN_REWARDS = (
     "accuracy_reward",
     "reasoning_accuracy_reward",
@@ -205,6 +208,9 @@ def call_reward_fn(
     return torch.tensor([float(v) for v in values], dtype=torch.float32)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Loading a reward model
+# ----------------------------------------------------------------------------------------------------------------
 def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
     """A reward model: a sequence classifier with exactly one label and a trained score head, dropout off.
     Anything else is refused in one sentence: a causal LM would load with a freshly initialised head (of two
