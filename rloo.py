@@ -299,29 +299,33 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
 def sample(args, accelerator, policy, queries, query_mask, num_completions, key, first_prompt, stop_token_id,
            pad_id, engine=None):  # fmt: skip
     """`num_completions` completions of each prompt [P, Q], completion-major [num_completions * P, R], truncated
-    after the stop token: (responses, lengths, response mask, logprobs of sampling). Completion c of the prompts
-    p.. of a chunk uses the noise of (seed, *key, c, first_prompt + p): first_prompt is the index of this
+    after the stop token: (responses, lengths, response mask, logprobs of sampling). One generation call samples
+    every completion of max(1, chunk // num_completions) prompts, so a call has up to `chunk` rows whatever k is
+    (one call per completion index would run the LM head over a k-times smaller batch k times as often). The
+    prompts p.. of a call use the noise of (seed, *key, first_prompt + p): first_prompt is the index of this
     process's first prompt in the update's global batch. With `engine` (--use_vllm), vLLM samples them."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
-    responses, logprobs = [], []
+    prompts_per_call = max(1, chunk // num_completions)
+    responses, logprobs = [], []  # per call: [num_completions, prompts of the call, R]
     if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
         engine.sync_weights(policy, accelerator)
     generate = engine.generate if engine is not None else utils.generate
     policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
     with utils.run.gathered_for_generation(policy, accelerator) as sampler:
-        for c in range(num_completions):
-            for start in range(0, P, chunk):
-                noise = utils.sampling_generator(
-                    args.seed, *key, c, first_prompt + start, device=queries.device
-                )
-                query_responses, chunk_logprobs = generate(
-                    sampler, queries[start : start + chunk], query_mask[start : start + chunk],
-                    args.response_length, args.temperature, chunk, noise,
-                )  # fmt: skip
-                responses.append(query_responses[:, queries.size(1) :])
-                logprobs.append(chunk_logprobs)
-    responses, lengths = utils.truncate_response(torch.cat(responses), stop_token_id, pad_id)
-    return responses, lengths, utils.lengths_to_mask(lengths, args.response_length), torch.cat(logprobs)
+        for start in range(0, P, prompts_per_call):
+            prompt = torch.arange(start, min(start + prompts_per_call, P), device=queries.device)
+            rows = prompt.repeat(num_completions)  # completion-major within the call
+            noise = utils.sampling_generator(args.seed, *key, first_prompt + start, device=queries.device)
+            query_responses, call_logprobs = generate(
+                sampler, queries[rows], query_mask[rows], args.response_length, args.temperature, rows.numel(),
+                noise,
+            )  # fmt: skip
+            responses.append(query_responses[:, queries.size(1) :].unflatten(0, (num_completions, -1)))
+            logprobs.append(call_logprobs.unflatten(0, (num_completions, -1)))
+    responses = torch.cat(responses, 1).flatten(0, 1)
+    logprobs = torch.cat(logprobs, 1).flatten(0, 1)
+    responses, lengths = utils.truncate_response(responses, stop_token_id, pad_id)
+    return responses, lengths, utils.lengths_to_mask(lengths, args.response_length), logprobs
 
 
 @torch.no_grad()
