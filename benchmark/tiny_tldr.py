@@ -272,15 +272,52 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
     with ThreadPoolExecutor(args.jobs) as pool:
         judged = dict(pool.map(evaluate, METHODS))
     progress.advance(task)
+    paired = {
+        m: paired_against_sft(f"{work}/eval/sft.jsonl", f"{work}/eval/{m}.jsonl", seed) for m in METHODS[1:]
+    }
     reward_eval = scalars(f"{work}/runs", "reward", ["eval/accuracy"]).get("eval/accuracy", [])
     curves = {m: scalars(f"{work}/runs", m, ["objective/scores", "objective/kl"]) for m in ("ppo", "rloo")}
     return {
         "seed": seed,
         "win_rates": judged,
+        "against_sft": paired,
         "reward_model_accuracy": reward_eval[-1][1] if reward_eval else None,
         "stages": stages,
         "curves": curves,
     }
+
+
+def paired_against_sft(sft_jsonl: str, method_jsonl: str, seed: int, resamples: int = 2000) -> dict:
+    """A method against SFT on the same test posts: the differences of win rate (against the references) and of
+    mean gold score, each with a 95% bootstrap interval over posts. Pairing removes the posts' own difficulty,
+    which two unpaired rates both carry."""
+    import numpy as np
+
+    rows = [[json.loads(line) for line in open(path)] for path in (sft_jsonl, method_jsonl)]
+    assert [r["prompt"] for r in rows[0]] == [r["prompt"] for r in rows[1]], "evaluations of different posts"
+    win = np.array([[r["judgement"] for r in rs] for rs in rows])
+    gold = np.array([[r["gold_score"] for r in rs] for rs in rows])
+    picks = np.random.default_rng(seed).integers(0, win.shape[1], (resamples, win.shape[1]))
+    result = {}
+    for name, values in (("win_rate", win), ("gold_score", gold)):
+        diff = values[1] - values[0]
+        low, high = np.percentile(diff[picks].mean(1), [2.5, 97.5])
+        result[f"{name}_minus_sft"] = float(diff.mean())
+        result[f"{name}_minus_sft_ci95"] = [float(low), float(high)]
+    return result
+
+
+# Two-sided 97.5% quantiles of Student's t for 1-9 degrees of freedom (2-10 seeds)
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262]
+
+
+def across_seeds(values: list[float]) -> dict:
+    """Mean and standard deviation over seeds, and where one more seed's value is expected to land: the 95%
+    prediction interval mean +- t * std * sqrt(1 + 1/n) (Student's t, n - 1 degrees of freedom)."""
+    n, mean = len(values), statistics.mean(values)
+    std = statistics.stdev(values) if n > 1 else 0.0
+    half = T_975[min(n, len(T_975) + 1) - 2] * std * (1 + 1 / n) ** 0.5 if n > 1 else float("nan")
+    return {"mean": mean, "std": std, "one_seed_interval95": [mean - half, mean + half], "per_seed": values}
 
 
 def summarize(per_seed: list[dict]) -> dict:
@@ -295,9 +332,15 @@ def summarize(per_seed: list[dict]) -> dict:
             "tie_rate_mean": statistics.mean(ties),
             "gold_score_mean": statistics.mean(gold),
             "per_seed": rates,
+            "win_rate": across_seeds(rates),
+            "gold_score": across_seeds(gold),
         }
+        if method != "sft" and all("against_sft" in s for s in per_seed):
+            for name in ("win_rate_minus_sft", "gold_score_minus_sft"):
+                table[method][name] = across_seeds([s["against_sft"][method][name] for s in per_seed])
     accs = [s["reward_model_accuracy"] for s in per_seed if s["reward_model_accuracy"] is not None]
     table["reward_model_accuracy_mean"] = statistics.mean(accs) if accs else None
+    table["reward_model_accuracy"] = accs
     return table
 
 
@@ -374,19 +417,31 @@ def main(args: Args) -> dict:
         plot(summary, per_seed, args.results_dir)
 
     table = Table(title=f"tiny TL;DR: win rate against the reference summaries ({args.seeds} seed(s))")
-    for column in ("method", "win rate", "std", "tie rate", "gold score"):
+    for column in ("method", "win rate", "std", "one seed lands in", "tie rate", "gold score", "vs SFT: win",
+                   "vs SFT: gold"):  # fmt: skip
         table.add_column(column)
     for m in METHODS:
         s = summary[m]
-        table.add_row(
-            m,
-            f"{s['win_rate_mean']:.3f}",
-            f"{s['win_rate_std']:.3f}",
-            f"{s['tie_rate_mean']:.3f}",
-            f"{s['gold_score_mean']:.2f}",
-        )
+        low, high = s["win_rate"]["one_seed_interval95"]
+        paired = [
+            f"{s[k]['mean']:+.3f}" if k in s else "" for k in ("win_rate_minus_sft", "gold_score_minus_sft")
+        ]
+        table.add_row(m, f"{s['win_rate_mean']:.3f}", f"{s['win_rate_std']:.3f}", f"{low:.3f}-{high:.3f}",
+                      f"{s['tie_rate_mean']:.3f}", f"{s['gold_score_mean']:.3f}", *paired)  # fmt: skip
     Console().print(table)
-    print(f"reward model accuracy (gold labels): {summary['reward_model_accuracy_mean']}")
+    for seed in per_seed:  # the one figure per seed that predicts most of the RL methods' spread
+        print(
+            f"seed {seed['seed']}: reward model accuracy on gold-labelled pairs {seed['reward_model_accuracy']}"
+        )
+    if args.seeds == 1:
+        for m in METHODS[1:]:
+            paired = per_seed[0]["against_sft"][m]
+            low, high = paired["win_rate_minus_sft_ci95"]
+            glow, ghigh = paired["gold_score_minus_sft_ci95"]
+            print(
+                f"{m} - sft on the same posts: win rate {paired['win_rate_minus_sft']:+.3f} [{low:+.3f}, "
+                f"{high:+.3f}], gold score {paired['gold_score_minus_sft']:+.3f} [{glow:+.3f}, {ghigh:+.3f}]"
+            )
     return result
 
 

@@ -97,6 +97,8 @@ def commands(args: Args) -> tuple[dict, dict]:
             "0",
             "--post_words",
             str(args.post_words),
+            "--num_test",
+            "200",  # the size its committed results were measured at (tiny_world.py's default is now 1000)
         ],
     }
     start = f"{w}/world/policy"

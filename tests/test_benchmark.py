@@ -45,6 +45,8 @@ def test_quick_pipeline_produces_every_model_and_win_rate(tmp_path):
     for method in ("sft", "ppo", "rloo", "dpo"):
         assert 0.0 <= seed["win_rates"][method]["win_rate"] <= 1.0 and seed["win_rates"][method]["n"] > 0
     assert seed["reward_model_accuracy"] is not None
+    assert set(seed["against_sft"]) == {"ppo", "rloo", "dpo", "online_dpo", "ilql"}
+    assert "win_rate_minus_sft" in result["summary"]["ppo"]
 
 
 def test_resume_reuses_a_stage_only_when_its_command_is_unchanged(tmp_path):
@@ -66,3 +68,59 @@ def test_summary_traits_hand_cases():
     assert summary_traits(facts, " dog vet loan") == {"hedge": False, "all_facts": True, "bad_key": False}
     assert summary_traits(facts, " dog dog") == {"hedge": False, "all_facts": False, "bad_key": True}
     assert summary_traits(facts, " dog cat") == {"hedge": False, "all_facts": False, "bad_key": True}
+
+
+def student_t_cdf(x: float, df: int, steps: int = 20000) -> float:
+    """P(T <= x) for Student's t, by Simpson's rule over its density from 0 (independent of any table)."""
+    import math
+
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    h = x / steps
+    f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+    return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+
+def test_one_seed_interval_uses_students_t_quantiles():
+    from tiny_tldr import T_975, across_seeds
+
+    for df, t in enumerate(T_975, 1):
+        assert student_t_cdf(t, df) == pytest.approx(0.975, abs=2e-4), df
+    result = across_seeds([0.4, 0.5, 0.6])  # mean 0.5, std 0.1, 2 degrees of freedom
+    half = 4.303 * 0.1 * (1 + 1 / 3) ** 0.5
+    assert result["mean"] == pytest.approx(0.5) and result["std"] == pytest.approx(0.1)
+    assert result["one_seed_interval95"] == pytest.approx([0.5 - half, 0.5 + half])
+
+
+def test_paired_against_sft_bootstraps_the_difference_on_the_same_posts(tmp_path):
+    import random
+    import statistics
+
+    from tiny_tldr import paired_against_sft
+
+    rng = random.Random(0)
+    posts = [f"post {i}" for i in range(800)]
+    sft = [
+        {"prompt": p, "judgement": rng.choice([0.0, 0.5, 1.0]), "gold_score": rng.gauss(1.6, 0.5)}
+        for p in posts
+    ]
+    better = [
+        {**r, "judgement": min(1.0, r["judgement"] + 0.5), "gold_score": r["gold_score"] + 0.25} for r in sft
+    ]
+    noisy = [{**r, "judgement": rng.choice([0.0, 0.5, 1.0]), "gold_score": rng.gauss(1.7, 0.5)} for r in sft]
+    for name, rows in (("sft", sft), ("better", better), ("noisy", noisy)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shifted = paired_against_sft(tmp_path / "sft.jsonl", tmp_path / "better.jsonl", seed=0)
+    assert shifted["gold_score_minus_sft"] == pytest.approx(0.25)  # every post +0.25: no spread to resample
+    assert shifted["gold_score_minus_sft_ci95"] == pytest.approx([0.25, 0.25])
+    wins = [b["judgement"] - a["judgement"] for a, b in zip(sft, better)]
+    assert shifted["win_rate_minus_sft"] == pytest.approx(statistics.mean(wins))
+    # independent draws: the bootstrap interval is close to the normal one, mean +- 1.96 standard errors
+    result = paired_against_sft(tmp_path / "sft.jsonl", tmp_path / "noisy.jsonl", seed=0)
+    diffs = [b["gold_score"] - a["gold_score"] for a, b in zip(sft, noisy)]
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5
+    low, high = result["gold_score_minus_sft_ci95"]
+    assert low == pytest.approx(statistics.mean(diffs) - 1.96 * se, abs=0.3 * se)
+    assert high == pytest.approx(statistics.mean(diffs) + 1.96 * se, abs=0.3 * se)
+    (tmp_path / "other.jsonl").write_text(json.dumps({**sft[0], "prompt": "another post"}) + "\n")
+    with pytest.raises(AssertionError):
+        paired_against_sft(tmp_path / "sft.jsonl", tmp_path / "other.jsonl", seed=0)
