@@ -661,7 +661,9 @@ def main(args: Args) -> dict:
 
     def measure(i, algorithm, side):
         spec = workload(algorithm, args, world, os.path.join(work, f"{algorithm}-{side}"))
-        specs[algorithm] = spec
+        # the result file records our command, with our output folder (TRL's side runs with its own)
+        if side == "ours" or algorithm not in specs:
+            specs[algorithm] = spec
         python = pythons.get(side) or (args.trl_ppo_python if algorithm == "ppo" else args.trl_python)
         log_path = os.path.join(work, "logs", f"{algorithm}-{side}-{i}.log")
         load = os.getloadavg()[0]
