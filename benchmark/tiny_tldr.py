@@ -428,7 +428,7 @@ def main(args: Args) -> dict:
         ]
         table.add_row(m, f"{s['win_rate_mean']:.3f}", f"{s['win_rate_std']:.3f}", f"{low:.3f}-{high:.3f}",
                       f"{s['tie_rate_mean']:.3f}", f"{s['gold_score_mean']:.3f}", *paired)  # fmt: skip
-    Console().print(table)
+    Console(width=max(Console().width, 140)).print(table)  # logs are not terminals: keep the columns whole
     for seed in per_seed:  # the one figure per seed that predicts most of the RL methods' spread
         print(
             f"seed {seed['seed']}: reward model accuracy on gold-labelled pairs {seed['reward_model_accuracy']}"
