@@ -7,8 +7,8 @@ metrics.
 
 Why the four can agree: the sampling noise of a generation call is keyed by (update, index of its first prompt
 in the global batch), so the same completions are sampled however the batch is split (a call, 2 prompts for PPO
-and 1 prompt's 2 completions for RLOO, divides every process's share); the prompts are longer than --max_prompt_length, so
-no padding differs; responses are never truncated, so every micro-batch loss is a mean over the same number
+and 1 prompt's 2 completions for RLOO, divides every process's share); the prompts are longer than
+--max_prompt_length, so no padding differs; responses are never truncated, so every micro-batch loss is a mean over the same number
 of tokens and the mean over processes and micro-batches is the mean over the global batch; whitening and
 normalisation use statistics gathered over every process. What still differs is the order of float32 sums:
 one process sums a micro-batch of 4 rows, two processes sum 2 rows each and all-reduce, ZeRO reduce-scatters

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import utils
 import utils.generation as generation
+import utils.logprobs as tiled  # the tile sizes live here
 
 
 def tiny_llama(vocab_size=97, tie=False, seed=0, cls=None):
@@ -55,9 +56,9 @@ def assert_close_grads(a, b, rel=1e-5):
 def test_chunked_logprobs_match_the_equation_and_plain_gradients(kind, monkeypatch):
     """Three tilings: a linear head over tokens (all 14 in one tile) and vocabulary (2 entries a tile), the same
     with 4-token tiles, and any other head (called as a function) over tokens only (3 a tile)."""
-    monkeypatch.setattr(generation, "LOGIT_TILE_ELEMENTS", 3 * 13)
+    monkeypatch.setattr(tiled, "LOGIT_TILE_ELEMENTS", 3 * 13)
     if kind == "linear_token_tiles":
-        monkeypatch.setattr(generation, "TILE_TOKENS", 4)
+        monkeypatch.setattr(tiled, "TILE_TOKENS", 4)
     g = torch.Generator().manual_seed(0)
     linear = nn.Linear(8, 13, bias=True)
     head = linear if kind.startswith("linear") else lambda h: linear(h)
@@ -88,7 +89,7 @@ def test_chunked_logprobs_match_the_equation_and_plain_gradients(kind, monkeypat
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_token_logprobs_equal_the_full_logits_path(tie, monkeypatch):
-    monkeypatch.setattr(generation, "LOGIT_TILE_ELEMENTS", 4 * 97)  # several tiles
+    monkeypatch.setattr(tiled, "LOGIT_TILE_ELEMENTS", 4 * 97)  # several tiles
     model = tiny_llama(tie=tie)
     input_ids, attention_mask, score_mask = batch()
     temperature = 0.7
@@ -146,7 +147,7 @@ def test_bf16_within_stated_tolerance(precision, monkeypatch):
     runs in bf16 on both paths, the rest in float32, so the chunked logprobs are within 2e-2 nats of the plain
     ones and the gradients within 5% of the largest entry (bf16 rounding of differently blocked sums; measured
     here: 5e-7 nats, gradients within 1%)."""
-    monkeypatch.setattr(generation, "LOGIT_TILE_ELEMENTS", 4 * 97)  # several vocabulary tiles
+    monkeypatch.setattr(tiled, "LOGIT_TILE_ELEMENTS", 4 * 97)  # several vocabulary tiles
     model = tiny_llama()
     if precision == "bf16_weights":
         model = model.to(torch.bfloat16)
@@ -201,7 +202,7 @@ def test_no_tensor_of_all_positions_times_the_vocabulary(monkeypatch):
     """Forward and backward never create a [B, T, V] tensor: the largest is a tile of logits or the head's
     weight (gradient), whichever is larger; the plain path creates B * (T - 1) * V."""
     vocab, tile_tokens = 4099, 8
-    monkeypatch.setattr(generation, "LOGIT_TILE_ELEMENTS", tile_tokens * vocab)
+    monkeypatch.setattr(tiled, "LOGIT_TILE_ELEMENTS", tile_tokens * vocab)
     model = tiny_llama(vocab_size=vocab)
     input_ids, attention_mask, _ = batch(vocab, rows=4, length=40)
     score_mask = torch.zeros(4, 39, dtype=torch.bool)

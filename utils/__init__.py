@@ -5,7 +5,8 @@
     utils/tracking.py    metrics (TensorBoard, metrics.jsonl, W&B), sample tables, the non-finite guard
     utils/loading.py     models and tokenizers from the hub or a folder
     utils/data.py        datasets: loading, TRL's formats, chat templates, tokenizing, batch orders
-    utils/generation.py  padding, forward passes, chunked log-probabilities, sampling
+    utils/logprobs.py    forward passes, token log-probabilities without the [B, T, V] logits
+    utils/generation.py  padding, truncation, sampling
     utils/stats.py       masked statistics
     utils/scoring.py     reward models, reward functions, scoring across tokenizers
     utils/vllm.py        the colocated vLLM engine
@@ -17,30 +18,32 @@ heavy optional libraries (datasets, deepspeed, vllm, wandb): each module imports
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """
 
-from utils import checkpoint, data, generation, loading, run, scoring, stats, tracking  # noqa: F401
+from utils import checkpoint, data, generation, loading, logprobs, run, scoring, stats, tracking  # noqa: F401
 from utils.checkpoint import check_output_dir, write_model_card  # noqa: F401
 from utils.data import check_columns, load_split, prompt_batches, shuffled_micro_batch, tokenize_prompts  # noqa: F401
 from utils.generation import (  # noqa: F401
-    batched_response_logprobs,
-    chunked_token_logprobs,
     complete,
-    entropy_from_logits,
     first_true_indices,
-    forward,
     generate,
     left_pad,
     lengths_to_mask,
-    logprobs_from_logits,
     pad,
-    position_ids_from_mask,
     query_response_rows,
-    response_logits,
-    response_logprobs,
     sampling_generator,
-    token_logprobs,
     truncate_response,
 )
 from utils.loading import disable_dropout, enable_gradient_checkpointing, from_pretrained, load_tokenizer  # noqa: F401
+from utils.logprobs import (  # noqa: F401
+    batched_response_logprobs,
+    chunked_token_logprobs,
+    entropy_from_logits,
+    forward,
+    logprobs_from_logits,
+    position_ids_from_mask,
+    response_logits,
+    response_logprobs,
+    token_logprobs,
+)
 from utils.run import exact_div  # noqa: F401
 from utils.scoring import (  # noqa: F401
     batched_score,

@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 
 from utils import data
-from utils.generation import lengths_to_mask, pad, position_ids_from_mask
+from utils.generation import lengths_to_mask, pad
 from utils.loading import disable_dropout, from_pretrained
+from utils.logprobs import position_ids_from_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------

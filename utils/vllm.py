@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.generation import batched_response_logprobs
+from utils.logprobs import batched_response_logprobs
 from utils.run import gathered_for_generation
 
 CPU_KV_CACHE_GIB = (
