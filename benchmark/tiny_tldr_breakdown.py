@@ -42,6 +42,8 @@ def main(args: Args) -> dict:
     for method in ("sft", "ppo", "rloo", "dpo", "online_dpo", "ilql"):
         rows = [json.loads(line) for path in sorted(glob.glob(f"{args.work_dir}/seed*/eval/{method}.jsonl"))
                 for line in open(path)]  # fmt: skip
+        if not rows:  # a method this run did not train
+            continue
         traits = [summary_traits(r["facts"], r["completion"]) for r in rows]
         result[method] = {"n": len(rows), **{k: sum(t[k] for t in traits) / len(rows) for k in traits[0]}}
         if method == "sft":
@@ -52,6 +54,8 @@ def main(args: Args) -> dict:
                      for a, b in zip(sft_rows, rows)]  # fmt: skip
             result[method]["gold_minus_sft"] = statistics.mean(diffs)
             result[method]["gold_minus_sft_se"] = statistics.stdev(diffs) / len(diffs) ** 0.5
+    if "sft" not in result:
+        raise SystemExit(f"tiny_tldr_breakdown.py: error: no evaluations under {args.work_dir}/seed*/eval/")
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
     return result

@@ -24,7 +24,9 @@ The references are systematically imperfect, as human ones are: they omit the la
 `--ref_omit_last` and end with the hedge word `--hedge` with probability `--ref_hedge`. A model that imitates
 them lands well below 50% win rate against them; one that names every fact and nothing else wins almost
 always. Preference pairs are two perturbed summaries of a post, labelled by the gold judge and then flipped
-with probability `--label_noise`, so a reward model is good but not perfect.
+with probability `--label_noise`, so a reward model is good but not perfect. With `--content_pairs p`, a share
+p of the pairs are instead one summary and the same words with one fact replaced by a wrong key word: the
+pairs that teach a reward model to check key words against the post rather than count them.
 
 Splits (column names of the standard formats):
     sft                   prompt, completion (reference), facts
@@ -101,6 +103,11 @@ class Args:
     """probability that a reference summary ends with the hedge word"""
     label_noise: float = 0.25
     """probability that a preference label is flipped"""
+    content_pairs: float = 0.0
+    """share of preference pairs (both splits) that differ only in content: the same summary, once with a fact
+    and once with a key word the post does not have (or a repeated fact) in its place. Random pairs rarely
+    differ that way (they mostly differ in how many key words they name), so a reward model trained on them
+    learns to count key words rather than to check them against the post"""
     vocab_size: int = 1024
     """tokenizer vocabulary size"""
     hidden_size: int = 128
@@ -171,6 +178,20 @@ def perturbed_summary(rng: random.Random, facts: list[str]) -> str:
     return " " + " ".join(words)
 
 
+def content_pair(rng: random.Random, facts: list[str]) -> tuple[str, str]:
+    """(better, worse): one summary naming some facts, and the same words with one fact replaced by a key word
+    the post does not have (three times in four) or by another fact said again. Gold scores differ by 2."""
+    kept = [f for i, f in enumerate(facts) if i == 0 or rng.random() < (0.5 if i == len(facts) - 1 else 0.85)]
+    slot = rng.randrange(len(kept))
+    others = [f for f in kept if f != kept[slot]]
+    if others and rng.random() < 0.25:
+        wrong = rng.choice(others)
+    else:
+        wrong = rng.choice([k for k in KEY_WORDS if k not in facts])
+    tail = [HEDGE] if rng.random() < 0.5 else []
+    return " " + " ".join(kept + tail), " " + " ".join(kept[:slot] + [wrong] + kept[slot + 1 :] + tail)
+
+
 def make_splits(args: Args) -> dict[str, list[dict]]:
     rng = random.Random(args.seed)
     seen_queries: set[str] = set()
@@ -194,7 +215,10 @@ def make_splits(args: Args) -> dict[str, list[dict]]:
         rows = []
         while len(rows) < n:
             query, facts = new_post()
-            a, b = perturbed_summary(rng, facts), perturbed_summary(rng, facts)
+            if args.content_pairs and rng.random() < args.content_pairs:
+                a, b = content_pair(rng, facts)
+            else:
+                a, b = perturbed_summary(rng, facts), perturbed_summary(rng, facts)
             label = gold_judge(facts, a, b)
             if label == 0.5:
                 continue

@@ -94,3 +94,37 @@ def test_task_leaves_room_for_rl(world):
     assert 0.65 < agree < 0.85  # about 25% of labels flipped
     gold = list(dd["preference_validation"])
     assert all(gold_judge(r["facts"], r["chosen"], r["rejected"]) == 1.0 for r in gold)
+
+
+def test_content_pairs_differ_only_in_one_checked_key_word():
+    """A content pair is one summary and the same words with one fact replaced by a wrong or repeated key."""
+    rng = random.Random(0)
+    kinds = {"invented": 0, "repeated": 0}
+    for _ in range(400):
+        better, worse = tiny_world.content_pair(rng, FACTS)
+        a, b = better.split(), worse.split()
+        assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
+        assert gold_score(FACTS, better) - gold_score(FACTS, worse) == pytest.approx(2.0)
+        (wrong,) = [y for x, y in zip(a, b) if x != y]
+        kinds["repeated" if wrong in FACTS else "invented"] += 1
+        assert wrong in tiny_world.KEY_WORDS
+    assert kinds["invented"] > 2 * kinds["repeated"] > 0
+
+
+def test_content_pairs_change_only_the_preference_splits_share(tmp_path):
+    """--content_pairs 0 (the default) writes the world it always wrote; a share p makes about p of the pairs
+    content pairs, whose gold-labelled validation copies always prefer the summary with the right key word."""
+    small = dict(num_sft=50, num_preference=400, num_preference_validation=200, num_validation=10, num_test=10)
+    default = tiny_world.make_splits(tiny_world.Args(**small))
+    again = tiny_world.make_splits(tiny_world.Args(content_pairs=0.0, **small))
+    assert default == again
+    mixed = tiny_world.make_splits(tiny_world.Args(content_pairs=0.5, **small))
+    assert mixed["sft"] == default["sft"]  # drawn before the preference pairs
+
+    def is_content_pair(row):
+        a, b = row["chosen"].split(), row["rejected"].split()
+        return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1 and a != b
+
+    share = sum(map(is_content_pair, mixed["preference_validation"])) / 200
+    assert 0.4 < share < 0.65  # random pairs of equal length that differ in one word add a little
+    assert all(gold_judge(r["facts"], r["chosen"], r["rejected"]) == 1.0 for r in mixed["preference_validation"])
