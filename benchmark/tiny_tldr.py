@@ -276,12 +276,14 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
         m: paired_against_sft(f"{work}/eval/sft.jsonl", f"{work}/eval/{m}.jsonl", seed) for m in METHODS[1:]
     }
     reward_eval = scalars(f"{work}/runs", "reward", ["eval/accuracy"]).get("eval/accuracy", [])
+    sft_eval = scalars(f"{work}/runs", "sft", ["eval/loss"]).get("eval/loss", [])
     curves = {m: scalars(f"{work}/runs", m, ["objective/scores", "objective/kl"]) for m in ("ppo", "rloo")}
     return {
         "seed": seed,
         "win_rates": judged,
         "against_sft": paired,
         "reward_model_accuracy": reward_eval[-1][1] if reward_eval else None,
+        "sft_eval_loss": sft_eval[-1][1] if sft_eval else None,
         "stages": stages,
         "curves": curves,
     }
@@ -341,6 +343,7 @@ def summarize(per_seed: list[dict]) -> dict:
     accs = [s["reward_model_accuracy"] for s in per_seed if s["reward_model_accuracy"] is not None]
     table["reward_model_accuracy_mean"] = statistics.mean(accs) if accs else None
     table["reward_model_accuracy"] = accs
+    table["sft_eval_loss"] = [s.get("sft_eval_loss") for s in per_seed]
     return table
 
 
@@ -429,9 +432,10 @@ def main(args: Args) -> dict:
         table.add_row(m, f"{s['win_rate_mean']:.3f}", f"{s['win_rate_std']:.3f}", f"{low:.3f}-{high:.3f}",
                       f"{s['tie_rate_mean']:.3f}", f"{s['gold_score_mean']:.3f}", *paired)  # fmt: skip
     Console(width=max(Console().width, 140)).print(table)  # logs are not terminals: keep the columns whole
-    for seed in per_seed:  # the one figure per seed that predicts most of the RL methods' spread
+    for seed in per_seed:  # the two figures per seed that the methods' spread follows
         print(
-            f"seed {seed['seed']}: reward model accuracy on gold-labelled pairs {seed['reward_model_accuracy']}"
+            f"seed {seed['seed']}: SFT eval loss {seed['sft_eval_loss']}, "
+            f"reward model accuracy on gold-labelled pairs {seed['reward_model_accuracy']}"
         )
     if args.seeds == 1:
         for m in METHODS[1:]:

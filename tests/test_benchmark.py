@@ -44,7 +44,7 @@ def test_quick_pipeline_produces_every_model_and_win_rate(tmp_path):
         assert (tmp_path / "work" / "seed0" / method / "config.json").exists()
     for method in ("sft", "ppo", "rloo", "dpo"):
         assert 0.0 <= seed["win_rates"][method]["win_rate"] <= 1.0 and seed["win_rates"][method]["n"] > 0
-    assert seed["reward_model_accuracy"] is not None
+    assert seed["reward_model_accuracy"] is not None and seed["sft_eval_loss"] > 0
     assert set(seed["against_sft"]) == {"ppo", "rloo", "dpo", "online_dpo", "ilql"}
     assert "win_rate_minus_sft" in result["summary"]["ppo"]
 
