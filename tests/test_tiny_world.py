@@ -114,7 +114,9 @@ def test_content_pairs_differ_only_in_one_checked_key_word():
 def test_content_pairs_change_only_the_preference_splits_share(tmp_path):
     """--content_pairs 0 (the default) writes the world it always wrote; a share p makes about p of the pairs
     content pairs, whose gold-labelled validation copies always prefer the summary with the right key word."""
-    small = dict(num_sft=50, num_preference=400, num_preference_validation=200, num_validation=10, num_test=10)
+    small = dict(
+        num_sft=50, num_preference=400, num_preference_validation=200, num_validation=10, num_test=10
+    )
     default = tiny_world.make_splits(tiny_world.Args(**small))
     again = tiny_world.make_splits(tiny_world.Args(content_pairs=0.0, **small))
     assert default == again
@@ -127,4 +129,6 @@ def test_content_pairs_change_only_the_preference_splits_share(tmp_path):
 
     share = sum(map(is_content_pair, mixed["preference_validation"])) / 200
     assert 0.4 < share < 0.65  # random pairs of equal length that differ in one word add a little
-    assert all(gold_judge(r["facts"], r["chosen"], r["rejected"]) == 1.0 for r in mixed["preference_validation"])
+    assert all(
+        gold_judge(r["facts"], r["chosen"], r["rejected"]) == 1.0 for r in mixed["preference_validation"]
+    )
