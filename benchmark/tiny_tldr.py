@@ -57,13 +57,18 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     """The command line of every stage for one seed. Full runs use the settings reported in the README."""
     data = f"{world}/dataset"
     logs = ["--logging_dir", f"{work}/runs", "--seed", str(seed), "--overwrite_output_dir"]
-    sft_steps, rl_episodes = (40, 128) if quick else (1500, 2048)
-    quick_world = (  # a tenth of the world: the quick check tests the plumbing, not the numbers
+    sft_steps, rl_episodes = (40, 128) if quick else (3000, 2048)
+    # Half the preference pairs differ only in whether a key word is the post's (content pairs), so the reward model
+    # must check summaries against the post, not count key words; 10% label noise and 24000 pairs let it learn
+    # that on every seed. 16000 SFT posts (6 epochs at 3000 steps) teach copying the facts without memorising
+    # each post's reference. The reward model's quality follows the SFT model it starts from (#27's notes).
+    world_size = (  # the quick check tests the plumbing, not the numbers: a small world
         ["--num_sft", "400", "--num_preference", "800", "--num_preference_validation", "100", "--num_validation", "64",
-         "--num_test", "64"] if quick else []
+         "--num_test", "64"] if quick else ["--num_sft", "16000", "--num_preference", "24000"]
     )  # fmt: skip
+    world_task = ["--content_pairs", "0.5", "--label_noise", "0.1"]
     # the reward model and DPO see the preference split once; the quick check stops them after a few steps
-    rm_length = ["--total_steps", "10"] if quick else ["--num_train_epochs", "2"]
+    rm_length = ["--total_steps", "10"] if quick else ["--num_train_epochs", "1"]
     dpo_length = ["--max_steps", "10"] if quick else ["--num_train_epochs", "1"]
     rl_common = [
         "--sft_model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
@@ -92,7 +97,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--judge", "reward_model", "--dataset_name", data, "--train_split", "sft", "--test_split", "validation",
         "--response_length", "8", "--temperature", "1.0", "--num_completions", "1" if quick else "2",
         "--missing_eos_penalty", "1.0", "--seed", str(seed), "--output_dir", f"{work}/ilql_data",
-        *(["--max_prompts", "64"] if quick else []),
+        "--max_prompts", "64" if quick else "4000",
     ]  # fmt: skip
     ilql = [
         "ilql.py", "--model_name_or_path", f"{work}/sft", "--dataset_name", f"{work}/ilql_data",
@@ -103,7 +108,15 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--beta", "4", "--response_length", "8", "--eval_steps", "0", "--output_dir", f"{work}/ilql", *logs,
     ]  # fmt: skip
     return {
-        "world": ["benchmark/tiny_world.py", "--output_dir", world, "--seed", str(seed), *quick_world],
+        "world": [
+            "benchmark/tiny_world.py",
+            "--output_dir",
+            world,
+            "--seed",
+            str(seed),
+            *world_size,
+            *world_task,
+        ],
         "sft": [
             "sft.py",
             "--model_name_or_path",
@@ -121,7 +134,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             "--response_length",
             "8",
             "--learning_rate",
-            "3e-3",
+            "1e-3",
             "--lr_scheduler_type",
             "cosine",
             "--warmup_ratio",
