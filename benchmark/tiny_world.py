@@ -164,9 +164,19 @@ def reference_summary(rng: random.Random, facts: list[str], omit_last: float, he
     return " " + " ".join(words)
 
 
+def kept_facts(rng: random.Random, facts: list[str], keep_first: bool = False) -> list[str]:
+    """The facts a candidate summary names: each kept with probability 0.85, the last with 0.5 (with keep_first,
+    the first always, drawing nothing for it)."""
+    return [
+        f
+        for i, f in enumerate(facts)
+        if (keep_first and i == 0) or rng.random() < (0.5 if i == len(facts) - 1 else 0.85)
+    ]
+
+
 def perturbed_summary(rng: random.Random, facts: list[str]) -> str:
     """A candidate summary of the kind a policy produces: facts dropped, a hedge, an invented or repeated key."""
-    words = [f for i, f in enumerate(facts) if rng.random() < (0.5 if i == len(facts) - 1 else 0.85)]
+    words = kept_facts(rng, facts)
     if rng.random() < 0.15:
         words.insert(rng.randrange(len(words) + 1), rng.choice([k for k in KEY_WORDS if k not in facts]))
     if words and rng.random() < 0.1:
@@ -181,7 +191,7 @@ def perturbed_summary(rng: random.Random, facts: list[str]) -> str:
 def content_pair(rng: random.Random, facts: list[str]) -> tuple[str, str]:
     """(better, worse): one summary naming some facts, and the same words with one fact replaced by a key word
     the post does not have (three times in four) or by another fact said again. Gold scores differ by 2."""
-    kept = [f for i, f in enumerate(facts) if i == 0 or rng.random() < (0.5 if i == len(facts) - 1 else 0.85)]
+    kept = kept_facts(rng, facts, keep_first=True)  # at least one fact, so there is one to replace
     slot = rng.randrange(len(kept))
     others = [f for f in kept if f != kept[slot]]
     if others and rng.random() < 0.25:
