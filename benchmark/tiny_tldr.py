@@ -41,7 +41,8 @@ class Args:
     """where the json summary and the plots go; the committed results are in benchmark/results: write there
     only deliberately (--results_dir benchmark/results), a default run never replaces them"""
     jobs: int = 2
-    """stages run at once where they do not depend on each other (PPO, RLOO, DPO; the evaluations)"""
+    """stages run at once where they do not depend on each other (DPO beside the reward model; PPO, RLOO, online
+    DPO, ILQL; the evaluations)"""
     parallel_seeds: int = 1
     """seeds run at once (each seed's SFT and reward model use one core, so 2-3 keep a 2-core machine busy)"""
     threads_per_job: int = 1
@@ -237,6 +238,41 @@ def scalars(run_root: str, prefix: str, tags: list[str]) -> dict[str, list[tuple
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags if t in have}
 
 
+# The stages each stage starts from. When more are ready than --jobs, they start in this order: the longest first,
+# so that the last to finish starts early (DPO needs only the SFT model and trains beside the reward model).
+NEEDS = {
+    "world": [], "sft": ["world"], "reward": ["sft"], "dpo": ["sft"], "ppo": ["reward"], "ilql_data": ["reward"],
+    "ilql": ["ilql_data"], "online_dpo": ["reward"], "rloo": ["reward"],
+}  # fmt: skip
+
+
+def run_in_order_of_need(jobs: dict, workers: int, on_start=None, on_end=None) -> None:
+    """Run `jobs` ({name: (names it needs, function)}) on `workers` threads, each as soon as what it needs is done
+    and a worker is free; ready jobs start in the dict's order. The first failure stops new starts and is raised
+    once the running jobs end."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    done: set[str] = set()
+    running: dict = {}
+    with ThreadPoolExecutor(workers) as pool:
+        while len(done) < len(jobs):
+            for name, (needs, function) in jobs.items():
+                ready = name not in done and name not in running.values() and all(n in done for n in needs)
+                if ready and len(running) < workers:
+                    if on_start:
+                        on_start(name)
+                    running[pool.submit(function)] = name
+            if not running:
+                raise ValueError(f"jobs that wait for a job that is not there: {sorted(set(jobs) - done)}")
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                name = running.pop(future)
+                future.result()
+                done.add(name)
+                if on_end:
+                    on_end(name)
+
+
 def run_seed(args: Args, seed: int, progress, task) -> dict:
     work = os.path.join(args.work_dir, f"seed{seed}")
     world = os.path.join(work, "world")
@@ -250,41 +286,30 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
     logs = os.path.join(work, "logs")
     stages: dict[str, dict] = {}
 
-    def step(name, reuse: bool) -> bool:
-        """Run one stage; True when its earlier output was reused (so the stages after it may be too)."""
-        progress.update(task, description=f"seed {seed}: {name}")
+    judged: dict[str, dict] = {}
+    reused: dict[str, bool] = {}
+
+    def train(name):
+        # an earlier output is reused only while every stage it was made from was reused too
+        reuse = args.resume and all(reused[need] for need in NEEDS[name])
         stages[name] = run_stage(name, commands[name], logs, args.threads_per_job, reuse)
-        progress.advance(task)
-        return reuse and stages[name].get("reused", False)
-
-    reuse = args.resume  # a stage is reused only while every stage it depends on was
-    for name in ("world", "sft", "reward"):
-        reuse = step(name, reuse)
-
-    def chain(names: str):  # "a+b": stages that depend on each other, in order; chains are independent
-        chain_reuse = reuse
-        for name in names.split("+"):
-            chain_reuse = step(name, chain_reuse)
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(chain, ["online_dpo", "ilql_data+ilql", "ppo", "rloo", "dpo"]))
+        reused[name] = reuse and stages[name].get("reused", False)
 
     def evaluate(method):
-        model = f"{world}/policy" if method == "init" else f"{work}/{method}"
         script = "benchmark/evaluate_ilql.py" if method == "ilql" else "benchmark/evaluate_tldr.py"
         command = [
-            script, "--model_path", model, "--dataset_name", f"{world}/dataset",
+            script, "--model_path", f"{work}/{method}", "--dataset_name", f"{world}/dataset",
             "--split", "test", "--response_length", "8", "--output_jsonl", f"{work}/eval/{method}.jsonl",
             *(["--max_samples", "32"] if args.quick else []),
         ]  # fmt: skip
         stages[f"eval_{method}"] = run_stage(f"eval_{method}", command, logs, args.threads_per_job)
         with open(f"{work}/eval/{method}_result.json") as f:
-            return method, json.load(f)
+            judged[method] = json.load(f)
 
-    progress.update(task, description=f"seed {seed}: judging")
-    with ThreadPoolExecutor(args.jobs) as pool:
-        judged = dict(pool.map(evaluate, METHODS))
-    progress.advance(task)
+    jobs = {name: (needs, lambda name=name: train(name)) for name, needs in NEEDS.items()}
+    jobs |= {f"eval_{m}": ([m], lambda m=m: evaluate(m)) for m in METHODS}
+    run_in_order_of_need(jobs, args.jobs, lambda name: progress.update(task, description=f"seed {seed}: {name}"),
+                         lambda name: progress.advance(task))  # fmt: skip
     paired = {
         m: paired_against_sft(f"{work}/eval/sft.jsonl", f"{work}/eval/{m}.jsonl", seed) for m in METHODS[1:]
     }
@@ -293,13 +318,44 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
     curves = {m: scalars(f"{work}/runs", m, ["objective/scores", "objective/kl"]) for m in ("ppo", "rloo")}
     return {
         "seed": seed,
-        "win_rates": judged,
+        "win_rates": {m: judged[m] for m in METHODS},
         "against_sft": paired,
         "reward_model_accuracy": reward_eval[-1][1] if reward_eval else None,
         "sft_eval_loss": sft_eval[-1][1] if sft_eval else None,
+        "reward_model_on_sft_samples": reward_model_on_samples(f"{work}/ilql_data"),
         "stages": stages,
         "curves": curves,
     }
+
+
+def average_ranks(values):
+    """Ranks 0..n-1 of `values`, tied values sharing the mean of their ranks."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=float)
+    ranks = np.empty(len(values))
+    ranks[np.argsort(values, kind="stable")] = np.arange(len(values))
+    _, group = np.unique(values, return_inverse=True)
+    return (np.bincount(group, weights=ranks) / np.bincount(group))[group]
+
+
+def rank_correlation(x, y) -> float:
+    """Spearman's rank correlation: the Pearson correlation of the average ranks (ties share their ranks)."""
+    import numpy as np
+
+    return float(np.corrcoef(average_ranks(x), average_ranks(y))[0, 1])
+
+
+def reward_model_on_samples(ilql_data: str) -> float | None:
+    """How well the reward model ranks the SFT model's own samples (the ILQL data, scored by both judges): rank
+    correlation of its scores with the gold scores. Accuracy on the preference pairs does not show this: a reward
+    model can judge those well and still favour a key word on what the policy writes (#27's notes: seed 1)."""
+    from datasets import load_from_disk
+
+    rows = load_from_disk(ilql_data)["train"]
+    if not {"score_rm", "score_gold"} <= set(rows.column_names) or len(rows) < 2:
+        return None
+    return rank_correlation(rows["score_rm"], rows["score_gold"])
 
 
 def paired_against_sft(sft_jsonl: str, method_jsonl: str, seed: int, resamples: int = 2000) -> dict:
@@ -357,6 +413,7 @@ def summarize(per_seed: list[dict]) -> dict:
     table["reward_model_accuracy_mean"] = statistics.mean(accs) if accs else None
     table["reward_model_accuracy"] = accs
     table["sft_eval_loss"] = [s.get("sft_eval_loss") for s in per_seed]
+    table["reward_model_on_sft_samples"] = [s.get("reward_model_on_sft_samples") for s in per_seed]
     return table
 
 
@@ -412,7 +469,7 @@ def main(args: Args) -> dict:
 
     start = time.time()
     with Progress() as progress:
-        task = progress.add_task("tiny TL;DR", total=args.seeds * 10)
+        task = progress.add_task("tiny TL;DR", total=args.seeds * (len(NEEDS) + len(METHODS)))
         with ThreadPoolExecutor(args.parallel_seeds) as pool:
             per_seed = list(pool.map(lambda seed: run_seed(args, seed, progress, task), range(args.seeds)))
     summary = summarize(per_seed)
@@ -445,10 +502,11 @@ def main(args: Args) -> dict:
         table.add_row(m, f"{s['win_rate_mean']:.3f}", f"{s['win_rate_std']:.3f}", f"{low:.3f}-{high:.3f}",
                       f"{s['tie_rate_mean']:.3f}", f"{s['gold_score_mean']:.3f}", *paired)  # fmt: skip
     Console(width=max(Console().width, 140)).print(table)  # logs are not terminals: keep the columns whole
-    for seed in per_seed:  # the two figures per seed that the methods' spread follows
+    for seed in per_seed:  # the figures per seed that the methods' spread follows
         print(
-            f"seed {seed['seed']}: SFT eval loss {seed['sft_eval_loss']}, "
-            f"reward model accuracy on gold-labelled pairs {seed['reward_model_accuracy']}"
+            f"seed {seed['seed']}: SFT eval loss {seed['sft_eval_loss']}, reward model accuracy on gold-labelled "
+            f"pairs {seed['reward_model_accuracy']}, its rank correlation with the gold score on the SFT model's "
+            f"samples {seed['reward_model_on_sft_samples']}"
         )
     if args.seeds == 1:
         for m in METHODS[1:]:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from tiny_tldr import METHODS  # noqa: E402
+
 from tiny_world import HEDGE, KEY_WORDS, gold_score  # noqa: E402
 
 
@@ -39,7 +41,7 @@ def summary_traits(facts: list[str], summary: str) -> dict[str, bool]:
 
 def main(args: Args) -> dict:
     result, sft_rows = {}, None
-    for method in ("sft", "ppo", "rloo", "dpo", "online_dpo", "ilql"):
+    for method in METHODS:
         rows = [json.loads(line) for path in sorted(glob.glob(f"{args.work_dir}/seed*/eval/{method}.jsonl"))
                 for line in open(path)]  # fmt: skip
         if not rows:  # a method this run did not train

@@ -124,3 +124,70 @@ def test_paired_against_sft_bootstraps_the_difference_on_the_same_posts(tmp_path
     (tmp_path / "other.jsonl").write_text(json.dumps({**sft[0], "prompt": "another post"}) + "\n")
     with pytest.raises(AssertionError):
         paired_against_sft(tmp_path / "sft.jsonl", tmp_path / "other.jsonl", seed=0)
+
+
+def test_stages_start_once_what_they_need_is_done_and_failures_stop_the_run():
+    import threading
+    import time
+
+    from tiny_tldr import NEEDS, run_in_order_of_need
+
+    log, lock, live = [], threading.Lock(), [0]
+
+    def job(name, seconds=0.02, fail=False):
+        def run():
+            with lock:
+                log.append(("start", name))
+                live[0] += 1
+                assert live[0] <= 2, "more jobs at once than workers"
+            time.sleep(seconds)
+            with lock:
+                live[0] -= 1
+                log.append(("end", name))
+            if fail:
+                raise RuntimeError(f"{name} failed")
+
+        return run
+
+    jobs = {name: (needs, job(name)) for name, needs in NEEDS.items()}
+    run_in_order_of_need(jobs, 2)
+    position = {event: i for i, event in enumerate(log)}
+    assert len(position) == 2 * len(NEEDS)
+    for name, needs in NEEDS.items():
+        assert all(position[("end", need)] < position[("start", name)] for need in needs), name
+    # DPO needs only the SFT model: it trains beside the reward model, not after it
+    assert position[("start", "dpo")] < position[("end", "reward")]
+
+    log.clear()
+    jobs = {"a": ([], job("a", fail=True)), "b": ([], job("b", seconds=0.2)), "c": ([], job("c"))}
+    with pytest.raises(RuntimeError, match="a failed"):
+        run_in_order_of_need(jobs, 2)
+    assert ("start", "c") not in log and (
+        "end",
+        "b",
+    ) in log  # c waited for a worker: nothing new starts, the running job ends
+    with pytest.raises(ValueError, match="not there"):
+        run_in_order_of_need({"a": (["missing"], job("a"))}, 2)
+
+
+def test_rank_correlation_is_spearmans_with_tied_ranks_shared():
+    import random
+
+    from tiny_tldr import rank_correlation
+
+    def slow_spearman(x, y):  # midranks by counting, then Pearson's formula
+        def ranks(v):
+            return [sum(b < a for b in v) + (sum(b == a for b in v) - 1) / 2 for a in v]
+
+        rx, ry = ranks(x), ranks(y)
+        mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+        cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+        return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+    assert rank_correlation([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # 1 - 6 * 2 / (4 * 15)
+    assert rank_correlation([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    rng = random.Random(0)
+    gold = [rng.choice([1.0, 1.9, 2.0, 3.0]) for _ in range(200)]  # many ties, as the gold scores have
+    scores = [g + rng.gauss(0, 1) for g in gold]
+    assert rank_correlation(scores, gold) == pytest.approx(slow_spearman(scores, gold), abs=1e-12)
+    assert rank_correlation(gold, gold) == pytest.approx(1.0)
