@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import tyro
 
 import utils
+import utils.chat
 import utils.data
 
 
@@ -257,7 +258,7 @@ def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[d
     explicit or implicit prompt, standard or conversational) and counts of the rows truncated and dropped.
     Each completion ends with EOS (added unless it is already there) so that the policy learns to stop."""
     texts = utils.data.preference_texts(dataset, tokenizer, where)
-    ids = [utils.data.encode(tokenizer, texts[c], leading=c == "prompt") for c in COLUMNS]
+    ids = [utils.chat.encode(tokenizer, texts[c], leading=c == "prompt") for c in COLUMNS]
     eos, rows = tokenizer.eos_token_id, []
     counts = {"pairs": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
     for prompt, chosen, rejected in zip(*ids):

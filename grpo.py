@@ -375,7 +375,7 @@ def main(args: Args) -> None:
     tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
-    prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    prompt_ids = utils.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
     utils.disable_dropout(policy)
     ref_policy = reward_model = None

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 import utils
+import utils.chat
 import utils.checkpoint
 import utils.data
 import utils.run
@@ -402,8 +403,8 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
     prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
-    prompts = utils.data.encode(tokenizer, prompt_texts, leading=True)
-    completions = utils.data.encode(tokenizer, completion_texts, leading=False)
+    prompts = utils.chat.encode(tokenizer, prompt_texts, leading=True)
+    completions = utils.chat.encode(tokenizer, completion_texts, leading=False)
     eos, rows = tokenizer.eos_token_id, []
     counts = {"rows": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
     for prompt, completion, reward in zip(prompts, completions, rewards):

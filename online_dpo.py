@@ -408,7 +408,7 @@ def main(args: Args) -> None:
     tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     where = f"--dataset_name {args.dataset_name}"
-    prompt_ids = utils.data.tokenize_prompts(
+    prompt_ids = utils.tokenize_prompts(
         tokenizer, utils.data.prompt_texts(dataset, tokenizer, where), args.max_prompt_length
     )
     sample_prompts = None
@@ -416,7 +416,7 @@ def main(args: Args) -> None:
         texts = utils.data.prompt_texts(
             sample_dataset, tokenizer, f"--dataset_test_split {args.dataset_test_split}"
         )
-        sample_prompts = utils.data.tokenize_prompts(tokenizer, texts, args.max_prompt_length)
+        sample_prompts = utils.tokenize_prompts(tokenizer, texts, args.max_prompt_length)
 
     # 3. Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
     # logprobs of the training forward pass equal those of sampling.

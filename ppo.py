@@ -586,7 +586,7 @@ def main(args: Args) -> dict:
         if args.stop_token_id is not None and args.stop_token_id != tokenizer.eos_token_id:
             raise ValueError(f"--stop_token eos (id {tokenizer.eos_token_id}) and --stop_token_id disagree.")
         args.stop_token_id = tokenizer.eos_token_id
-    train_rows = utils.data.tokenize_prompts(
+    train_rows = utils.tokenize_prompts(
         tokenizer, utils.data.prompt_texts(train, tokenizer, where), args.max_prompt_length
     )
     if any(len(r) == 0 for r in train_rows):
@@ -597,7 +597,7 @@ def main(args: Args) -> dict:
     test_prompts = (
         utils.data.prompt_texts(test.select(range(num_eval)), tokenizer, "the test split") if num_eval else []
     )
-    test_rows = utils.data.tokenize_prompts(tokenizer, test_prompts, args.max_prompt_length)
+    test_rows = utils.tokenize_prompts(tokenizer, test_prompts, args.max_prompt_length)
 
     # 3. Models: policy and reference from the SFT model; critic from the value/reward model (own head). Frozen
     # models run in the policy's precision. Seeding: the same everywhere for model init (a new value head).

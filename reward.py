@@ -194,7 +194,7 @@ def tokenize_rows(
         texts = {PROMPT: prompt_texts, COMPLETION: completion_texts}
     else:
         texts = utils.data.preference_texts(dataset, tokenizer, where)
-    prompts = utils.data.tokenize_prompts(tokenizer, texts[PROMPT])
+    prompts = utils.tokenize_prompts(tokenizer, texts[PROMPT])
     completions = [completion_ids(tokenizer, texts[c]) for c in columns]
     margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
     values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)

@@ -413,10 +413,10 @@ def main(args: Args) -> dict:
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
-    prompt_ids = utils.data.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    prompt_ids = utils.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     if sample_prompts is not None:
         sample_texts = utils.data.prompt_texts(sample_prompts, tokenizer, "--dataset_test_split")
-        sample_prompts = utils.data.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
+        sample_prompts = utils.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
 
     # 3. Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
     # logprobs of the training forward pass equal those of sampling. Frozen models run in the policy's precision.

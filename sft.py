@@ -25,6 +25,7 @@ import torch
 import tyro
 
 import utils
+import utils.chat
 import utils.data
 
 IGNORE_INDEX = -100  # label of the tokens that carry no loss (prompt, padding)
@@ -274,7 +275,7 @@ def evaluation_loss(model, rows: list[dict], batch_size: int, pad_token_id: int,
 @torch.no_grad()
 def greedy_samples(model, tokenizer, prompts: list[str], args: Args) -> list[str]:
     """Greedy completions of `prompts` (left-padded, as the RL scripts feed them), cut after the first EOS."""
-    ids = utils.data.tokenize_prompts(tokenizer, prompts, args.max_prompt_length)
+    ids = utils.tokenize_prompts(tokenizer, prompts, args.max_prompt_length)
     responses, _ = utils.complete(
         model, tokenizer, ids, args.response_length, args.per_device_eval_batch_size
     )
@@ -306,10 +307,10 @@ def main(args: Args) -> dict:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token; SFT appends one.")
     if args.eos_token is not None:
-        utils.data.set_eos_token(tokenizer, args.eos_token)
+        utils.chat.set_eos_token(tokenizer, args.eos_token)
     if tokenizer.pad_token_id is None:  # e.g. Pythia: pad with EOS (every mask here comes from lengths)
         tokenizer.pad_token = tokenizer.eos_token
-    utils.data.set_chat_template(tokenizer, args.chat_template_path)
+    utils.chat.set_chat_template(tokenizer, args.chat_template_path)
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
     train_split = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     train_rows, counts = tokenize_split(train_split, tokenizer, args, f"split {args.dataset_train_split!r}")

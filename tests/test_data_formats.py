@@ -13,7 +13,7 @@ import reward
 import rloo
 import sft
 import tiny_world
-from utils import data
+from utils import chat, data
 
 USER, ASSISTANT = "user", "assistant"
 
@@ -97,7 +97,7 @@ def test_shared_prefix_of_implicit_prompts():
 
 def test_rendering_splits_a_conversation_into_prompt_and_completion(chat_tokenizer):
     prompt, completion = [msg(USER, "dog vet")], [msg(ASSISTANT, "dog")]
-    prompt_text, completion_text = data.split_rendering(chat_tokenizer, prompt, completion)
+    prompt_text, completion_text = chat.split_rendering(chat_tokenizer, prompt, completion)
     assert prompt_text == "<|im_start|>user\ndog vet<|im_end|>\n<|im_start|>assistant\n"
     # the completion ends at the EOS (<|im_end|>): the template's newline after it is dropped
     assert completion_text == "dog<|im_end|>" and chat_tokenizer.eos_token == "<|im_end|>"
@@ -116,14 +116,14 @@ def test_conversational_data_needs_a_chat_template(world, plain_tokenizer):
     ):
         data.prompt_texts(rows, plain_tokenizer, "split 'x'")
     tokenizer = plain_tokenizer.__class__.from_pretrained(world / "tokenizer")
-    data.set_chat_template(tokenizer, str(world / "chat_template.jinja"))  # a Jinja file
+    chat.set_chat_template(tokenizer, str(world / "chat_template.jinja"))  # a Jinja file
     assert data.prompt_texts(rows, tokenizer, "d") == [
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ]
-    data.set_chat_template(tokenizer, str(world / "tokenizer_chat"))  # a tokenizer directory
+    chat.set_chat_template(tokenizer, str(world / "tokenizer_chat"))  # a tokenizer directory
     assert tokenizer.chat_template == tiny_world.CHAT_TEMPLATE
     with pytest.raises(ValueError, match="--chat_template_path .* does not exist"):
-        data.set_chat_template(tokenizer, str(world / "nope.jinja"))
+        chat.set_chat_template(tokenizer, str(world / "nope.jinja"))
 
 
 def assistant_tokens_by_search(tokenizer, messages):
@@ -177,20 +177,20 @@ def test_eos_and_bos_follow_the_tokenizer(world, plain_tokenizer):
     _, [(prompt_ids, completion_ids, _)] = data.sft_examples(rows, plain_tokenizer, "d")
     eos = plain_tokenizer.eos_token_id
     assert completion_ids.count(eos) == 1 and completion_ids[-1] == eos  # data carrying its EOS keeps one
-    assert not data.adds_bos(plain_tokenizer) and prompt_ids == plain_tokenizer(" so then")["input_ids"]
+    assert not chat.adds_bos(plain_tokenizer) and prompt_ids == plain_tokenizer(" so then")["input_ids"]
     bos_tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
     bos_tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", eos)]
     )
-    assert data.adds_bos(bos_tokenizer)
-    ids = data.encode(bos_tokenizer, [" so", "<|endoftext|> so"], leading=True)
+    assert chat.adds_bos(bos_tokenizer)
+    ids = chat.encode(bos_tokenizer, [" so", "<|endoftext|> so"], leading=True)
     assert ids[0][0] == eos and ids[0][1:] == ids[1][1:] and ids[1].count(eos) == 1  # one BOS, never two
-    assert data.encode(bos_tokenizer, [" so"], leading=False)[0] == plain_tokenizer(" so")["input_ids"]
+    assert chat.encode(bos_tokenizer, [" so"], leading=False)[0] == plain_tokenizer(" so")["input_ids"]
     tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer_chat")
-    data.set_eos_token(tokenizer, "<|endoftext|>")
+    chat.set_eos_token(tokenizer, "<|endoftext|>")
     assert tokenizer.eos_token_id == eos
     with pytest.raises(ValueError, match="--eos_token '<\\|nope\\|>' is not a token"):
-        data.set_eos_token(tokenizer, "<|nope|>")
+        chat.set_eos_token(tokenizer, "<|nope|>")
 
 
 def test_the_chat_world(world, chat_tokenizer, plain_tokenizer):

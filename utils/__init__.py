@@ -4,7 +4,8 @@
     utils/checkpoint.py  checkpoints, exact resume, SIGTERM, the output folder, saving the final model
     utils/tracking.py    metrics (TensorBoard, metrics.jsonl, W&B), sample tables, the non-finite guard
     utils/loading.py     models and tokenizers from the hub or a folder
-    utils/data.py        datasets: loading, TRL's formats, chat templates, tokenizing, batch orders
+    utils/data.py        datasets: loading, TRL's formats, texts by type, batch orders
+    utils/chat.py        chat templates, rendering conversations, tokenizing with the right EOS and BOS
     utils/logprobs.py    forward passes, token log-probabilities without the [B, T, V] logits
     utils/generation.py  padding, truncation, sampling
     utils/stats.py       masked statistics
@@ -18,9 +19,10 @@ heavy optional libraries (datasets, deepspeed, vllm, wandb): each module imports
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """
 
-from utils import checkpoint, data, generation, loading, logprobs, run, scoring, stats, tracking  # noqa: F401
+from utils import chat, checkpoint, data, generation, loading, logprobs, run, scoring, stats, tracking  # noqa: F401
+from utils.chat import tokenize_prompts  # noqa: F401
 from utils.checkpoint import check_output_dir, write_model_card  # noqa: F401
-from utils.data import check_columns, load_split, prompt_batches, shuffled_micro_batch, tokenize_prompts  # noqa: F401
+from utils.data import check_columns, load_split, prompt_batches, shuffled_micro_batch  # noqa: F401
 from utils.generation import (  # noqa: F401
     complete,
     first_true_indices,

@@ -7,7 +7,8 @@ import os
 
 import torch.nn as nn
 
-from utils.data import is_local, set_chat_template
+from utils.chat import set_chat_template
+from utils.data import is_local
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -53,7 +54,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None = None):
     """The tokenizer of `name_or_path`, padding with EOS when it has no pad token (safe: every mask in these
     scripts comes from lengths, never from comparing ids with the pad id), with the Jinja chat template of
-    `chat_template_path` when given (utils.data.set_chat_template)."""
+    `chat_template_path` when given (utils.chat.set_chat_template)."""
     from transformers import AutoTokenizer
 
     tokenizer = from_pretrained(AutoTokenizer, name_or_path, flag)

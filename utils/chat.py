@@ -1,0 +1,164 @@
+"""Chat templates and tokenizing: conversations rendered to text, and text to token ids with the right EOS and BOS.
+
+Conversations are rendered with the tokenizer's chat template (or the one given by --chat_template_path): a
+prompt with the generation prompt (the opening of the assistant's turn), its completion as the rest of the
+rendered whole, so prompt + completion is exactly the rendering of the whole conversation (utils/data.py reads
+TRL's formats and calls these).
+
+End of sequence: a completion (and a whole text) ends with the tokenizer's EOS, which the scripts append unless
+it is already there. A chat template usually ends a turn with its own end token and a newline; when that end
+token is the EOS (e.g. <|im_end|> in instruction-tuned tokenizers, or set with sft.py's --eos_token) the
+trailing whitespace after it is dropped, so the model learns to stop exactly where sampling stops.
+
+Beginning of sequence: a BOS is put at the start of a sequence only when the tokenizer adds one itself (its own
+setting, e.g. Llama's), and never twice (a chat template that writes the BOS text keeps its one BOS).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer settings: chat template, EOS, BOS
+# ----------------------------------------------------------------------------------------------------------------
+def set_chat_template(tokenizer, path: str | None) -> None:
+    """Give the tokenizer the chat template of `path` (--chat_template_path): a Jinja file, or a tokenizer
+    directory whose template is taken. The template is saved with the tokenizer."""
+    if path is None:
+        return
+    if os.path.isfile(path):
+        with open(path) as f:
+            tokenizer.chat_template = f.read()
+        return
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        template = AutoTokenizer.from_pretrained(path).chat_template
+        if template is None:
+            raise ValueError(f"--chat_template_path {path}: that tokenizer has no chat template.")
+        tokenizer.chat_template = template
+        return
+    raise ValueError(
+        f"--chat_template_path {path} does not exist; pass a Jinja file or a tokenizer directory."
+    )
+
+
+def require_chat_template(tokenizer, where: str) -> None:
+    """One sentence when conversational data meets a tokenizer without a chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{where} is conversational but the tokenizer has no chat template; pass --chat_template_path "
+            "(a Jinja file or a tokenizer directory) or a tokenizer that has one."
+        )
+
+
+def set_eos_token(tokenizer, token: str) -> None:
+    """Make `token` (sft.py's --eos_token, e.g. <|im_end|>) the tokenizer's EOS; it must be one known token."""
+    ids = tokenizer.convert_tokens_to_ids([token])
+    if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id and token != tokenizer.unk_token:
+        raise ValueError(f"--eos_token {token!r} is not a token of the tokenizer's vocabulary.")
+    tokenizer.eos_token = token
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts a BOS at the start of what it encodes (its own setting)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return (
+        len(with_special) > len(tokenizer("a", add_special_tokens=False)["input_ids"])
+        and with_special[0] == bos
+    )
+
+
+def encode(tokenizer, texts: Sequence[str], leading: bool) -> list[list[int]]:
+    """Token ids of each text with no special token added, except a BOS at the start of a `leading` text (the
+    first piece of a sequence) when the tokenizer adds one itself and the text does not already begin with it."""
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
+    if leading and adds_bos(tokenizer):
+        bos = tokenizer.bos_token_id
+        ids = [row if row[:1] == [bos] else [bos] + row for row in ids]
+    return ids
+
+
+def tokenize_prompts(
+    tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None
+) -> list[list[int]]:
+    """Token ids of rendered prompts (see `encode`), keeping the last `max_prompt_length` tokens."""
+    ids = encode(tokenizer, prompts, leading=True)
+    return [row[-max_prompt_length:] if max_prompt_length else row for row in ids]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rendering conversations
+# ----------------------------------------------------------------------------------------------------------------
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages` (with the assistant's opening when `generation_prompt`). A role
+    other than TRL's (`ROLES`) is refused: most templates drop or mislabel such a message without a word."""
+    for message in messages:
+        if message.get("role") not in ROLES:
+            raise ValueError(
+                f"a message has role {message.get('role')!r}; the roles are {', '.join(ROLES)}: fix the dataset."
+            )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def end_at_eos(text: str, eos_token: str | None) -> str:
+    """Drop whitespace after a final EOS (a template's newline after its end-of-turn token)."""
+    stripped = text.rstrip()
+    return stripped if eos_token and stripped.endswith(eos_token) else text
+
+
+def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+    """(prompt text, completion text) of a conversation cut after `prompt`: the prompt rendered with the
+    generation prompt when the completion is the assistant's, the completion as the rest of the whole."""
+    prompt_text = render(tokenizer, prompt, generation_prompt=completion[0]["role"] == "assistant")
+    whole = render(tokenizer, prompt + completion)
+    if not whole.startswith(prompt_text):
+        raise ValueError(
+            "the chat template does not render a conversation's prompt as the beginning of the whole "
+            "conversation, so the completion cannot be told apart; use another --chat_template_path."
+        )
+    return prompt_text, end_at_eos(whole[len(prompt_text) :], tokenizer.eos_token)
+
+
+def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """The rendered conversation cut into (text, is_assistant) pieces: each assistant message's content and
+    end-of-turn (rendered incrementally: the conversation before it with the generation prompt, then with it)
+    is an assistant piece; everything else (system, user turns, the assistant's opening, the whitespace after an
+    end of turn that is the EOS) is not."""
+    pieces, done = [], ""
+    for i, message in enumerate(messages):
+        full = render(tokenizer, messages[: i + 1])
+        head = (
+            render(tokenizer, messages[:i], generation_prompt=True)
+            if message["role"] == "assistant" and i
+            else done
+        )
+        if not (head.startswith(done) and full.startswith(head)):
+            raise ValueError(
+                "the chat template does not render a conversation turn by turn (each part the beginning of the "
+                "next), which --assistant_only_loss needs; use another --chat_template_path."
+            )
+        if head != done:
+            pieces.append((head[len(done) :], False))
+        text = full[len(head) :]
+        if (
+            message["role"] == "assistant"
+        ):  # its end of turn is the EOS: the separator after it is not its own
+            turn = end_at_eos(text, tokenizer.eos_token)
+            pieces += [(turn, True), (text[len(turn) :], False)]
+        else:
+            pieces.append((text, False))
+        done = full
+    pieces = [p for p in pieces if p[0]]
+    if len(pieces) > 1 and not pieces[-1][1] and not pieces[-1][0].strip():
+        pieces.pop()  # the template's whitespace after the final end of turn, dropped like end_at_eos does
+    pieces[-1] = (end_at_eos(pieces[-1][0], tokenizer.eos_token), pieces[-1][1])
+    return pieces
