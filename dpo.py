@@ -581,7 +581,7 @@ def main(args: Args) -> dict:
             f"saved to {args.output_dir}; test accuracy {final.get('eval/rewards/accuracies', float('nan')):.4f}"
         )
         if args.push_to_hub:
-            utils.checkpoint.push_to_hub(args)
+            utils.saving.push_to_hub(args)
     tracker.close()
     utils.run.end_run(accelerator)
     return final

@@ -37,6 +37,7 @@ import utils
 import utils.checkpoint
 import utils.data
 import utils.run
+import utils.saving
 import utils.scoring
 import utils.vllm
 
@@ -586,9 +587,7 @@ def main(args: Args) -> None:
     progress.close()
 
     # 6. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
-    utils.checkpoint.save_model(
-        accelerator, policy, tokenizer, args, "GRPO", args.model_name_or_path, metrics
-    )
+    utils.saving.save_model(accelerator, policy, tokenizer, args, "GRPO", args.model_name_or_path, metrics)
     tracker.close()
     utils.run.end_run(accelerator)
 

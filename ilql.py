@@ -49,6 +49,7 @@ import utils.chat
 import utils.checkpoint
 import utils.data
 import utils.run
+import utils.saving
 
 HEADS_FILE = "ilql_heads.safetensors"  # the heads, beside the causal-LM weights of --output_dir
 
@@ -670,7 +671,7 @@ def main(args: Args) -> dict:
         shutil.rmtree(tmp_dir)
         print(f"saved to {args.output_dir} (backbone and {HEADS_FILE})")
         if args.push_to_hub:
-            utils.checkpoint.push_to_hub(args)
+            utils.saving.push_to_hub(args)
     tracker.close()
     utils.run.end_run(accelerator)
     return final

@@ -622,9 +622,7 @@ def main(args: Args) -> None:
 
     # 9. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
     algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
-    utils.checkpoint.save_model(
-        accelerator, policy, tokenizer, args, algorithm, args.model_name_or_path, metrics
-    )
+    utils.saving.save_model(accelerator, policy, tokenizer, args, algorithm, args.model_name_or_path, metrics)
     tracker.close()
     utils.run.end_run(accelerator)
 

@@ -32,6 +32,7 @@ import utils
 import utils.checkpoint
 import utils.data
 import utils.run
+import utils.saving
 import utils.scoring
 import utils.vllm
 
@@ -805,7 +806,7 @@ def main(args: Args) -> dict:
         })  # fmt: skip
 
     # 11. Save the policy alone (no value head) as a plain causal LM, with its tokenizer and a model card.
-    utils.checkpoint.save_model(accelerator, model, tokenizer, args, "PPO", policy_path, metrics, "policy")
+    utils.saving.save_model(accelerator, model, tokenizer, args, "PPO", policy_path, metrics, "policy")
     tracker.close()
     utils.run.end_run(accelerator)
     return metrics

@@ -548,7 +548,7 @@ def main(args: Args) -> None:
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(final_metrics, f, indent=2)
         if args.push_to_hub:
-            utils.checkpoint.push_to_hub(args)
+            utils.saving.push_to_hub(args)
         print(f"reward model written to {args.output_dir}")
     tracker.close()
     utils.run.end_run(accelerator)

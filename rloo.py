@@ -34,6 +34,7 @@ import utils
 import utils.checkpoint
 import utils.data
 import utils.run
+import utils.saving
 import utils.scoring
 import utils.vllm
 
@@ -608,7 +609,7 @@ def main(args: Args) -> dict:
         ckpt.maybe_save(update, **checkpointed, state={"episode": episode, "prompt_batches": update})
 
     # 10. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
-    utils.checkpoint.save_model(accelerator, policy, tokenizer, args, "RLOO", policy_path, metrics)
+    utils.saving.save_model(accelerator, policy, tokenizer, args, "RLOO", policy_path, metrics)
     tracker.close()
     utils.run.end_run(accelerator)
     return metrics

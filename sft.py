@@ -459,7 +459,7 @@ def main(args: Args) -> dict:
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         if args.push_to_hub:
-            utils.checkpoint.push_to_hub(args)
+            utils.saving.push_to_hub(args)
     tracker.close()
     accelerator.print(f"saved to {args.output_dir}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     utils.run.end_run(accelerator)

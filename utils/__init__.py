@@ -1,7 +1,8 @@
 """Shared helpers of the scripts, one module per job; nothing algorithm-specific lives here.
 
     utils/run.py         command line, one-sentence errors, the accelerator (DDP, DeepSpeed), frozen models
-    utils/checkpoint.py  checkpoints, exact resume, SIGTERM, the output folder, saving the final model
+    utils/checkpoint.py  checkpoints, exact resume, SIGTERM, the output folder
+    utils/saving.py      the final model: weights, tokenizer, model card, hub push
     utils/tracking.py    metrics (TensorBoard, metrics.jsonl, W&B), sample tables, the non-finite guard
     utils/loading.py     models and tokenizers from the hub or a folder
     utils/data.py        datasets: loading, TRL's formats, texts by type, batch orders
@@ -19,9 +20,9 @@ heavy optional libraries (datasets, deepspeed, vllm, wandb): each module imports
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """
 
-from utils import chat, checkpoint, data, generation, loading, logprobs, run, scoring, stats, tracking  # noqa: F401
+from utils import chat, checkpoint, data, generation, loading, logprobs, run, saving, scoring, stats, tracking  # noqa: F401
 from utils.chat import tokenize_prompts  # noqa: F401
-from utils.checkpoint import check_output_dir, write_model_card  # noqa: F401
+from utils.checkpoint import check_output_dir  # noqa: F401
 from utils.data import check_columns, load_split, prompt_batches, shuffled_micro_batch  # noqa: F401
 from utils.generation import (  # noqa: F401
     complete,
@@ -47,6 +48,7 @@ from utils.logprobs import (  # noqa: F401
     token_logprobs,
 )
 from utils.run import exact_div  # noqa: F401
+from utils.saving import write_model_card  # noqa: F401
 from utils.scoring import (  # noqa: F401
     batched_score,
     call_reward_fn,

@@ -458,63 +458,18 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The final model
+# The output folder: refused when full, moved aside on --overwrite_output_dir (utils/saving.py's final save may
+# be a run's first write there)
 # ----------------------------------------------------------------------------------------------------------------
 def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
     """Refuse, before any work, to write into a non-empty `output_dir` unless `overwrite` is set. Unfinished
     checkpoint writes (tmp-checkpoint-N, left by a kill) do not count: they are removed when the run starts."""
-    import re
-
     held = [n for n in os.listdir(output_dir) if not re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n)] if (
         output_dir and os.path.isdir(output_dir)) else []  # fmt: skip
     if held and not overwrite:
         raise ValueError(
             f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
         )
-
-
-def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
-                     title: str | None = None) -> None:  # fmt: skip
-    """Write `output_dir/README.md`: the algorithm, base model, dataset, the full command and final metrics. The
-    title is `title`, by default the folder's name (pass the final name when writing into a temporary folder)."""
-    import shlex
-    import sys
-
-    lines = [
-        f"# {title or os.path.basename(os.path.abspath(output_dir))}",
-        "",
-        f"- algorithm: {algorithm}",
-        f"- base model: `{base_model}`",
-        f"- dataset: `{dataset}`",
-        "",
-        "## Command",
-        "",
-        "```",
-        shlex.join(["python", *sys.argv]),
-        "```",
-        "",
-        "## Final metrics",
-        "",
-        "| metric | value |",
-        "|---|---|",
-        *[f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()],
-        "",
-    ]
-    with open(os.path.join(output_dir, "README.md"), "w") as f:
-        f.write("\n".join(lines))
-
-
-def push_to_hub(args) -> None:
-    """Upload --output_dir (without its resumable checkpoints) to the hub repository --hub_model_id, by default
-    named like the output folder; the repository is created if needed."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    name = getattr(args, "hub_model_id", None) or os.path.basename(os.path.abspath(args.output_dir))
-    repo_id = api.create_repo(name, exist_ok=True).repo_id
-    api.upload_folder(
-        repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoint-*", "tmp-checkpoint-*"]
-    )
 
 
 def start_over(accelerator, output_dir: str) -> None:
@@ -526,28 +481,3 @@ def start_over(accelerator, output_dir: str) -> None:
         print(move_aside(output_dir, "--overwrite_output_dir"), flush=True)
     _START_OVER.discard(os.path.normpath(output_dir))
     accelerator.wait_for_everyone()
-
-
-def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
-               submodule: str | None = None) -> None:  # fmt: skip
-    """Save the trained `model` to --output_dir as a plain transformers checkpoint with its tokenizer and a model
-    card, then push it with --push_to_hub. Every process must call it: under ZeRO-3 the state dict gathers the
-    shards. `submodule`: save only that attribute of the model (the policy of a policy-and-value model)."""
-    accelerator.wait_for_everyone()
-    start_over(accelerator, args.output_dir)
-    state_dict = accelerator.get_state_dict(model)
-    module = accelerator.unwrap_model(model)
-    if submodule is not None:
-        module, prefix = getattr(module, submodule), submodule + "."
-        if state_dict is not None:
-            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    os.makedirs(args.output_dir, exist_ok=True)
-    module.save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=state_dict,
-    )  # fmt: skip
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        write_model_card(args.output_dir, algorithm, base_model, args.dataset_name, metrics)
-        if args.push_to_hub:
-            push_to_hub(args)
