@@ -117,6 +117,11 @@ class Args:
     benchmark/results/speed_<preset>.json (the others)"""
     threads: int = 1
     """torch threads in every run (OMP_NUM_THREADS too)"""
+    malloc_mmap_threshold: int | None = None
+    """bytes: set glibc's MALLOC_MMAP_THRESHOLD_ in every run of every side (131072 is glibc's starting value).
+    None keeps glibc's default, whose threshold grows to the largest block freed so far (up to 32 MiB): blocks
+    below it then come from the heap, and freed ones stay resident, so peak RSS counts memory nobody holds.
+    A fixed threshold returns every large block to the system when it is freed: peaks are what is held"""
     parallel: int = 6
     """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
     so each pair sees the same load on a shared machine; 6: two algorithms at a time)"""
@@ -412,15 +417,25 @@ def per_update(times: list[float], spec: dict) -> float:
     return (times[n * S - 1] - times[S - 1]) / (n - 1)
 
 
+def child_env(args: Args) -> dict:
+    """The environment of every run, the same on every side: one thread count, offline, and glibc's mmap
+    threshold only where --malloc_mmap_threshold sets it (never inherited, so the results record it)."""
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONHASHSEED": "0"}  # fmt: skip
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # only the flag sets it, so the results record it
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    return env
+
+
 def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> dict:
     """One child process; returns throughput, wall time, peak RSS and the time before/after the loop."""
     spec_path, timing_path = log_path + ".spec.json", log_path + ".timing.json"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    threads = str(args.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
-           "PYTHONHASHSEED": "0"}  # fmt: skip
+    env = child_env(args)
     command = [python, os.path.abspath(__file__), "child", side, spec_path, timing_path]
     with open(log_path, "w") as log:
         start = time.time()

@@ -5,7 +5,9 @@ files, optionally beside the same figures of an earlier run (say, before a chang
         benchmark/results/speed_grpo.json --before benchmark/results/speed_tldr_before.json \
         benchmark/results/speed_tldr_qwen_before.json benchmark/results/speed_grpo_before.json
 
-Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset. A later file
+Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset, and so are
+`--fixed_threshold` files: runs with `--malloc_mmap_threshold`, whose peaks leave out the freed blocks glibc keeps
+(speed.py's flag says how), shown in their own columns. A later file
 of the same preset (a rerun of some algorithms, `--algorithms ppo`) replaces the rows it has figures for. Ratios are those
 of the same run (ours and TRL measured side by side), so runs under different loads can be set beside each other.
 """
@@ -42,9 +44,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="speed.py result files, one per preset")
     parser.add_argument("--before", nargs="*", default=[], help="earlier result files of the same presets")
+    parser.add_argument("--fixed_threshold", nargs="*", default=[], help="runs with --malloc_mmap_threshold")
     args = parser.parse_args()
     before = dict(load(p) for p in args.before)
+    fixed = {}
+    for path in args.fixed_threshold:  # a later file of a preset replaces the rows it has figures for
+        preset, result = load(path)
+        fixed.setdefault(preset, {}).update(result["summary"])
     header = ["shape", "algorithm", "peak RSS ours / TRL (MiB)", "CPU s per update ours / TRL"]
+    if fixed:
+        header += ["glibc threshold fixed: peak RSS ours / TRL", "CPU ours / TRL"]
     if before:
         header += ["before: peak RSS ours / TRL", "before: CPU ours / TRL"]
     print("| " + " | ".join(header) + " |")
@@ -57,6 +66,10 @@ def main() -> None:
                 continue
             row = [result["name"], algorithm, ratio(result["summary"], algorithm, "peak_rss_mib"),
                    ratio(result["summary"], algorithm, "cpu_per_update_s")]  # fmt: skip
+            if fixed:
+                row += [
+                    ratio(fixed.get(preset, {}), algorithm, m) for m in ("peak_rss_mib", "cpu_per_update_s")
+                ]
             if before:
                 earlier = before.get(preset, {}).get("summary", {})
                 row += [

@@ -189,3 +189,14 @@ def test_rank_correlation_is_spearmans_with_tied_ranks_shared():
     scores = [g + rng.gauss(0, 1) for g in gold]
     assert rank_correlation(scores, gold) == pytest.approx(slow_spearman(scores, gold), abs=1e-12)
     assert rank_correlation(gold, gold) == pytest.approx(1.0)
+
+
+def test_speed_runs_set_glibcs_mmap_threshold_only_from_the_flag(monkeypatch):
+    """Every side of speed.py runs in the same environment; the allocator setting that changes peak RSS comes
+    from the recorded flag, never from the caller's shell."""
+    from speed import Args, child_env
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    assert "MALLOC_MMAP_THRESHOLD_" not in child_env(Args())
+    env = child_env(Args(malloc_mmap_threshold=131072, threads=2))
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and env["OMP_NUM_THREADS"] == "2"
