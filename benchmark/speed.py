@@ -36,6 +36,9 @@ grpo), and the in-loop CPU (process_time) and wall seconds per update are over t
 (warm-up) and everything before and after the loop are left out. The whole-process wall time (imports, loading,
 data preparation, training, saving) and the peak resident memory (`ru_maxrss` of the child) are measured by this
 process; the peak private memory (RssAnon, free of shared-library pages) is sampled every 20 ms in the child.
+glibc keeps freed heap blocks resident, so both peaks include memory no side holds any more; with
+`--malloc_mmap_threshold 131072` every side returns large blocks when it frees them (at some CPU cost to whoever
+reuses them most: see the README's Speed section).
 Every pass through the Llama body is counted by its [rows x tokens] shape and grad mode (`forward_shapes` of
 each run), so the work of two sides can be compared directly. Each figure is reported as our median, TRL's
 median and the median of the per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).

@@ -1,15 +1,18 @@
 """The README's real-shape table: peak memory and in-loop CPU time per update, ours / TRL, from speed.py's result
-files, optionally beside the same figures of an earlier run (say, before a change).
+files, optionally beside the same figures of runs with glibc's mmap threshold fixed and of an earlier run (say,
+before a change). The README's command:
 
     python benchmark/speed_compare.py benchmark/results/speed_tldr.json benchmark/results/speed_tldr_qwen.json \
-        benchmark/results/speed_grpo.json --before benchmark/results/speed_tldr_before.json \
-        benchmark/results/speed_tldr_qwen_before.json benchmark/results/speed_grpo_before.json
+        benchmark/results/speed_grpo.json benchmark/results/speed_grpo_rloo.json \
+        --fixed_threshold benchmark/results/speed_tldr_fixed_threshold.json \
+        benchmark/results/speed_tldr_qwen_fixed_threshold.json benchmark/results/speed_grpo_fixed_threshold.json \
+        --before benchmark/results/speed_tldr_before.json benchmark/results/speed_tldr_qwen_before.json
 
-Each file is one preset (speed.py --preset ...); `--before` files are matched to them by preset, and so are
-`--fixed_threshold` files: runs with `--malloc_mmap_threshold`, whose peaks leave out the freed blocks glibc keeps
-(speed.py's flag says how), shown in their own columns. A later file
-of the same preset (a rerun of some algorithms, `--algorithms ppo`) replaces the rows it has figures for. Ratios are those
-of the same run (ours and TRL measured side by side), so runs under different loads can be set beside each other.
+Each file is one preset (speed.py --preset ...). A later file of the same preset (a rerun of some algorithms,
+`--algorithms rloo`) replaces the rows it has figures for. `--fixed_threshold` files (runs with speed.py's
+`--malloc_mmap_threshold`, whose peaks leave out the freed blocks glibc keeps) and `--before` files are matched to
+them by preset and shown in their own columns. Ratios are those of the same run (ours and TRL measured side by
+side), so runs under different loads can be set beside each other.
 """
 
 from __future__ import annotations
