@@ -427,7 +427,7 @@ def child_env(args: Args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONHASHSEED": "0"}  # fmt: skip
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # only the flag sets it, so the results record it
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if args.malloc_mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     return env

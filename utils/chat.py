@@ -149,9 +149,8 @@ def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
         if head != done:
             pieces.append((head[len(done) :], False))
         text = full[len(head) :]
-        if (
-            message["role"] == "assistant"
-        ):  # its end of turn is the EOS: the separator after it is not its own
+        if message["role"] == "assistant":
+            # its end of turn is the EOS: the separator after it is not its own
             turn = end_at_eos(text, tokenizer.eos_token)
             pieces += [(turn, True), (text[len(turn) :], False)]
         else:
