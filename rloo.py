@@ -518,6 +518,7 @@ def main(args: Args) -> dict:
 
         # 7. Policy update: epochs over the shuffled batch; every gradient_accumulation_steps micro-batches make
         # one mini-batch and one optimizer step (accelerate counts them), num_mini_batches steps per epoch.
+        utils.run.release_freed_host_memory()  # the rollout's freed blocks, before training allocates
         policy.train()
         stats = torch.zeros(4, device=device)  # sums over micro-batches: loss, approxkl, clipfrac, entropy
         ratio_sums = torch.zeros(3, device=device)  # sums of ratio - 1, (ratio - 1)^2 (exact near 1), count

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import ROOT, run_script
 from utils import checkpoint, run, tracking
 
 
@@ -215,3 +215,46 @@ def test_tracker_resume_drops_later_steps(tmp_path):
     with open(tmp_path / "r" / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps == [1, 2, 3, 4]
+
+
+def test_release_freed_host_memory_returns_the_heaps_freed_pages():
+    """What glibc keeps after a rollout-like phase leaves RSS when the scripts call release_freed_host_memory.
+    In a child process, so this process's allocator is left as it was. Where the C library has no malloc_trim
+    the call must still be harmless."""
+    import ctypes
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(
+        """
+        import ctypes, sys
+        sys.path.insert(0, sys.argv[1])
+        from utils import run
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+        def rss_mib():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096 / 2**20
+
+        mib = 2**20
+        libc.free(libc.malloc(8 * mib))  # a freed mapped block raises glibc's threshold: 1 MiB blocks now use the heap
+        blocks = [libc.malloc(mib) for _ in range(200)]
+        for block in blocks:
+            libc.memset(block, 1, mib)
+        for block in blocks[:-1]:  # the last one keeps the heap's top in use, so glibc does not shrink it itself
+            libc.free(block)
+        before = rss_mib()
+        run.release_freed_host_memory()
+        print(before, rss_mib())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True
+    )
+    if getattr(ctypes.CDLL(None), "malloc_trim", None) is None or not os.path.exists("/proc/self/statm"):
+        return  # ran without error: all that is promised without glibc
+    before, after = map(float, result.stdout.split())
+    assert before - after > 150, (before, after)
