@@ -4,6 +4,8 @@ before a change). The README's command:
 
     python benchmark/speed_compare.py benchmark/results/speed_tldr.json benchmark/results/speed_tldr_qwen.json \
         benchmark/results/speed_grpo.json benchmark/results/speed_grpo_rloo.json \
+        benchmark/results/speed_tldr_rloo_heap_release.json benchmark/results/speed_tldr_qwen_rloo_heap_release.json \
+        benchmark/results/speed_grpo_rloo_heap_release.json \
         --fixed_threshold benchmark/results/speed_tldr_fixed_threshold.json \
         benchmark/results/speed_tldr_qwen_fixed_threshold.json benchmark/results/speed_grpo_fixed_threshold.json \
         --before benchmark/results/speed_tldr_before.json benchmark/results/speed_tldr_qwen_before.json

@@ -313,7 +313,7 @@ def release_freed_host_memory() -> None:
     freed heap pages resident. rloo.py calls this between its rollout and its training step: its batched sampling
     frees many such blocks, and without this the training step's blocks piled up on top of them. On a CPU at the
     GRPO shape (rloo.py as `benchmark/speed.py --preset grpo` runs it) its peak RSS was 3065-3147 MiB without it
-    and 2400-2465 MiB with it (4 runs each), at the same CPU time. The other RL scripts do not call it: at the
+    (3 runs) and 2400-2681 MiB with it (4 runs), at the same CPU time. The other RL scripts do not call it: at the
     same place it left the peaks of ppo.py and online_dpo.py within 4% and made grpo.py's higher and erratic
     (2168-2535 MiB in 3 runs, against 2110-2168), and trimming before rloo.py's rollout as well raised its peak
     to 2774-2884 MiB. With CUDA tensors the host heap is small and this changes little."""
