@@ -1,6 +1,7 @@
 """The run skeleton every script shares: command line and error handling, the accelerator (one process, DDP,
 DeepSpeed ZeRO-2/3, on CPU or GPU), frozen models in the trained model's precision, generation under ZeRO-3,
-gradient clipping that DeepSpeed honours, the fused AdamW every script trains with, and the end of a run.
+gradient clipping that DeepSpeed honours, the fused AdamW every script trains with, handing freed host memory
+back between phases, and the end of a run.
 Metrics and the non-finite guard are utils/tracking.py; checkpoints utils/checkpoint.py.
 
 A script's `__main__` is one line, `utils.run.run_cli(Args, main)`. Bad input raises `ValueError` with one
@@ -319,7 +320,10 @@ def release_freed_host_memory() -> None:
     to 2774-2884 MiB. With CUDA tensors the host heap is small and this changes little."""
     import ctypes
 
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):  # Windows has no process-wide handle to load
+        return
     if trim is not None:
         trim(0)
 
