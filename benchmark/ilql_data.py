@@ -7,7 +7,8 @@ For every prompt of `--train_split` (and of `--test_split`), `--num_completions`
 `--response_length` tokens are sampled at `--temperature` and cut after EOS, as the RL scripts sample them. Each
 completion gets one reward: the reward model's score (`--judge reward_model`, read at the EOS, as ppo.py and
 rloo.py read it, minus `--missing_eos_penalty` when it has none) or the tiny world's gold score (`--judge gold`,
-from the rows' hidden `facts`). Writes a DatasetDict (save_to_disk) with `train` and `validation` splits of
+from the rows' hidden `facts`), minus `--reward_baseline`: a shift by a function of the prompt's own samples,
+which leaves the order of its completions as it was and takes out what a reward model adds per post. Writes a DatasetDict (save_to_disk) with `train` and `validation` splits of
 prompt, completion, reward (the columns ilql.py reads), plus `score_rm` / `score_gold` when they can be computed
 and `has_eos`, and a `summary.json` of the means.
 """
@@ -52,12 +53,28 @@ class Args:
     """tokens sampled per completion (then cut after EOS)"""
     missing_eos_penalty: float | None = None
     """subtracted from the reward model's score of a completion with no EOS"""
+    reward_baseline: Literal["none", "prompt_mean"] = "none"
+    """subtracted from each reward: nothing, or the mean reward of its prompt's completions"""
     max_prompts: int | None = None
     """use only the first N prompts of each split"""
     batch_size: int = 64
     """rows sampled and scored at once"""
     seed: int = 0
     """seed of the sampling"""
+
+
+def subtract_prompt_baseline(rewards: torch.Tensor, baseline: str) -> torch.Tensor:
+    """Each completion's reward relative to the other completions of its prompt.
+
+    rewards: [k, b], k completions of each of b prompts. `prompt_mean`: r_i - (1/k) sum_j r_j, which is
+    (k-1)/k times the leave-one-out r_i - 1/(k-1) sum_{j != i} r_j (an estimate of r_i minus the prompt's
+    expected reward); ilql.py's reward normalization makes the two the same. The shift depends only on the
+    prompt's own samples: it keeps the order of a prompt's completions and takes out what differs between
+    prompts (for a reward model, its bias towards some posts' words).
+    """
+    if baseline == "none":
+        return rewards
+    return rewards - rewards.mean(0, keepdim=True)
 
 
 @torch.no_grad()
@@ -75,6 +92,7 @@ def sample_split(args: Args, split: str, model, tokenizer, reward_model, generat
     for start in range(0, len(dataset), args.batch_size):
         batch = dataset[start : start + args.batch_size]
         prompt_ids = utils.tokenize_prompts(tokenizer, batch["prompt"])
+        first = len(rows)
         for _ in range(args.num_completions):
             responses, lengths = utils.complete(model, tokenizer, prompt_ids, args.response_length,
                                                 args.batch_size, args.temperature, generator)  # fmt: skip
@@ -96,6 +114,11 @@ def sample_split(args: Args, split: str, model, tokenizer, reward_model, generat
                     row["score_gold"] = gold(batch["facts"][i], completion)
                 row["reward"] = row["score_rm"] if args.judge == "reward_model" else row["score_gold"]
                 rows.append(row)
+        batch_rows = rows[first:]  # completion-major: row c * b + i is completion c of prompt i
+        rewards = torch.tensor([r["reward"] for r in batch_rows], dtype=torch.float64)
+        rewards = subtract_prompt_baseline(rewards.view(args.num_completions, -1), args.reward_baseline)
+        for row, reward in zip(batch_rows, rewards.flatten().tolist()):
+            row["reward"] = reward
     return rows
 
 
@@ -107,6 +130,9 @@ def main(args: Args) -> dict:
         raise ValueError("--judge reward_model needs --reward_model_path.")
     if args.num_completions < 1 or args.temperature <= 0:
         raise ValueError("--num_completions must be at least 1 and --temperature positive.")
+    if args.reward_baseline != "none" and args.num_completions < 2:
+        raise ValueError(f"--reward_baseline {args.reward_baseline} compares completions of one prompt: it needs "
+                         "--num_completions 2 or more.")  # fmt: skip
     torch.manual_seed(args.seed)
     tokenizer = utils.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
     model = utils.from_pretrained(AutoModelForCausalLM, args.model_path, "--model_path").eval()

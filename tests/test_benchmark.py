@@ -200,3 +200,37 @@ def test_speed_runs_set_glibcs_mmap_threshold_only_from_the_flag(monkeypatch):
     assert "MALLOC_MMAP_THRESHOLD_" not in child_env(Args())
     env = child_env(Args(malloc_mmap_threshold=131072, threads=2))
     assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_ilql_reward_baseline_is_the_mean_of_the_prompts_completions():
+    import random
+
+    import torch
+    from ilql_data import subtract_prompt_baseline
+
+    rng = random.Random(0)
+    k, b = 3, 5
+    rewards = [
+        [rng.gauss(0, 1) for _ in range(b)] for _ in range(k)
+    ]  # rewards[c][i]: completion c of prompt i
+    centred = subtract_prompt_baseline(torch.tensor(rewards, dtype=torch.float64), "prompt_mean")
+    for i in range(b):
+        for c in range(k):
+            others = [rewards[j][i] for j in range(k) if j != c]
+            assert centred[c, i].item() == pytest.approx(rewards[c][i] - (rewards[c][i] + sum(others)) / k)
+            leave_one_out = rewards[c][i] - sum(others) / (k - 1)  # the same up to the factor (k-1)/k
+            assert centred[c, i].item() == pytest.approx((k - 1) / k * leave_one_out)
+    two = torch.tensor([[1.0, 5.0], [3.0, 2.0]])  # two completions: +-half the gap
+    assert subtract_prompt_baseline(two, "prompt_mean").tolist() == [[-1.0, 1.5], [1.0, -1.5]]
+    assert subtract_prompt_baseline(two, "none").tolist() == two.tolist()
+
+
+def test_ilql_data_refuses_a_baseline_with_one_completion_per_prompt(world, tmp_path):
+    result = run_script(
+        ["benchmark/ilql_data.py", "--model_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
+         "--dataset_name", str(world / "dataset"), "--num_completions", "1", "--reward_baseline", "prompt_mean",
+         "--output_dir", str(tmp_path / "data")],
+        check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "needs --num_completions 2 or more" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "data").exists()
