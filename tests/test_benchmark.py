@@ -34,19 +34,29 @@ def test_evaluate_judges_references_against_themselves_as_ties(world, tmp_path):
 )
 def test_quick_pipeline_produces_every_model_and_win_rate(tmp_path):
     run_script(
-        ["benchmark/tiny_tldr.py", "--quick", "--work_dir", str(tmp_path / "work"),
+        ["benchmark/tiny_tldr.py", "--quick", "--first_seed", "1", "--work_dir", str(tmp_path / "work"),
          "--results_dir", str(tmp_path / "results")],
         timeout=600,
     )  # fmt: skip
     result = json.loads((tmp_path / "results" / "tiny_tldr_quick.json").read_text())
     seed = result["per_seed"][0]
-    for method in ("sft", "reward", "ppo", "rloo", "dpo"):
-        assert (tmp_path / "work" / "seed0" / method / "config.json").exists()
+    assert seed["seed"] == 1 and len(result["per_seed"]) == 1
+    for method in ("sft", "reward", "ppo", "rloo", "dpo", "ilql"):
+        assert (tmp_path / "work" / "seed1" / method / "config.json").exists()
     for method in ("sft", "ppo", "rloo", "dpo"):
         assert 0.0 <= seed["win_rates"][method]["win_rate"] <= 1.0 and seed["win_rates"][method]["n"] > 0
     assert seed["reward_model_accuracy"] is not None and seed["sft_eval_loss"] > 0
     assert set(seed["against_sft"]) == {"ppo", "rloo", "dpo", "online_dpo", "ilql"}
     assert "win_rate_minus_sft" in result["summary"]["ppo"]
+    from datasets import load_from_disk
+
+    ilql_rows = load_from_disk(str(tmp_path / "work" / "seed1" / "ilql_data"))["train"]
+    by_prompt = {}  # ILQL's rewards are relative to each prompt's samples: they sum to zero per prompt
+    for prompt, reward, score in zip(ilql_rows["prompt"], ilql_rows["reward"], ilql_rows["score_rm"]):
+        by_prompt.setdefault(prompt, []).append((reward, score))
+    assert all(len(pairs) == 2 for pairs in by_prompt.values())
+    for (r1, s1), (r2, s2) in by_prompt.values():
+        assert r1 + r2 == pytest.approx(0, abs=1e-6) and r1 - r2 == pytest.approx(s1 - s2, abs=1e-5)
 
 
 def test_resume_reuses_a_stage_only_when_its_command_is_unchanged(tmp_path):
