@@ -8,9 +8,10 @@ For every prompt of `--train_split` (and of `--test_split`), `--num_completions`
 completion gets one reward: the reward model's score (`--judge reward_model`, read at the EOS, as ppo.py and
 rloo.py read it, minus `--missing_eos_penalty` when it has none) or the tiny world's gold score (`--judge gold`,
 from the rows' hidden `facts`), minus `--reward_baseline`: a shift by a function of the prompt's own samples,
-which leaves the order of its completions as it was and takes out what a reward model adds per post. Writes a DatasetDict (save_to_disk) with `train` and `validation` splits of
-prompt, completion, reward (the columns ilql.py reads), plus `score_rm` / `score_gold` when they can be computed
-and `has_eos`, and a `summary.json` of the means.
+which leaves the order of its completions as it was and takes out what a reward model adds per post. Writes a
+DatasetDict (save_to_disk) with `train` and `validation` splits of prompt, completion, reward (the columns
+ilql.py reads), plus `score_rm` / `score_gold` when they can be computed and `has_eos`, and a `summary.json` of
+the means.
 """
 
 from __future__ import annotations

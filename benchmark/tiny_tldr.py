@@ -2,7 +2,7 @@
 
     python benchmark/tiny_tldr.py                 # one seed, every method: 22 minutes on 2 CPU cores
     python benchmark/tiny_tldr.py --seeds 3       # mean and standard deviation over seeds 0, 1, 2
-    python benchmark/tiny_tldr.py --first_seed 5  # a seed outside the committed table: does it land in its intervals?
+    python benchmark/tiny_tldr.py --first_seed 5  # seed 5 alone: does it land in the table's intervals?
     python benchmark/tiny_tldr.py --quick         # a minute-long plumbing check (used by the tests)
 
 Every stage runs the scripts through their real command lines, exactly as a user would. Each trained policy
@@ -479,12 +479,8 @@ def main(args: Args) -> dict:
     with Progress() as progress:
         task = progress.add_task("tiny TL;DR", total=args.seeds * (len(NEEDS) + len(METHODS)))
         with ThreadPoolExecutor(args.parallel_seeds) as pool:
-            per_seed = list(
-                pool.map(
-                    lambda seed: run_seed(args, seed, progress, task),
-                    range(args.first_seed, args.first_seed + args.seeds),
-                )
-            )
+            seeds = range(args.first_seed, args.first_seed + args.seeds)
+            per_seed = list(pool.map(lambda seed: run_seed(args, seed, progress, task), seeds))
     summary = summarize(per_seed)
     result = {
         "summary": summary,
