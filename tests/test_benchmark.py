@@ -220,9 +220,8 @@ def test_ilql_reward_baseline_is_the_mean_of_the_prompts_completions():
 
     rng = random.Random(0)
     k, b = 3, 5
-    rewards = [
-        [rng.gauss(0, 1) for _ in range(b)] for _ in range(k)
-    ]  # rewards[c][i]: completion c of prompt i
+    # rewards[c][i]: completion c of prompt i
+    rewards = [[rng.gauss(0, 1) for _ in range(b)] for _ in range(k)]
     centred = subtract_prompt_baseline(torch.tensor(rewards, dtype=torch.float64), "prompt_mean")
     for i in range(b):
         for c in range(k):
