@@ -55,6 +55,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,6 +126,10 @@ class Args:
     None keeps glibc's default, whose threshold grows to the largest block freed so far (up to 32 MiB): blocks
     below it then come from the heap, and freed ones stay resident, so peak RSS counts memory nobody holds.
     A fixed threshold returns every large block to the system when it is freed: peaks are what is held"""
+    live_heap: bool = True
+    """also measure each run's peak live heap, the bytes held through malloc (tensors, Python objects), and the
+    checkpoint files mapped: a counting shim (benchmark/live_heap.c, built with the system's C compiler `cc`)
+    loaded into every side with LD_PRELOAD. Freed blocks that glibc keeps resident are not in it"""
     parallel: int = 6
     """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
     so each pair sees the same load on a shared machine; 6: two algorithms at a time)"""
@@ -253,13 +258,19 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with open(spec_path) as f:
         spec = json.load(f)
-    step_times, step_cpu_times = [], []
+    step_times, step_cpu_times, checkpoints = [], [], [0]
 
     def timed(optimizer, args, kwargs):
         step_times.append(time.time())
         step_cpu_times.append(time.process_time())
+        checkpoints[0] = max(checkpoints[0], checkpoints_mapped_kib())  # a few ms, once per optimizer step
 
     register_optimizer_step_post_hook(timed)
+    for name in (
+        "LD_PRELOAD",
+        "LIVE_HEAP_OUTPUT",
+    ):  # the live-heap shim measures this process, not its children
+        os.environ.pop(name, None)
     peak_anon = [0]
 
     def watch_memory():  # private memory (heap, tensors), free of the shared-library pages that RSS also counts
@@ -290,8 +301,22 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
         with open(timing_path, "w") as f:
             json.dump(
                 {"step_times": step_times, "step_cpu_times": step_cpu_times, "peak_anon_kib": peak_anon[0],
+                 "checkpoints_mapped_kib": max(checkpoints[0], checkpoints_mapped_kib()),
                  "forward_shapes": forward_shapes}, f
             )  # fmt: skip
+
+
+def checkpoints_mapped_kib() -> int:
+    """KiB of the safetensors files this process has mapped: the weights of every model loaded from disk, which
+    transformers leaves in the file's mapping on a CPU (on every side), so the live heap does not count them."""
+    mapped = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 5 and fields[5].endswith(".safetensors"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mapped[fields[0]] = (end - start) // 1024
+    return sum(mapped.values())
 
 
 def record_forward_shapes() -> dict:
@@ -433,12 +458,31 @@ def child_env(args: Args) -> dict:
     return env
 
 
+def live_heap_library(work_dir: str) -> str:
+    """benchmark/live_heap.c built into `work_dir` (once; again when the source is newer); its path."""
+    source = os.path.join(HERE, "live_heap.c")
+    library = os.path.join(os.path.abspath(work_dir), "live_heap.so")
+    if not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(source):
+        if shutil.which("cc") is None:
+            raise ValueError("--live_heap builds benchmark/live_heap.c with `cc`, which is not installed; "
+                             "install a C compiler or pass --no_live_heap.")  # fmt: skip
+        os.makedirs(os.path.dirname(library), exist_ok=True)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
+    return library
+
+
 def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> dict:
     """One child process; returns throughput, wall time, peak RSS and the time before/after the loop."""
     spec_path, timing_path = log_path + ".spec.json", log_path + ".timing.json"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = child_env(args)
+    live_heap_path = log_path + ".live_heap"
+    if args.live_heap:
+        env["LD_PRELOAD"] = " ".join(filter(None, [live_heap_library(args.work_dir), env.get("LD_PRELOAD")]))
+        env["LIVE_HEAP_OUTPUT"] = live_heap_path
+        if os.path.exists(live_heap_path):
+            os.remove(live_heap_path)
     command = [python, os.path.abspath(__file__), "child", side, spec_path, timing_path]
     with open(log_path, "w") as log:
         start = time.time()
@@ -457,6 +501,12 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
     with open(timing_path) as f:
         timing = json.load(f)
     times = timing["step_times"]
+    live = {}
+    if args.live_heap:  # the shim writes the peak when the process exits
+        with open(live_heap_path) as f:
+            live["peak_live_heap_mib"] = int(f.read()) / 2**20
+        live["checkpoints_mapped_mib"] = timing["checkpoints_mapped_kib"] / 1024
+        live["peak_held_mib"] = live["peak_live_heap_mib"] + live["checkpoints_mapped_mib"]
     return {
         "throughput": in_loop_throughput(times, spec),
         "throughput_cpu": in_loop_throughput(timing["step_cpu_times"], spec),
@@ -467,6 +517,7 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
         "wall_s": wall,
         "peak_rss_mib": usage.ru_maxrss / 1024,
         "peak_anon_mib": timing["peak_anon_kib"] / 1024,
+        **live,
         "before_loop_s": times[0] - start,
         "loop_s": times[-1] - times[0],
         "after_loop_s": start + wall - times[-1],
@@ -495,10 +546,15 @@ def summarize(runs: dict) -> dict:
             "cpu_s",
             "peak_rss_mib",
             "peak_anon_mib",
+            "peak_live_heap_mib",
+            "checkpoints_mapped_mib",
+            "peak_held_mib",
             "before_loop_s",
             "after_loop_s",
         ):
             values = {side: [run and run.get(figure) for run in sides[side]] for side in sides}
+            if not any(x is not None for v in values.values() for x in v):
+                continue  # a figure this run did not measure (the live heap without --live_heap)
             entry[figure] = {side: statistics.median([x for x in v if x is not None])
                              for side, v in values.items() if any(x is not None for x in v)}  # fmt: skip
             for other in ("trl", "bare"):
@@ -545,6 +601,7 @@ def memory_table(summary: dict) -> str:
     """Per figure (peak RSS, peak private memory, in-loop CPU and wall seconds per update, whole-process wall):
     ours / TRL / bare medians, then the ratios ours / TRL and ours / bare (medians over the pairs)."""
     figures = [("peak_rss_mib", "peak RSS MiB", 0), ("peak_anon_mib", "peak private MiB", 0),
+               ("peak_held_mib", "peak held MiB", 0),
                ("cpu_per_update_s", "CPU s / update", 1), ("wall_per_update_s", "wall s / update", 1),
                ("wall_s", "process wall s", 0)]  # fmt: skip
     head = " | ".join(f"{label}: ours / TRL / bare | ours / TRL | ours / bare" for _, label, _ in figures)
@@ -703,6 +760,8 @@ def main(args: Args) -> dict:
         return result
 
     os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    if args.live_heap:
+        live_heap_library(work)  # built once here, before runs start in parallel
     if args.from_runs:
         with open(args.from_runs) as f:
             runs = json.load(f)
