@@ -67,6 +67,10 @@ int posix_memalign(void **result, size_t alignment, size_t size) {  /* torch's C
     return 0;
 }
 
+/* For tests and probes: ctypes.CDLL(None).live_heap_bytes() in a process that loaded the shim. */
+long live_heap_bytes(void) { return __atomic_load_n(&live_bytes, __ATOMIC_RELAXED); }
+long live_heap_peak_bytes(void) { return __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED); }
+
 static char output[4096];
 
 __attribute__((constructor)) static void read_output(void) {

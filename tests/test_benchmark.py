@@ -243,3 +243,57 @@ def test_ilql_data_refuses_a_baseline_with_one_completion_per_prompt(world, tmp_
     )  # fmt: skip
     assert result.returncode != 0 and "needs --num_completions 2 or more" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "data").exists()
+
+
+LIVE_HEAP_CHECK = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.calloc.restype = libc.realloc.restype = ctypes.c_void_p
+libc.realloc.argtypes, libc.free.argtypes = [ctypes.c_void_p, ctypes.c_size_t], [ctypes.c_void_p]
+live, peak = libc.live_heap_bytes, libc.live_heap_peak_bytes
+live.restype = peak.restype = ctypes.c_long
+import torch
+MB = 2**20
+start = live()
+block = torch.empty(50 * MB, dtype=torch.uint8)  # torch's CPU allocator: posix_memalign
+after_alloc, peak_50 = live() - start, peak() - start
+del block
+after_free = live() - start
+for _ in range(10):  # freed at once: the peak must not add them up
+    torch.empty(20 * MB, dtype=torch.uint8)
+peak_after_loop = peak() - start
+p = libc.calloc(1, 10 * MB)
+after_calloc = live() - start
+p = libc.realloc(p, 30 * MB)
+after_realloc = live() - start
+libc.free(p)
+print(after_alloc, peak_50, after_free, peak_after_loop, after_calloc, after_realloc, live() - start, peak())
+"""
+
+
+def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
+    """benchmark/live_heap.c against allocations of known sizes: torch's tensors (posix_memalign), calloc,
+    realloc and free through the C library; a freed block leaves the count, and the peak is the most held at once.
+    """
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the shim")
+    library = tmp_path / "live_heap.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(ROOT / "benchmark/live_heap.c")],
+                   check=True)  # fmt: skip
+    output = tmp_path / "peak.txt"
+    env = {**os.environ, "LD_PRELOAD": str(library), "LIVE_HEAP_OUTPUT": str(output), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", LIVE_HEAP_CHECK], env=env, capture_output=True, text=True,
+                            check=True)  # fmt: skip
+    alloc, peak_50, freed, peak_loop, calloc, realloc, end, peak = map(int, result.stdout.split())
+    MB, slack = 2**20, 2**18  # glibc rounds each block up by at most a page; Python's own objects come and go
+    assert 50 * MB <= alloc < 50 * MB + slack and 50 * MB <= peak_50 < 50 * MB + slack
+    assert abs(freed) < slack
+    assert peak_loop < 50 * MB + slack  # ten 20 MB blocks, one at a time, stay under the 50 MB one
+    assert 10 * MB <= calloc - freed < 10 * MB + slack and 30 * MB <= realloc - freed < 30 * MB + slack
+    assert abs(end - freed) < slack
+    assert int(output.read_text()) >= peak  # the peak written at exit
