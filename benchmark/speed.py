@@ -127,9 +127,10 @@ class Args:
     below it then come from the heap, and freed ones stay resident, so peak RSS counts memory nobody holds.
     A fixed threshold returns every large block to the system when it is freed: peaks are what is held"""
     live_heap: bool = True
-    """also measure each run's peak live heap, the bytes held through malloc (tensors, Python objects), and the
-    checkpoint files mapped: a counting shim (benchmark/live_heap.c, built with the system's C compiler `cc`)
-    loaded into every side with LD_PRELOAD. Freed blocks that glibc keeps resident are not in it"""
+    """also measure each run's peak live heap (the bytes held through malloc: tensors, Python objects, buffers),
+    its peak tensor bytes (torch's CPU allocations) and the checkpoint files mapped (the loaded weights): a
+    counting shim (benchmark/live_heap.c, built with the system's C compiler `cc`) loaded into every side with
+    LD_PRELOAD. Freed blocks that glibc keeps resident are in none of them. Held = tensors + checkpoints"""
     parallel: int = 6
     """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
     so each pair sees the same load on a shared machine; 6: two algorithms at a time)"""
@@ -459,7 +460,7 @@ def child_env(args: Args) -> dict:
 
 
 def live_heap_library(work_dir: str) -> str:
-    """benchmark/live_heap.c built into `work_dir` (once; again when the source is newer); its path."""
+    """benchmark/live_heap.c built into `work_dir` (again when the source is newer than the build); its path."""
     source = os.path.join(HERE, "live_heap.c")
     library = os.path.join(os.path.abspath(work_dir), "live_heap.so")
     if not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(source):
@@ -478,8 +479,9 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
         json.dump(spec, f)
     env = child_env(args)
     live_heap_path = log_path + ".live_heap"
-    if args.live_heap:
-        env["LD_PRELOAD"] = " ".join(filter(None, [live_heap_library(args.work_dir), env.get("LD_PRELOAD")]))
+    if args.live_heap:  # built by main() before the runs
+        library = os.path.join(os.path.abspath(args.work_dir), "live_heap.so")
+        env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
         env["LIVE_HEAP_OUTPUT"] = live_heap_path
         if os.path.exists(live_heap_path):
             os.remove(live_heap_path)
@@ -502,11 +504,16 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
         timing = json.load(f)
     times = timing["step_times"]
     live = {}
-    if args.live_heap:  # the shim writes the peak when the process exits
+    if args.live_heap:  # the shim writes its peaks when the process exits
         with open(live_heap_path) as f:
-            live["peak_live_heap_mib"] = int(f.read()) / 2**20
-        live["checkpoints_mapped_mib"] = timing["checkpoints_mapped_kib"] / 1024
-        live["peak_held_mib"] = live["peak_live_heap_mib"] + live["checkpoints_mapped_mib"]
+            heap, tensors, overflow = (int(x) for x in f.read().split())
+        if overflow:
+            raise RuntimeError(
+                f"{side} {spec['algorithm']}: the live-heap shim's table of tensor blocks overflowed"
+            )
+        checkpoints = timing["checkpoints_mapped_kib"] / 1024
+        live = {"peak_live_heap_mib": heap / 2**20, "peak_tensor_mib": tensors / 2**20,
+                "checkpoints_mapped_mib": checkpoints, "peak_held_mib": tensors / 2**20 + checkpoints}  # fmt: skip
     return {
         "throughput": in_loop_throughput(times, spec),
         "throughput_cpu": in_loop_throughput(timing["step_cpu_times"], spec),
@@ -547,6 +554,7 @@ def summarize(runs: dict) -> dict:
             "peak_rss_mib",
             "peak_anon_mib",
             "peak_live_heap_mib",
+            "peak_tensor_mib",
             "checkpoints_mapped_mib",
             "peak_held_mib",
             "before_loop_s",

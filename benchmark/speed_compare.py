@@ -10,6 +10,11 @@ before a change). The README's command:
         benchmark/results/speed_tldr_qwen_fixed_threshold.json benchmark/results/speed_grpo_fixed_threshold.json \
         --before benchmark/results/speed_tldr_before.json benchmark/results/speed_tldr_qwen_before.json
 
+The held-memory table (runs with speed.py's live-heap shim, which every run has by default):
+
+    python benchmark/speed_compare.py --held benchmark/results/speed_tldr_live_heap.json \
+        benchmark/results/speed_tldr_qwen_live_heap.json benchmark/results/speed_grpo_live_heap.json
+
 Each file is one preset (speed.py --preset ...). A later file of the same preset (a rerun of some algorithms,
 `--algorithms rloo`) replaces the rows it has figures for. `--fixed_threshold` files (runs with speed.py's
 `--malloc_mmap_threshold`, whose peaks leave out the freed blocks glibc keeps) and `--before` files are matched to
@@ -45,12 +50,32 @@ def load(path: str) -> tuple[str, dict]:
     return args["preset"], {"name": name, "summary": data["summary"]}
 
 
+def held_table(paths: list[str]) -> None:
+    """Per run: peak RSS, peak live heap, peak tensor bytes, the checkpoints mapped, held (tensors + checkpoints),
+    ours / TRL with both figures, and CPU per update."""
+    metrics = ["peak_rss_mib", "peak_live_heap_mib", "peak_tensor_mib", "checkpoints_mapped_mib", "peak_held_mib",
+               "cpu_per_update_s"]  # fmt: skip
+    header = ["shape", "algorithm", "peak RSS ours / TRL (MiB)", "peak live heap", "peak tensors", "checkpoints mapped",
+              "peak held (tensors + checkpoints)", "CPU s per update ours / TRL"]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for path in paths:
+        _, result = load(path)
+        for algorithm in ALGORITHMS:
+            if algorithm in result["summary"]:
+                cells = [ratio(result["summary"], algorithm, m) for m in metrics]
+                print("| " + " | ".join([result["name"], algorithm, *cells]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="speed.py result files, one per preset")
+    parser.add_argument("--held", action="store_true", help="the held-memory table of the files instead")
     parser.add_argument("--before", nargs="*", default=[], help="earlier result files of the same presets")
     parser.add_argument("--fixed_threshold", nargs="*", default=[], help="runs with --malloc_mmap_threshold")
     args = parser.parse_args()
+    if args.held:
+        return held_table(args.results)
     before = dict(load(p) for p in args.before)
     fixed = {}
     for path in args.fixed_threshold:  # a later file of a preset replaces the rows it has figures for

@@ -251,29 +251,37 @@ libc = ctypes.CDLL(None)
 libc.calloc.restype = libc.realloc.restype = ctypes.c_void_p
 libc.realloc.argtypes, libc.free.argtypes = [ctypes.c_void_p, ctypes.c_size_t], [ctypes.c_void_p]
 live, peak = libc.live_heap_bytes, libc.live_heap_peak_bytes
-live.restype = peak.restype = ctypes.c_long
+tensors, tensor_peak = libc.live_tensor_bytes, libc.live_tensor_peak_bytes
+live.restype = peak.restype = tensors.restype = tensor_peak.restype = ctypes.c_long
 import torch
 MB = 2**20
-start = live()
+start, tensor_start = live(), tensors()
 block = torch.empty(50 * MB, dtype=torch.uint8)  # torch's CPU allocator: posix_memalign
-after_alloc, peak_50 = live() - start, peak() - start
+heap = [live() - start, peak() - start]
+tensor = [tensors() - tensor_start, tensor_peak() - tensor_start]
 del block
-after_free = live() - start
+heap.append(live() - start)
+tensor.append(tensors() - tensor_start)
 for _ in range(10):  # freed at once: the peak must not add them up
     torch.empty(20 * MB, dtype=torch.uint8)
-peak_after_loop = peak() - start
-p = libc.calloc(1, 10 * MB)
-after_calloc = live() - start
+heap.append(peak() - start)
+tensor.append(tensor_peak() - tensor_start)
+p = libc.calloc(1, 10 * MB)  # heap, not tensors
+heap.append(live() - start)
 p = libc.realloc(p, 30 * MB)
-after_realloc = live() - start
+heap.append(live() - start)
+tensor.append(tensors() - tensor_start)
 libc.free(p)
-print(after_alloc, peak_50, after_free, peak_after_loop, after_calloc, after_realloc, live() - start, peak())
+heap += [live() - start, peak()]
+tensor.append(tensor_peak())
+print(*heap, *tensor)
 """
 
 
 def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
     """benchmark/live_heap.c against allocations of known sizes: torch's tensors (posix_memalign), calloc,
-    realloc and free through the C library; a freed block leaves the count, and the peak is the most held at once.
+    realloc and free through the C library; a freed block leaves the count, the peak is the most held at once, and
+    only torch's blocks count as tensors.
     """
     import os
     import shutil
@@ -289,11 +297,16 @@ def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
     env = {**os.environ, "LD_PRELOAD": str(library), "LIVE_HEAP_OUTPUT": str(output), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", LIVE_HEAP_CHECK], env=env, capture_output=True, text=True,
                             check=True)  # fmt: skip
-    alloc, peak_50, freed, peak_loop, calloc, realloc, end, peak = map(int, result.stdout.split())
+    alloc, peak_50, freed, peak_loop, calloc, realloc, end, peak, *tensor = map(int, result.stdout.split())
     MB, slack = 2**20, 2**18  # glibc rounds each block up by at most a page; Python's own objects come and go
     assert 50 * MB <= alloc < 50 * MB + slack and 50 * MB <= peak_50 < 50 * MB + slack
     assert abs(freed) < slack
     assert peak_loop < 50 * MB + slack  # ten 20 MB blocks, one at a time, stay under the 50 MB one
     assert 10 * MB <= calloc - freed < 10 * MB + slack and 30 * MB <= realloc - freed < 30 * MB + slack
     assert abs(end - freed) < slack
-    assert int(output.read_text()) >= peak  # the peak written at exit
+    t_alloc, t_peak_50, t_freed, t_peak_loop, t_after_realloc, t_peak = tensor
+    assert 50 * MB <= t_alloc < 50 * MB + 2**12 and 50 * MB <= t_peak_50 < 50 * MB + slack
+    assert t_freed == 0 and 50 * MB <= t_peak_loop < 50 * MB + slack
+    assert t_after_realloc == 0  # calloc and realloc are not tensors
+    heap_peak, tensor_peak, overflow = map(int, output.read_text().split())  # written at exit
+    assert heap_peak >= peak and tensor_peak >= t_peak and overflow == 0
