@@ -38,7 +38,12 @@ data preparation, training, saving) and the peak resident memory (`ru_maxrss` of
 process; the peak private memory (RssAnon, free of shared-library pages) is sampled every 20 ms in the child.
 glibc keeps freed heap blocks resident, so both peaks include memory no side holds any more; with
 `--malloc_mmap_threshold 131072` every side returns large blocks when it frees them (at some CPU cost to whoever
-reuses them most: see the README's Speed section).
+reuses them most: see the README's Speed section). What each side holds is counted exactly by a shim loaded into
+every run (benchmark/live_heap.c, built with `cc`; `--no_live_heap` leaves it out): the peak of the bytes held
+through malloc (live heap), the peak of torch's tensor bytes (the CPU's counterpart of
+torch.cuda.max_memory_allocated), and the checkpoint files mapped (the loaded weights, which live in the file's
+mapping on every side); held = peak tensors + checkpoints, the memory a GPU run would need before its allocator's
+own overhead.
 Every pass through the Llama body is counted by its [rows x tokens] shape and grad mode (`forward_shapes` of
 each run), so the work of two sides can be compared directly. Each figure is reported as our median, TRL's
 median and the median of the per-pair ratios with its min-max over the pairs (run i of ours with run i of TRL).

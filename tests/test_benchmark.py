@@ -310,3 +310,24 @@ def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
     assert t_after_realloc == 0  # calloc and realloc are not tensors
     heap_peak, tensor_peak, overflow = map(int, output.read_text().split())  # written at exit
     assert heap_peak >= peak and tensor_peak >= t_peak and overflow == 0
+
+
+def test_speed_counts_the_checkpoint_files_a_process_maps(tmp_path):
+    """The weights of a loaded model stay in its safetensors file's mapping (on every side), outside the heap:
+    speed.py adds the mapped size to the held memory, once per mapping, and nothing for other files."""
+    import mmap
+
+    from speed import checkpoints_mapped_kib
+
+    before = checkpoints_mapped_kib()
+    paths = {"model.safetensors": 3 * 2**20, "reward.safetensors": 2**20, "tokenizer.json": 2**20}
+    files, maps = [], []
+    for name, size in paths.items():
+        (tmp_path / name).write_bytes(b"\0" * size)
+        files.append(open(tmp_path / name, "rb"))
+        maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ))
+    assert checkpoints_mapped_kib() - before == 4 * 1024
+    for m, f in zip(maps, files):
+        m.close()
+        f.close()
+    assert checkpoints_mapped_kib() == before
