@@ -75,17 +75,18 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         count, vocab = hidden.size(0), weight.size(0)
         logprobs, entropy, mean_logit = (hidden.new_zeros(count, dtype=torch.float32) for _ in range(3))
         log_normalizer = torch.empty_like(logprobs)
+        logits_buffer, exp_buffer = (_tile_buffer(hidden, count, vocab) for _ in range(2))
         for rows, cols in _tiles(count, vocab):
             h = hidden[rows].to(compute_dtype)
             if cols.start == 0:
                 running_max = torch.full_like(logprobs[rows], float("-inf"))
                 sum_exp, sum_exp_logit = torch.zeros_like(running_max), torch.zeros_like(running_max)
-            logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype)
+            logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
-            exp = (logits - new_max[:, None]).exp()
+            exp = torch.sub(logits, new_max[:, None], out=_tile_view(exp_buffer, *logits.shape)).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
-            sum_exp_logit = sum_exp_logit * rescale + (exp * logits).sum(-1)
+            sum_exp_logit = sum_exp_logit * rescale + exp.mul_(logits).sum(-1)
             running_max = new_max
             mean_logit[rows] += logits.sum(-1) / vocab
             in_tile = (targets[rows] >= cols.start) & (targets[rows] < cols.stop)
@@ -107,14 +108,15 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device)
+        logits_buffer = _tile_buffer(hidden, hidden.size(0), weight.size(0))
         for rows, cols in _tiles(hidden.size(0), weight.size(0)):
             h = hidden[rows].to(compute_dtype)
-            probs = (_tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype)
-                     - log_normalizer[rows, None]).exp()  # fmt: skip
+            logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
+            probs = logits.sub_(log_normalizer[rows, None]).exp_()
             # d logprob / d raw logit = (onehot(target) - softmax) / temperature
             local = targets[rows] - cols.start
             in_tile = (local >= 0) & (local < probs.size(1))
-            grad_logits = -probs
+            grad_logits = probs.neg_()
             grad_logits[in_tile, local[in_tile]] += 1.0
             grad_logits *= grad_logprobs[rows, None] * inv_temperature
             g = grad_logits.to(compute_dtype)
@@ -134,12 +136,29 @@ def _tiles(count: int, vocab: int):
             yield slice(start, start + tokens), slice(col, min(col + width, vocab))
 
 
-def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype):
-    """float32 logits / temperature [n, width] of one tile."""
-    logits = (h @ weight[cols].to(compute_dtype).T).float()
+def _tile_buffer(hidden: torch.Tensor, count: int, vocab: int) -> torch.Tensor:
+    """float32 room for the largest tile of `count` tokens over `vocab` entries, reused by every tile of a pass, so
+    that a pass allocates its tile memory once, not a few times per tile (fewer allocations, and on a CPU fewer
+    freed blocks of that size for glibc to keep)."""
+    rows, cols = next(_tiles(count, vocab), (slice(0, 0), slice(0, 0)))
+    return hidden.new_empty(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.float32)
+
+
+def _tile_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The top-left [rows, cols] of `buffer`: a tile's room."""
+    return buffer[:rows, :cols]
+
+
+def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, buffer):
+    """float32 logits / temperature [n, width] of one tile, in `buffer` (a _tile_buffer)."""
+    out = _tile_view(buffer, h.size(0), cols.stop - cols.start)
+    if compute_dtype == torch.float32:
+        logits = torch.matmul(h, weight[cols].T, out=out)
+    else:
+        logits = out.copy_(h @ weight[cols].to(compute_dtype).T)
     if bias is not None:
-        logits = logits + bias[cols].float()
-    return logits * inv_temperature
+        logits.add_(bias[cols].float())
+    return logits.mul_(inv_temperature) if inv_temperature != 1.0 else logits
 
 
 def _tile_logprobs(head, hidden, targets, inv_temperature: float, with_stats: bool):
