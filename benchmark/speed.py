@@ -272,11 +272,9 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
         checkpoints[0] = max(checkpoints[0], checkpoints_mapped_kib())  # a few ms, once per optimizer step
 
     register_optimizer_step_post_hook(timed)
-    for name in (
-        "LD_PRELOAD",
-        "LIVE_HEAP_OUTPUT",
-    ):  # the live-heap shim measures this process, not its children
-        os.environ.pop(name, None)
+    # the live-heap shim measures this process, not its children
+    os.environ.pop("LD_PRELOAD", None)
+    os.environ.pop("LIVE_HEAP_OUTPUT", None)
     peak_anon = [0]
 
     def watch_memory():  # private memory (heap, tensors), free of the shared-library pages that RSS also counts
