@@ -269,7 +269,8 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
     def timed(optimizer, args, kwargs):
         step_times.append(time.time())
         step_cpu_times.append(time.process_time())
-        checkpoints[0] = max(checkpoints[0], checkpoints_mapped_kib())  # a few ms, once per optimizer step
+        if len(step_times) == 1:  # every model is loaded by the first step (read again at the end)
+            checkpoints[0] = checkpoints_mapped_kib()
 
     register_optimizer_step_post_hook(timed)
     # the live-heap shim measures this process, not its children
@@ -462,10 +463,14 @@ def child_env(args: Args) -> dict:
     return env
 
 
+def live_heap_path(work_dir: str) -> str:
+    """Where live_heap_library builds the shim."""
+    return os.path.join(os.path.abspath(work_dir), "live_heap.so")
+
+
 def live_heap_library(work_dir: str) -> str:
     """benchmark/live_heap.c built into `work_dir` (again when the source is newer than the build); its path."""
-    source = os.path.join(HERE, "live_heap.c")
-    library = os.path.join(os.path.abspath(work_dir), "live_heap.so")
+    source, library = os.path.join(HERE, "live_heap.c"), live_heap_path(work_dir)
     if not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(source):
         if shutil.which("cc") is None:
             raise ValueError("--live_heap builds benchmark/live_heap.c with `cc`, which is not installed; "
@@ -481,13 +486,12 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = child_env(args)
-    live_heap_path = log_path + ".live_heap"
+    peaks_path = log_path + ".live_heap"
     if args.live_heap:  # built by main() before the runs
-        library = os.path.join(os.path.abspath(args.work_dir), "live_heap.so")
-        env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
-        env["LIVE_HEAP_OUTPUT"] = live_heap_path
-        if os.path.exists(live_heap_path):
-            os.remove(live_heap_path)
+        env["LD_PRELOAD"] = " ".join(filter(None, [live_heap_path(args.work_dir), env.get("LD_PRELOAD")]))
+        env["LIVE_HEAP_OUTPUT"] = peaks_path
+        if os.path.exists(peaks_path):
+            os.remove(peaks_path)
     command = [python, os.path.abspath(__file__), "child", side, spec_path, timing_path]
     with open(log_path, "w") as log:
         start = time.time()
@@ -508,7 +512,7 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
     times = timing["step_times"]
     live = {}
     if args.live_heap:  # the shim writes its peaks when the process exits
-        with open(live_heap_path) as f:
+        with open(peaks_path) as f:
             heap, tensors, overflow = (int(x) for x in f.read().split())
         if overflow:
             raise RuntimeError(

@@ -288,11 +288,11 @@ def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
     import subprocess
     import sys
 
+    from speed import live_heap_library
+
     if shutil.which("cc") is None:
         pytest.skip("no C compiler to build the shim")
-    library = tmp_path / "live_heap.so"
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(ROOT / "benchmark/live_heap.c")],
-                   check=True)  # fmt: skip
+    library = live_heap_library(str(tmp_path))
     output = tmp_path / "peak.txt"
     env = {**os.environ, "LD_PRELOAD": str(library), "LIVE_HEAP_OUTPUT": str(output), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", LIVE_HEAP_CHECK], env=env, capture_output=True, text=True,
@@ -315,19 +315,25 @@ def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
 def test_speed_counts_the_checkpoint_files_a_process_maps(tmp_path):
     """The weights of a loaded model stay in its safetensors file's mapping (on every side), outside the heap:
     speed.py adds the mapped size to the held memory, once per mapping, and nothing for other files."""
+    import gc
     import mmap
 
     from speed import checkpoints_mapped_kib
 
-    before = checkpoints_mapped_kib()
-    paths = {"model.safetensors": 3 * 2**20, "reward.safetensors": 2**20, "tokenizer.json": 2**20}
-    files, maps = [], []
-    for name, size in paths.items():
-        (tmp_path / name).write_bytes(b"\0" * size)
-        files.append(open(tmp_path / name, "rb"))
-        maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ))
-    assert checkpoints_mapped_kib() - before == 4 * 1024
-    for m, f in zip(maps, files):
-        m.close()
-        f.close()
-    assert checkpoints_mapped_kib() == before
+    gc.collect()  # a model left by an earlier test in this worker must not be unmapped halfway through
+    gc.disable()
+    try:
+        before = checkpoints_mapped_kib()
+        paths = {"model.safetensors": 3 * 2**20, "reward.safetensors": 2**20, "tokenizer.json": 2**20}
+        files, maps = [], []
+        for name, size in paths.items():
+            (tmp_path / name).write_bytes(b"\0" * size)
+            files.append(open(tmp_path / name, "rb"))
+            maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ))
+        assert checkpoints_mapped_kib() - before == 4 * 1024
+        for m, f in zip(maps, files):
+            m.close()
+            f.close()
+        assert checkpoints_mapped_kib() == before
+    finally:
+        gc.enable()
