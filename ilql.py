@@ -48,6 +48,7 @@ import utils
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.generation
 import utils.run
 import utils.saving
 
@@ -352,7 +353,7 @@ def generate(model: ILQLModel, queries, query_mask, response_length: int, beta: 
         hidden, past = model.hidden(step_ids, mask, position_ids, past)
         scores = model.decode_scores(hidden[:, -1], beta, top_k)
         if temperature > 0:
-            next_ids = torch.multinomial((scores / temperature).softmax(-1), 1, generator=generator)
+            next_ids = utils.generation.sample_categorical((scores / temperature).softmax(-1), generator)
         else:
             next_ids = scores.argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, next_ids], 1)

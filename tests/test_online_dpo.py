@@ -304,14 +304,15 @@ def test_rule_based_reward_is_learned_by_a_copy_of_the_script(world, lab, tmp_pa
     flags = common_flags(tmp_path, "learn") + [
         "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:key_words",
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--temperature", "1.0",
-        "--per_device_train_batch_size", "16", "--max_steps", "12", "--learning_rate", "6e-3",
+        "--per_device_train_batch_size", "16", "--max_steps", "20", "--learning_rate", "6e-3",
         "--lr_scheduler_type", "constant", "--beta", "0.1",
     ]  # fmt: skip
     run_script(["online_dpo.py", *flags], cwd=copy, timeout=300)
     lines = read_metrics(tmp_path / "runs" / "learn")
     scores = [m["objective/scores"] for m in lines]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
-    assert first < 1.0 and last > first + 1.0, scores  # measured: 0.2 -> 3.0 key words
+    # measured with seeds 0-7: 0.2-0.4 -> 2.1-7.1 key words (after 12 updates the gain ranged 0.2-2.9)
+    assert first < 1.0 and last > first + 1.0, scores
     assert sum(m["rewards/accuracies"] for m in lines[-4:]) / 4 > 0.5
 
 

@@ -210,6 +210,29 @@ def test_generation_greedy_is_argmax_and_sampling_is_seeded(tiny_models):
     assert torch.equal(a, b)
 
 
+def test_sample_categorical_draws_each_token_with_its_probability():
+    # rows: zeros between and at the ends, a total that is not 1, all mass on the first or on the last entry
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 2.0, 0.0, 0.0, 6.0],
+                          [1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 3.0]])  # fmt: skip
+    n = 40_000
+    ids = utils.generation.sample_categorical(probs.repeat(n, 1), torch.Generator().manual_seed(0))
+    assert ids.shape == (4 * n, 1) and ids.dtype == torch.long
+    counts = torch.stack([torch.bincount(ids[r::4, 0], minlength=5) for r in range(4)]).double()
+    expected = probs.double() / probs.sum(1, keepdim=True)
+    assert torch.equal(counts[expected == 0], torch.zeros_like(counts[expected == 0]))  # never a zero entry
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((counts / n - expected).abs() <= 5 * sigma + 1e-12).all(), counts / n
+    # at a real vocabulary width: two tokens drawn at their rates (one of them the last), none of their neighbours
+    wide = torch.zeros(200, 151936)
+    wide[:, 1000], wide[:, 151935] = 0.3, 0.7
+    generator = torch.Generator().manual_seed(1)
+    draws = torch.cat([utils.generation.sample_categorical(wide, generator) for _ in range(10)])
+    assert set(draws.unique().tolist()) == {1000, 151935}
+    assert abs((draws == 1000).double().mean().item() - 0.3) <= 5 * math.sqrt(0.21 / 2000)
+    a, b = (utils.generation.sample_categorical(probs, torch.Generator().manual_seed(7)) for _ in range(2))
+    assert torch.equal(a, b)
+
+
 def test_get_score_reads_last_real_token_under_any_padding(tiny_models):
     tok, _, reward = tiny_models
     seq = torch.tensor([utils.tokenize_prompts(tok, ["POST: dog vet\n\nTL;DR: dog"])[0] + [tok.eos_token_id]])
