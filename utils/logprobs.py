@@ -67,11 +67,12 @@ TILE_TOKENS = 4096
 class _LinearHeadLogprobs(torch.autograd.Function):
     """log softmax((hidden @ weight.T + bias) / temperature)[targets] for a linear head, tiled over tokens and
     vocabulary with a running log-sum-exp; backward recomputes each tile's logits. hidden [N, H], weight [V, H],
-    bias [V] or None, targets [N] -> logprobs [N], and without gradient the entropy and mean logit [N]. Matmuls
-    run in `compute_dtype` (autocast's or the weight's), everything after them in float32, as the plain path."""
+    bias [V] or None, targets [N] -> logprobs [N], and (without gradient, zeros unless `with_stats`) the entropy
+    and mean logit [N]. Matmuls run in `compute_dtype` (autocast's or the weight's), everything after them in
+    float32, as the plain path."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temperature, compute_dtype):
+    def forward(ctx, hidden, weight, bias, targets, inv_temperature, compute_dtype, with_stats):
         count, vocab = hidden.size(0), weight.size(0)
         logprobs, entropy, mean_logit = (hidden.new_zeros(count, dtype=torch.float32) for _ in range(3))
         log_normalizer = torch.empty_like(logprobs)
@@ -86,15 +87,17 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             rescale = (running_max - new_max).exp()
             exp = torch.sub(logits, new_max[:, None], out=_tile_view(exp_buffer, *logits.shape)).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
-            sum_exp_logit = sum_exp_logit * rescale + exp.mul_(logits).sum(-1)
+            if with_stats:  # two more passes over the tile, for metrics only
+                sum_exp_logit = sum_exp_logit * rescale + exp.mul_(logits).sum(-1)
+                mean_logit[rows] += logits.sum(-1) / vocab
             running_max = new_max
-            mean_logit[rows] += logits.sum(-1) / vocab
             in_tile = (targets[rows] >= cols.start) & (targets[rows] < cols.stop)
             local = (targets[rows] - cols.start).clamp(0, logits.size(1) - 1)
             logprobs[rows] += torch.where(in_tile, logits.gather(1, local[:, None]).squeeze(1), 0.0)
             if cols.stop == vocab:
                 log_normalizer[rows] = running_max + sum_exp.log()
-                entropy[rows] = log_normalizer[rows] - sum_exp_logit / sum_exp
+                if with_stats:
+                    entropy[rows] = log_normalizer[rows] - sum_exp_logit / sum_exp
         logprobs -= log_normalizer
         ctx.save_for_backward(hidden, weight, bias, targets, log_normalizer)
         ctx.inv_temperature, ctx.compute_dtype = inv_temperature, compute_dtype
@@ -105,26 +108,33 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_mean_logit):
         hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
         inv_temperature, compute_dtype = ctx.inv_temperature, ctx.compute_dtype
+        # d logprob_n / d raw logit_nv = (onehot(target_n)_v - p_nv) / temperature. With q = p - onehot and the
+        # per-token scale s = -grad_n / temperature: grad_hidden = s * (q @ W), grad_weight = q.T @ (s * h),
+        # grad_bias = q.T @ s. The scale goes on the [N, H] side, so a tile costs two passes besides its matmuls.
+        scale = grad_logprobs.float() * -inv_temperature
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device)
+        grad_bias = (
+            None if bias is None else torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device)
+        )
         logits_buffer = _tile_buffer(hidden, hidden.size(0), weight.size(0))
         for rows, cols in _tiles(hidden.size(0), weight.size(0)):
             h = hidden[rows].to(compute_dtype)
+            if cols.start == 0:
+                scaled_h = (hidden[rows].float() * scale[rows, None]).to(compute_dtype)
             logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
-            probs = logits.sub_(log_normalizer[rows, None]).exp_()
-            # d logprob / d raw logit = (onehot(target) - softmax) / temperature
+            q = logits.sub_(log_normalizer[rows, None]).exp_()
             local = targets[rows] - cols.start
-            in_tile = (local >= 0) & (local < probs.size(1))
-            grad_logits = probs.neg_()
-            grad_logits[in_tile, local[in_tile]] += 1.0
-            grad_logits *= grad_logprobs[rows, None] * inv_temperature
-            g = grad_logits.to(compute_dtype)
-            grad_hidden[rows] += (g @ weight[cols].to(compute_dtype)).float()
-            grad_weight[cols] += (g.T @ h).float()
-            grad_bias[cols] += grad_logits.sum(0)
+            in_tile = (local >= 0) & (local < q.size(1))  # subtract the one-hot without a host sync
+            q.scatter_add_(1, local.clamp(0, q.size(1) - 1)[:, None], -in_tile[:, None].float())
+            q_compute = q.to(compute_dtype)
+            grad_hidden[rows] += (q_compute @ weight[cols].to(compute_dtype)).float()
+            grad_weight[cols] += (q_compute.T @ scaled_h).float()
+            if grad_bias is not None:
+                grad_bias[cols] += q.T @ scale[rows]
+        grad_hidden *= scale[:, None]
         return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
-                None if bias is None else grad_bias.to(bias.dtype), None, None, None)  # fmt: skip
+                None if bias is None else grad_bias.to(bias.dtype), None, None, None, None)  # fmt: skip
 
 
 def _tiles(count: int, vocab: int):
@@ -152,10 +162,10 @@ def _tile_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, buffer):
     """float32 logits / temperature [n, width] of one tile, in `buffer` (a _tile_buffer)."""
     out = _tile_view(buffer, h.size(0), cols.stop - cols.start)
-    if compute_dtype == torch.float32:
-        logits = torch.matmul(h, weight[cols].T, out=out)
-    else:
-        logits = out.copy_(h @ weight[cols].to(compute_dtype).T)
+    if compute_dtype == torch.float32:  # bias and temperature inside the matmul, no pass of their own
+        shift, beta = (out, 0.0) if bias is None else (bias[cols], inv_temperature)
+        return torch.addmm(shift, h, weight[cols].T, beta=beta, alpha=inv_temperature, out=out)
+    logits = out.copy_(h @ weight[cols].to(compute_dtype).T)
     if bias is not None:
         logits.add_(bias[cols].float())
     return logits.mul_(inv_temperature) if inv_temperature != 1.0 else logits
@@ -200,7 +210,7 @@ def chunked_token_logprobs(
         autocast = torch.is_autocast_enabled(device) and hidden.is_floating_point()
         compute_dtype = torch.get_autocast_dtype(device) if autocast else head.weight.dtype
         out = _LinearHeadLogprobs.apply(
-            hidden, head.weight, head.bias, targets, inv_temperature, compute_dtype
+            hidden, head.weight, head.bias, targets, inv_temperature, compute_dtype, with_stats
         )
         return out if with_stats else out[0]
     if vocab_size is None:
