@@ -81,7 +81,7 @@ def sample(model, queries, query_mask, length, temperature, generator):
                     past_key_values=past, use_cache=True)  # fmt: skip
         past = out.past_key_values
         logp = torch.log_softmax(out.logits[:, -1].float() / temperature, -1)
-        # inverse transform, as utils.generation samples (torch.multinomial is ~30x slower on a CPU)
+        # inverse transform, as utils.generation samples (torch.multinomial is up to ~30x slower on a CPU)
         cdf = logp.exp().double().cumsum(-1)
         u = torch.rand(n, 1, dtype=torch.float64, generator=generator) * cdf[:, -1:]
         step_ids = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(1) - 1)

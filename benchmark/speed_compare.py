@@ -15,6 +15,11 @@ The held-memory table (runs with speed.py's live-heap shim, which every run has 
     python benchmark/speed_compare.py --held benchmark/results/speed_tldr_live_heap.json \
         benchmark/results/speed_tldr_qwen_live_heap.json benchmark/results/speed_grpo_live_heap.json
 
+CPU seconds per update of each side, after a change and before it (the sampling section):
+
+    python benchmark/speed_compare.py --cpu benchmark/results/speed_{grpo,tldr_qwen,tldr}_sampling.json \
+        --before benchmark/results/speed_{grpo,tldr_qwen,tldr}_live_heap.json
+
 Each file is one preset (speed.py --preset ...). A later file of the same preset (a rerun of some algorithms,
 `--algorithms rloo`) replaces the rows it has figures for. `--fixed_threshold` files (runs with speed.py's
 `--malloc_mmap_threshold`, whose peaks leave out the freed blocks glibc keeps) and `--before` files are matched to
@@ -67,15 +72,52 @@ def held_table(paths: list[str]) -> None:
                 print("| " + " | ".join([result["name"], algorithm, *cells]) + " |")
 
 
+def cpu_table(paths: list[str], before_paths: list[str]) -> None:
+    """In-loop CPU seconds per update of each side, ours / TRL, in the files and in the --before files of the same
+    presets, and ours after / ours before (TRL's side, unchanged code, shows how much the machine moved)."""
+    before = dict(load(p) for p in before_paths)
+    header = ["shape", "algorithm", "CPU s per update ours / TRL", "before: ours / TRL", "ours: after / before",
+              "TRL: this run / before's"]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+
+    def seconds(summary, algorithm):
+        figures = summary.get(algorithm, {}).get("cpu_per_update_s", {})
+        return figures.get("ours"), figures.get("trl")
+
+    for path in paths:
+        preset, result = load(path)
+        earlier = before.get(preset, {}).get("summary", {})
+        for algorithm in ALGORITHMS:
+            if algorithm not in result["summary"]:
+                continue
+            (ours, trl), (ours_before, trl_before) = (
+                seconds(result["summary"], algorithm),
+                seconds(earlier, algorithm),
+            )
+            cells = [f"{ours / trl:.2f} ({ours:.1f} / {trl:.1f})"]
+            if ours_before is None or trl_before is None:
+                cells += ["-", "-", "-"]
+            else:
+                cells += [f"{ours_before / trl_before:.2f} ({ours_before:.1f} / {trl_before:.1f})",
+                          f"{ours / ours_before:.2f}", f"{trl / trl_before:.2f}"]  # fmt: skip
+            print("| " + " | ".join([result["name"], algorithm, *cells]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="speed.py result files, one per preset")
     parser.add_argument("--held", action="store_true", help="the held-memory table of the files instead")
+    parser.add_argument(
+        "--cpu", action="store_true", help="CPU seconds per update of each side, with --before"
+    )
     parser.add_argument("--before", nargs="*", default=[], help="earlier result files of the same presets")
     parser.add_argument("--fixed_threshold", nargs="*", default=[], help="runs with --malloc_mmap_threshold")
     args = parser.parse_args()
     if args.held:
         return held_table(args.results)
+    if args.cpu:
+        return cpu_table(args.results, args.before)
     before = dict(load(p) for p in args.before)
     fixed = {}
     for path in args.fixed_threshold:  # a later file of a preset replaces the rows it has figures for

@@ -88,10 +88,11 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     """One draw from each row of `probs` [B, V] (non-negative; a row's total need not be 1): ids [B, 1].
 
     By inverse transform: the first index whose cumulative probability exceeds u * total, u ~ U[0, 1), one
-    uniform per row. The cumulative sums are float64, so a token's probability moves by about 1e-16 of the total
-    at most and a zero-probability token is never drawn (the clamp only catches a product u * total rounded up
-    to the total, about 1e-16 likely). Same distribution as torch.multinomial(probs, 1), which on a CPU takes
-    3-40x longer per token at vocabularies of 50k-152k (benchmark/sampling_speed.py)."""
+    uniform per row. The cumulative sums are float64, so rounding moves a token's probability by at most about
+    V x 1e-16 of the total (2e-11 at V = 152k), and a zero-probability token is never drawn (the clamp only
+    catches a product u * total rounded up to the total, about 1e-16 likely). Same distribution as
+    torch.multinomial(probs, 1), which on a CPU takes 3-37x longer per token at vocabularies of 50k-152k
+    (benchmark/sampling_speed.py)."""
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     u = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device, generator=generator)
     ids = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)
