@@ -5,10 +5,10 @@
     python benchmark/sampling_speed.py                     # writes benchmark/results/sampling_speed.json
 
 Each figure is the median over --repeats timings of --steps draws (milliseconds per draw), both samplers timed
-one after the other in the same process, on the same probabilities (the softmax of random logits / 0.7). The head is
-F.linear of [rows, hidden] onto a [vocabulary, hidden] float32 weight: what one decoding step of the speed
-presets' model spends there (hidden 256). Before timing, one 16 MiB block is freed, as in any training process
-(see main).
+one after the other in the same process, on the same probabilities (the softmax of random logits / 0.7). The
+head is F.linear of [rows, hidden] onto a [vocabulary, hidden] float32 weight: what one decoding step of the
+speed presets' model spends there (hidden 256). Before timing, one 16 MiB block is freed, as in any training
+process (see main).
 """
 
 from __future__ import annotations
