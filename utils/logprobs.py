@@ -78,8 +78,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         log_normalizer = torch.empty_like(logprobs)
         logits_buffer, exp_buffer = (_tile_buffer(hidden, count, vocab) for _ in range(2))
         for rows, cols in _tiles(count, vocab):
-            h = hidden[rows].to(compute_dtype)
-            if cols.start == 0:
+            if cols.start == 0:  # a new row of tiles: its tokens' hidden states, cast once
+                h = hidden[rows].to(compute_dtype)
                 running_max = torch.full_like(logprobs[rows], float("-inf"))
                 sum_exp, sum_exp_logit = torch.zeros_like(running_max), torch.zeros_like(running_max)
             logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
@@ -119,8 +119,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         )
         logits_buffer = _tile_buffer(hidden, hidden.size(0), weight.size(0))
         for rows, cols in _tiles(hidden.size(0), weight.size(0)):
-            h = hidden[rows].to(compute_dtype)
-            if cols.start == 0:
+            if cols.start == 0:  # a new row of tiles: its tokens' hidden states, cast (and scaled) once
+                h = hidden[rows].to(compute_dtype)
                 scaled_h = (hidden[rows].float() * scale[rows, None]).to(compute_dtype)
             logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
             q = logits.sub_(log_normalizer[rows, None]).exp_()
