@@ -1,4 +1,4 @@
-"""TRL's published example commands, read from the README's "Coming from TRL" section, each run through the
+"""TRL's published example commands, read from docs/coming_from_trl.md, each run through the
 script's real command line with only the script path, the hub ids and the sizes changed, on local stand-ins of
 TRL's datasets in their exact formats (columns, strings or conversations per column, split names); and TRL's flags
 that mean nothing here: the harmless ones dropped with a note, the others refused in one sentence."""
@@ -14,14 +14,15 @@ from utils import data, run
 
 
 def readme_commands() -> dict[str, str]:
-    """{name: command} of the README section's ```bash blocks, each opening with `# name: source`."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Coming from TRL") :]
-    section = section[: section.index("\n## ", 10)]
+    """{name: command} of docs/coming_from_trl.md's ```bash blocks, each opening with `# name: source`."""
+    page = (ROOT / "docs" / "coming_from_trl.md").read_text()
     commands = {}
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", page, re.S):
         header, _, command = block.partition("\n")
-        commands[header.lstrip("# ").partition(":")[0]] = command
+        name = header.lstrip("# ").partition(":")[0]
+        if name in commands:
+            raise ValueError(f"docs/coming_from_trl.md: two commands named {name!r}")
+        commands[name] = command
     return commands
 
 
@@ -55,7 +56,7 @@ def messages(*turns):
 
 @pytest.fixture(scope="module")
 def stand_ins(world, tmp_path_factory) -> dict[str, str]:
-    """{TRL's hub id: a local stand-in of the same format} (see the README's table)."""
+    """{TRL's hub id: a local stand-in of the same format} (see docs/coming_from_trl.md's table)."""
     out = tmp_path_factory.mktemp("stand_ins")
     world_data = datasets.load_from_disk(str(world / "dataset"))
 
