@@ -1,31 +1,44 @@
 """Rewards: reward models (a score at every token for a critic, at the last real token for a reward), loading one
 (a trained one-label head, or a one-sentence refusal), reward functions (`path.py:function` or TRL-style with
-**kwargs), and scores of sampled completions when the reward model has its own tokenizer.
+**kwargs, called with TRL 1.16's keywords), and scores of sampled completions when the reward model needs other
+ids than the policy's.
 
 The RL scripts build one `RewardScorer` and call it on every batch of truncated query + response rows:
 
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
-    scores = scorer(query_responses, attention_mask, context_length, chunk_size)   # [B]
+    scores = scorer(query_responses, attention_mask, context_length, chunk_size,
+                    prompts=raw_prompts, columns=of_rows, trainer_state=state)    # [B]
+    scorer.take_logged(), scorer.take_extra()    # what a reward function reported through log_metric, log_extra
 
-Two paths, chosen once (`same_tokenizer`):
-- the reward model's tokenizer is the policy's (same vocabulary, same EOS/BOS/UNK): the policy's token ids go to
-  the reward model as they are and the score is read at the last real token (`compute_scores`);
+A reward model scores by one of three paths:
+- conversational prompts (message lists) and a reward tokenizer with a chat template: as TRL does, the prompt
+  and the decoded completion (the assistant's turn) go through that template and the text is encoded with the
+  reward model's tokenizer (no special tokens added; the template closes the turn, no EOS is added), whichever
+  tokenizer the policy has;
+- otherwise, when the reward model's tokenizer is the policy's (same vocabulary, same EOS/BOS/UNK;
+  `same_tokenizer`): the policy's token ids go to the reward model as they are and the score is read at the
+  last real token, the policy's EOS when it finished (as reward.py trains);
 - otherwise (a Llama or Qwen reward model behind a Pythia policy; TRL's `reward_processing_classes`): each
   prompt and truncated completion is decoded with the policy's tokenizer and encoded again with the reward
   model's, following reward.py's convention (prompt tokens, completion tokens, then the reward tokenizer's EOS
-  when the policy ended the completion with its own; no other special tokens), or through the reward tokenizer's
-  chat template when the prompt is a list of messages and the template exists (the template closes the turn:
-  no EOS is added). Rows longer than the reward model accepts are cut from the left and counted
-  (`take_num_truncated`). Policy ids are never fed to a model whose vocabulary does not hold them, so a smaller
-  vocabulary cannot raise an IndexError.
+  when the policy ended the completion with its own; no other special tokens).
+Re-encoded rows longer than the reward model accepts are cut from the left and counted (`take_num_truncated`).
+Policy ids are never fed to a model whose vocabulary does not hold them, so a smaller vocabulary cannot raise an
+IndexError.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import math
 import os
+import sys
+import traceback
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -95,6 +108,22 @@ def batched_score(model, input_ids, attention_mask, chunk_size: int) -> torch.Te
     )
 
 
+def decoded_rows(query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, tokenizer):
+    """(prompts, completions, completion_ids) of truncated query+response rows: the texts of each row's real
+    prompt and response tokens (special tokens dropped) and the response's real ids, its stop token included and
+    no padding (what TRL hands a reward function as `completion_ids`)."""
+    mask = attention_mask.bool()
+    prompts = [
+        tokenizer.decode(q[m], skip_special_tokens=True)
+        for q, m in zip(query_responses[:, :context_length], mask[:, :context_length])
+    ]
+    completion_ids = [
+        r[m].tolist() for r, m in zip(query_responses[:, context_length:], mask[:, context_length:])
+    ]
+    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+    return prompts, completions, completion_ids
+
+
 def compute_scores(
     query_responses: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -104,22 +133,21 @@ def compute_scores(
     reward_model: nn.Module | None = None,
     reward_fn: Callable | None = None,
     columns: dict[str, list] | None = None,
+    **reward_kwargs,
 ) -> torch.Tensor:
     """Scores [B] of truncated query+response rows, from a reward model (read at the last real token) or from a
     reward function called on the decoded prompts and completions (the completion stops at its stop token) and,
-    for a TRL-style function, the dataset `columns` of each row (see call_reward_fn)."""
+    for a TRL-style function, the dataset `columns` of each row and `reward_kwargs` (trainer_state, log_extra,
+    log_metric; see call_reward_fn)."""
     if reward_fn is None:
         return batched_score(reward_model, query_responses, attention_mask, chunk_size)
-    mask = attention_mask.bool()
-    prompts = [
-        tokenizer.decode(q[m], skip_special_tokens=True)
-        for q, m in zip(query_responses[:, :context_length], mask[:, :context_length])
-    ]
-    completions = [
-        tokenizer.decode(r[m], skip_special_tokens=True)
-        for r, m in zip(query_responses[:, context_length:], mask[:, context_length:])
-    ]
-    return call_reward_fn(reward_fn, prompts, completions, columns).to(query_responses.device)
+    prompts, completions, completion_ids = decoded_rows(
+        query_responses, attention_mask, context_length, tokenizer
+    )
+    scores = call_reward_fn(
+        reward_fn, prompts, completions, columns, completion_ids=completion_ids, **reward_kwargs
+    )
+    return scores.to(query_responses.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,12 +161,43 @@ TRL_BUILTIN_REWARDS = (
 )
 
 
+@dataclass
+class TrainerState:
+    """The training progress a TRL-style reward function gets as `trainer_state`: the fields of transformers'
+    TrainerState that reward shaping reads (e.g. a weight that grows with global_step / max_steps)."""
+
+    global_step: int = 0
+    """updates done so far"""
+    max_steps: int = 0
+    """updates the run will do in all"""
+    epoch: float = 0.0
+    """passes over the prompts so far (fractional)"""
+
+
+def import_failure(spec: str, error: BaseException) -> str | None:
+    """One sentence naming the file, the line and the error of a reward-function module that failed while
+    being imported (a SyntaxError, or any exception its top level raised); None when no file of the user's was
+    reached (the module itself was not found)."""
+    if isinstance(error, SyntaxError):
+        return f"--reward_fn {spec}: {error.filename} line {error.lineno} has a SyntaxError ({error.msg})."
+    internal = (os.path.dirname(importlib.__file__), os.path.abspath(__file__))
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith("<") and not os.path.abspath(frame.filename).startswith(internal)
+    ]
+    if not frames:
+        return None
+    message = (str(error).strip().splitlines() or [""])[0]
+    detail = f"{type(error).__name__} ({message})" if message else type(error).__name__
+    return f"--reward_fn {spec}: {frames[0].filename} line {frames[0].lineno} raised {detail} while being imported."
+
+
 def load_reward_fn(spec: str) -> Callable:
     """Load a reward function (prompts: list[str], completions: list[str]) -> floats, or one TRL-style with
     **kwargs (see call_reward_fn), from `path/to/file.py:function` or, as TRL takes it, a dotted import path
-    `module.function` (imported from the working directory)."""
-    import sys
-
+    `module.function` (imported from the working directory). A file that fails to import (a syntax error, an
+    exception at its top level) is named in one sentence with its line."""
     path, sep, name = spec.rpartition(":")
     if not sep and spec in TRL_BUILTIN_REWARDS:
         raise ValueError(
@@ -150,9 +209,10 @@ def load_reward_fn(spec: str) -> Callable:
         sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
-        except ImportError as error:
+        except Exception as error:  # noqa: BLE001 - any failure of the user's module becomes one sentence
+            sentence = import_failure(spec, error)
             raise ValueError(
-                f"--reward_fn {spec}: module {module_name!r} cannot be imported ({error})."
+                sentence or f"--reward_fn {spec}: module {module_name!r} cannot be imported ({error})."
             ) from None
         finally:
             sys.path.pop(0)
@@ -172,41 +232,66 @@ def load_reward_fn(spec: str) -> Callable:
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look their module up there
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's file becomes one sentence
+        del sys.modules[module_name]
+        sentence = import_failure(spec, error) or f"--reward_fn {spec}: {path} cannot be imported ({error})."
+        raise ValueError(sentence) from None
     if not callable(getattr(module, name, None)):
         raise ValueError(f"--reward_fn file {path} defines no function named {name!r}.")
     return getattr(module, name)
 
 
-def call_reward_fn(
-    fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
-) -> torch.Tensor:
-    """Call a reward function and check its answer: one float per completion. Returns [B] float32.
+def discard(*_args) -> None:
+    """A log_extra / log_metric for a caller that keeps nothing."""
 
-    A function with a `**kwargs` parameter is called as TRL calls its reward functions: with the keywords
-    `prompts` (the dataset's `prompt` column when given), `completions` and every other column of the rows'
-    dataset examples (`columns`, e.g. `solution`); when the prompts are conversations (message lists), each
-    completion is one assistant message, [{"role": "assistant", "content": text}]. Any other function is called as
-    fn(prompts, completions) on the texts. A NaN or an infinity is returned as it is: the training scripts stop
-    on it with `utils.tracking.check_finite`, naming the update and the last good checkpoint."""
-    import inspect
 
+def takes_kwargs(fn: Callable) -> bool:
+    """True for a TRL-style reward function: one with a **kwargs parameter."""
     parameters = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        extra = {k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion")}
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def call_reward_fn(
+    fn: Callable,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list] | None = None,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerState | None = None,
+    log_extra: Callable[[str, list], None] = discard,
+    log_metric: Callable[[str, float], None] = discard,
+) -> torch.Tensor:
+    """Call a reward function and check its answer: one value per completion. Returns [B] float32.
+
+    A function with a `**kwargs` parameter is called as TRL 1.16 calls its reward functions, with the keywords
+    `prompts` (the dataset's `prompt` column when given), `completions`, `completion_ids` (each completion's
+    token ids, stop token included, no padding), every other column of the rows' dataset examples (`columns`,
+    e.g. `solution`), `trainer_state`, `log_extra(column, values)` (a column of the sample table) and
+    `log_metric(name, value)` (a scalar, averaged until the next log); when the prompts are conversations
+    (message lists), each completion is one assistant message, [{"role": "assistant", "content": text}]. Any
+    other function is called as fn(prompts, completions) on the texts. A None (no reward for that sample)
+    becomes NaN, as in TRL; a NaN or an infinity is returned as it is: the training scripts stop on it with
+    `utils.tracking.check_finite`, naming the update and the last good checkpoint."""
+    if takes_kwargs(fn):
+        extra = {
+            k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion", "completion_ids")
+        }
         raw_prompts = (columns or {}).get("prompt")
         if raw_prompts:  # the dataset's own prompts, not their decoded (possibly left-truncated) tokens
             prompts = list(raw_prompts)
             if data.is_conversation(raw_prompts[0]):
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
-        values = list(fn(prompts=prompts, completions=completions, **extra))
+        extra.update(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
+        values = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **extra))
     else:
         values = list(fn(prompts, completions))
     if len(values) != len(completions):
         raise ValueError(
             f"the reward function returned {len(values)} values for {len(completions)} completions."
         )
-    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -336,6 +421,8 @@ class RewardScorer:
             embeddings = bare.get_input_embeddings() if hasattr(bare, "get_input_embeddings") else None
             self.vocab_rows = getattr(embeddings, "num_embeddings", None) or bare.config.vocab_size
         self.num_truncated = 0
+        self.logged_metrics: dict[str, list[float]] = defaultdict(list)
+        self.logged_extra: dict[str, list] = defaultdict(list)
 
     def describe(self) -> str:
         """One line saying which path scores the completions."""
@@ -353,6 +440,34 @@ class RewardScorer:
         """Rows cut from the left to the reward model's length since the last call (a metric), reset to 0."""
         count, self.num_truncated = self.num_truncated, 0
         return count
+
+    def log_metric(self, name: str, value: float) -> None:
+        """The `log_metric` a TRL-style reward function calls: one scalar for this batch."""
+        self.logged_metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """The `log_extra` a TRL-style reward function calls: a column of the sample table, one value per row."""
+        self.logged_extra[column].extend(values)
+
+    def take_logged(self) -> dict[str, float]:
+        """The mean of each scalar the reward function reported through log_metric since the last call; reset."""
+        logged, self.logged_metrics = self.logged_metrics, defaultdict(list)
+        return {name: sum(values) / len(values) for name, values in logged.items() if values}
+
+    def take_extra(self) -> dict[str, list]:
+        """The columns the reward function reported through log_extra since the last call; reset."""
+        extra, self.logged_extra = self.logged_extra, defaultdict(list)
+        return dict(extra)
+
+    def renders_conversations(self, prompts: Sequence | None) -> bool:
+        """True when a reward model scores through its tokenizer's chat template, as TRL does: the prompts are
+        message lists and that tokenizer has a template."""
+        return (
+            self.reward_model is not None
+            and bool(prompts)
+            and data.is_conversation(prompts[0])
+            and bool(getattr(self.reward_tokenizer, "chat_template", None))
+        )
 
     def texts(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int):
         """(prompts, completions, finished) decoded with the policy's tokenizer from the real tokens of each row
@@ -400,17 +515,36 @@ class RewardScorer:
         chunk_size: int,
         prompts: Sequence | None = None,
         columns: dict[str, list] | None = None,
+        trainer_state: TrainerState | None = None,
     ) -> torch.Tensor:
         """Scores [B] of rows [B, T] (left-padded prompt, then the response truncated after its stop token; the
-        mask marks the real tokens); `prompts` only matters for a reward model with its own tokenizer, `columns`
-        (the dataset columns of each row) only for a reward function that takes them (utils.call_reward_fn)."""
-        fits = self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
-        if self.reward_fn is not None or (self.same_tokenizer and fits):  # the fast path: ids as they are
+        mask marks the real tokens).
+
+        prompts: the dataset's raw prompt of each row (text or a list of messages; else `columns["prompt"]`).
+        With a reward model, message lists go through the reward tokenizer's chat template with the completion
+        as the assistant's turn (TRL's way), whichever tokenizer the policy has; text prompts replace the decoded
+        ones on the path of a reward model with its own tokenizer. With a reward function, they are its
+        `prompts`. columns: the dataset columns of each row and trainer_state, for a TRL-style reward function
+        (call_reward_fn); what it reports through log_metric / log_extra waits in take_logged / take_extra."""
+        if self.reward_fn is not None:
+            columns = dict(columns or {})
+            if prompts is not None:
+                columns["prompt"] = list(prompts)
             return compute_scores(
                 query_responses, attention_mask, context_length, self.policy_tokenizer, chunk_size,
-                self.reward_model, self.reward_fn, columns,
+                reward_fn=self.reward_fn, columns=columns, trainer_state=trainer_state,
+                log_extra=self.log_extra, log_metric=self.log_metric,
             )  # fmt: skip
-        rows = self.encode(query_responses, attention_mask, context_length, prompts)
+        raw_prompts = prompts if prompts is not None else (columns or {}).get("prompt")
+        if self.renders_conversations(raw_prompts):
+            rows = self.encode(query_responses, attention_mask, context_length, raw_prompts)
+        elif self.same_tokenizer and (
+            self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
+        ):
+            # the fast path: the policy's ids as they are
+            return batched_score(self.reward_model, query_responses, attention_mask, chunk_size)
+        else:
+            rows = self.encode(query_responses, attention_mask, context_length, prompts)
         pad_id = first_id(self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id)
         ids = pad(rows, pad_id, "right").to(query_responses.device)  # masks come from the lengths
         mask = lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
