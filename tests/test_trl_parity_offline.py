@@ -1,0 +1,311 @@
+"""The offline scripts against TRL 1.16's own trainers: the same weights (the tiny world's policy, perturbed so
+that the policy and the reference differ) and the same rows go through our data pipeline and TRL's, which must
+build the same batch; the loss and every parameter's gradient are then compared in fp32.
+
+TRL's loss methods are private (DPOTrainer._compute_loss, SFTTrainer.compute_loss, RewardTrainer.compute_loss)
+but fixed at 1.16, the version pinned for the tests. Where we differ on purpose, the test asserts the difference
+and says why."""
+
+import datasets
+import pytest
+import torch
+import tyro
+
+import dpo
+import reward
+import sft
+
+trl = pytest.importorskip("trl")
+if trl.__version__ != "1.16.0":
+    pytest.skip(
+        f"these tests read TRL 1.16.0's private loss methods; found trl {trl.__version__}",
+        allow_module_level=True,
+    )
+
+ROWS = 6  # pairs (or examples) in the compared batch
+BETA = 0.3  # not TRL's default, so that a beta read from the wrong place shows
+LOSS_ATOL, GRAD_RTOL = 2e-6, 2e-4  # fp32, two tilings of the LM head: rounding only
+
+# TRL 1.16's DPO loss types that dpo.py leaves out, refused by --loss_type's choices.
+NOT_OURS = ["exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down",
+            "discopop", "sft", "sigmoid_norm"]  # fmt: skip
+
+
+def trl_kwargs() -> dict:
+    """TrainingArguments for a CPU, fp32, untracked trainer that is only asked for its loss."""
+    return dict(output_dir="unused", use_cpu=True, report_to=[], bf16=False, gradient_checkpointing=False,
+                per_device_train_batch_size=ROWS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(world):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(world / "policy")
+
+
+@pytest.fixture(scope="module")
+def split(world):
+    """{name: the first ROWS rows of the tiny world's split}."""
+    data = datasets.load_from_disk(str(world / "dataset"))
+    return lambda name: data[name].select(range(ROWS))
+
+
+@pytest.fixture(scope="module")
+def perturbed(world) -> dict:
+    """The policy's weights plus seeded noise: a policy that is not its own reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    return {k: v + 0.3 * v.std().nan_to_num(1.0) * torch.randn(v.shape, generator=gen)
+            for k, v in model.state_dict().items()}  # fmt: skip
+
+
+def causal_lm(world, state_dict=None):
+    """A fresh fp32 copy of the tiny world's policy (with `state_dict` when given), dropout off, train mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    dpo.utils.disable_dropout(model)
+    return model.train()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(ours: dict, theirs: dict, names=None):
+    """Every gradient equal up to fp32 rounding, relative to the largest entry of that parameter's gradient."""
+    names = names or theirs.keys()
+    assert names and set(names) <= ours.keys()
+    for name in names:
+        scale = theirs[name].abs().max().item()
+        assert scale > 0, f"{name}: no gradient at all, nothing compared"
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=GRAD_RTOL * scale, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DPO
+# ----------------------------------------------------------------------------------------------------------------
+def trl_dpo(world, split, tokenizer, perturbed, loss_type, **config):
+    """TRL's DPOTrainer on the perturbed policy (the world's policy as reference) and its collated batch."""
+    cfg = trl.DPOConfig(**trl_kwargs(), loss_type=[loss_type], beta=BETA, **config)
+    trainer = trl.DPOTrainer(
+        model=causal_lm(world, perturbed), ref_model=causal_lm(world), args=cfg,
+        train_dataset=split("preference"), processing_class=tokenizer,
+    )  # fmt: skip
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(ROWS)])
+    return trainer, batch
+
+
+def trl_dpo_loss(trainer, batch):
+    """TRL's loss of `batch` and the gradients it leaves on the policy."""
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    return loss.detach(), grads(trainer.model)
+
+
+def our_dpo_loss(world, perturbed, batch, args: dpo.Args):
+    """Our loss of `batch` as dpo.main computes it (batch_metrics) and the gradients it leaves on the policy."""
+    policy, ref = causal_lm(world, perturbed), causal_lm(world)
+    logps, lengths, _ = dpo.completion_logps(policy, batch)
+    with torch.no_grad():
+        ref_logps = dpo.completion_logps(ref, batch)[0]
+    n = logps.size(0) // 2
+    losses, _, _ = dpo.preference_loss(
+        args, logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], lengths[:n], lengths[n:]
+    )
+    loss = losses.mean()
+    loss.backward()
+    lengths, ref_logps = lengths[:n], ref_logps.detach()
+    at_reference = dpo.preference_loss(args, *ref_logps.chunk(2), *ref_logps.chunk(2), lengths, lengths)[0]
+    assert abs(loss.item() - at_reference.mean().item()) > 1e-2  # the policy is not its reference
+    return loss.detach(), grads(policy)
+
+
+def test_dpo_batch_is_trls(world, split, tokenizer, perturbed):
+    """Our tokenization and collation of preference rows give TRL's batch, token for token: prompt + chosen rows
+    then prompt + rejected rows, right-padded, with the same completion mask (EOS included, prompt excluded)."""
+    _, batch = trl_dpo(world, split, tokenizer, perturbed, "sigmoid")
+    rows, _ = dpo.tokenize_dataset(split("preference"), tokenizer, dpo.Args(max_prompt_length=None), "rows")
+    ours = dpo.collate(rows, tokenizer.pad_token_id)
+    for key in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(ours[key].long(), batch[key].long()), key
+
+
+@pytest.mark.parametrize(
+    "loss_type, label_smoothing",
+    [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("robust", 0.1), ("robust", 0.3)],
+)
+def test_dpo_loss_and_gradients_are_trls(world, split, tokenizer, perturbed, loss_type, label_smoothing):
+    """Each loss type both sides have: same loss, same gradient on every parameter. IPO: both average each
+    log-ratio over its completion's tokens (TRL's choice, confirmed by the IPO authors)."""
+    trainer, batch = trl_dpo(world, split, tokenizer, perturbed, loss_type, label_smoothing=label_smoothing)
+    theirs, their_grads = trl_dpo_loss(trainer, batch)
+    args = dpo.Args(loss_type=loss_type, beta=BETA, label_smoothing=label_smoothing)
+    ours, our_grads = our_dpo_loss(world, perturbed, batch, args)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=LOSS_ATOL)
+    assert_same_grads(our_grads, their_grads)
+
+
+def test_dpo_summed_ipo_would_differ(world, split, tokenizer, perturbed):
+    """The averaging matters: IPO on summed log-ratios (the paper's letter) gives another loss than TRL's."""
+    trainer, batch = trl_dpo(world, split, tokenizer, perturbed, "ipo")
+    theirs, _ = trl_dpo_loss(trainer, batch)
+    policy, ref = causal_lm(world, perturbed), causal_lm(world)
+    with torch.no_grad():
+        logps, lengths, _ = dpo.completion_logps(policy, batch)
+        ref_logps = dpo.completion_logps(ref, batch)[0]
+        n, ones = logps.size(0) // 2, torch.ones_like(lengths[:ROWS])
+        summed = dpo.ipo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], ones, ones, BETA).mean()
+    assert abs(summed.item() - theirs.item()) > 0.1
+
+
+def test_dpo_label_smoothing_with_sigmoid_is_conservative_dpo_not_trls(world, split, tokenizer, perturbed):
+    """A difference on purpose: with --loss_type sigmoid, --label_smoothing e gives conservative DPO here
+    (Mitchell 2023; TRL before 1.0 did the same), -(1-e) log sig(beta h) - e log sig(-beta h), where TRL 1.16's
+    sigmoid ignores label_smoothing (it documents it for robust, exo_pair and aot only). Checked exactly: ours is
+    (1-e) x TRL's loss of the batch + e x TRL's loss of the batch with chosen and rejected swapped."""
+    e = 0.2
+    trainer, batch = trl_dpo(world, split, tokenizer, perturbed, "sigmoid", label_smoothing=e)
+    plain, plain_grads = trl_dpo_loss(trainer, batch)
+    swapped_batch = {k: torch.cat(v.chunk(2)[::-1]) for k, v in batch.items()}
+    swapped, swapped_grads = trl_dpo_loss(trainer, swapped_batch)
+    trainer_0, _ = trl_dpo(world, split, tokenizer, perturbed, "sigmoid")
+    assert torch.equal(trl_dpo_loss(trainer_0, batch)[0], plain)  # TRL: label_smoothing has no effect
+    ours, our_grads = our_dpo_loss(world, perturbed, batch, dpo.Args(beta=BETA, label_smoothing=e))
+    assert abs(ours.item() - plain.item()) > 1e-2
+    torch.testing.assert_close(ours, (1 - e) * plain + e * swapped, rtol=0, atol=LOSS_ATOL)
+    expected = {k: (1 - e) * plain_grads[k] + e * swapped_grads[k] for k in plain_grads}
+    assert_same_grads(our_grads, expected)
+
+
+@pytest.mark.parametrize("loss_type", NOT_OURS)
+def test_dpo_loss_types_we_leave_out_are_refused(loss_type):
+    """TRL 1.16's loss types that dpo.py does not implement are refused by --loss_type, never run as another."""
+    assert loss_type in trl.DPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    with pytest.raises(SystemExit):
+        tyro.cli(dpo.Args, args=["--loss_type", loss_type], console_outputs=False)
+
+
+def test_simpo_is_trl_cpo_simpo(world, split, tokenizer, perturbed):
+    """SimPO is not in TRL 1.16's DPOTrainer; it lives in trl.experimental.cpo (CPOTrainer, loss_type simpo,
+    cpo_alpha 0). Its loss of the same length-averaged logprobs, label smoothing included, and the gradients
+    through them equal ours."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    gamma, e = 0.7, 0.1
+    cfg = CPOConfig(**trl_kwargs(), loss_type="simpo", cpo_alpha=0.0, simpo_gamma=gamma, beta=BETA,
+                    label_smoothing=e)  # fmt: skip
+    trainer = CPOTrainer(model=causal_lm(world), args=cfg, train_dataset=split("preference"),
+                         processing_class=tokenizer)  # fmt: skip
+    _, batch = trl_dpo(world, split, tokenizer, perturbed, "sigmoid")
+    results = []
+    for side in ("ours", "theirs"):
+        policy = causal_lm(world, perturbed)
+        logps, lengths, _ = dpo.completion_logps(policy, batch)
+        pi_c, pi_r, len_c, len_r = logps[:ROWS], logps[ROWS:], lengths[:ROWS], lengths[ROWS:]
+        if side == "ours":
+            args = dpo.Args(loss_type="simpo", beta=BETA, simpo_gamma=gamma, label_smoothing=e)
+            losses = dpo.preference_loss(args, pi_c, pi_r, pi_c * 0, pi_r * 0, len_c, len_r)[0]
+        else:
+            losses = trainer.cpo_loss(pi_c / len_c, pi_r / len_r)[0]
+        losses.mean().backward()
+        results.append((losses.mean().detach(), grads(policy)))
+    (ours, our_grads), (theirs, their_grads) = results
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=LOSS_ATOL)
+    assert_same_grads(our_grads, their_grads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SFT
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("completion_only_loss", [True, False])
+def test_sft_batch_loss_and_gradients_are_trls(world, split, tokenizer, perturbed, completion_only_loss):
+    """Prompt-completion rows: our labels are TRL's (completion and EOS only, or every token with
+    --no_completion_only_loss), and the loss, the mean next-token NLL over the labelled tokens of the batch, and
+    its gradients equal SFTTrainer's."""
+    cfg = trl.SFTConfig(**trl_kwargs(), completion_only_loss=completion_only_loss)
+    trainer = trl.SFTTrainer(model=causal_lm(world, perturbed), args=cfg, train_dataset=split("sft"),
+                             processing_class=tokenizer)  # fmt: skip
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(ROWS)])
+    args = sft.Args(completion_only_loss=completion_only_loss)
+    rows, _ = sft.tokenize_split(split("sft"), tokenizer, args, "rows")
+    ours_batch = sft.collate(rows, tokenizer.pad_token_id)
+    assert ours_batch.keys() <= batch.keys()
+    for key in ours_batch:
+        assert torch.equal(ours_batch[key], batch[key]), key
+    prompt_labelled = (ours_batch["labels"][:, 0] != sft.IGNORE_INDEX).all()
+    assert prompt_labelled == (not completion_only_loss)
+
+    trainer.model.zero_grad()
+    theirs = trainer.compute_loss(trainer.model, dict(batch))
+    theirs.backward()
+    policy = causal_lm(world, perturbed)
+    nll, tokens = sft.sum_token_nll(policy, ours_batch)
+    ours = nll / tokens  # one micro-batch, one process: the optimizer batch's token count
+    ours.backward()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=LOSS_ATOL)
+    assert_same_grads(grads(policy), grads(trainer.model))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reward model
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "center_rewards_coefficient, with_margin", [(None, False), (0.05, False), (None, True)]
+)
+def test_reward_batch_loss_accuracy_and_gradients_are_trls(
+    world, split, tokenizer, center_rewards_coefficient, with_margin
+):
+    """Preference rows: our batch is RewardTrainer's (prompt + chosen rows, then prompt + rejected, each ending with
+    EOS); the Bradley-Terry loss -log sig(r_c - r_r - margin) (a `margin` column, when there is one; the centering
+    term when set), the accuracy and the gradients equal TRL's. Our score is read at the last real token from the
+    attention mask, TRL's by the classifier at the last non-pad token: the same token while pad and EOS differ. Our
+    score head carries a bias (0 at the start: it holds the normalisation) that TRL's has not; its gradient is
+    ours alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    def classifier():
+        model = AutoModelForSequenceClassification.from_pretrained(world / "reward", num_labels=1)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        with torch.no_grad():  # a head away from the world's, so that the scores differ pair to pair
+            head = model.score.weight
+            head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(1)) * head.std())
+        dpo.utils.disable_dropout(model)
+        return model.train()
+
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    data = split("preference")
+    if with_margin:
+        data = data.add_column("margin", [0.5 * i - 1.0 for i in range(ROWS)])
+    cfg = trl.RewardConfig(**trl_kwargs(), center_rewards_coefficient=center_rewards_coefficient)
+    trainer = trl.RewardTrainer(model=classifier(), args=cfg, train_dataset=data, processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(ROWS)])
+    rows, _, _ = reward.tokenize_rows(tokenizer, data, [reward.CHOSEN, reward.REJECTED], 1024)
+    ours_batch = reward.collate(rows, tokenizer.pad_token_id)
+    for key in ("input_ids", "attention_mask", "margin")[: 2 + with_margin]:
+        assert torch.equal(ours_batch[key], batch[key]), key
+
+    trainer.model.zero_grad()
+    theirs = trainer.compute_loss(trainer.model, dict(batch))
+    theirs.backward()
+    their_accuracy = trainer._metrics["train"]["accuracy"][-1]
+    model = classifier()
+    reward.biased_head(model)
+    scores = reward.ScoreModel(model)(ours_batch["input_ids"], ours_batch["attention_mask"])
+    chosen, rejected = scores.view(2, -1)
+    ours = reward.reward_loss(chosen, rejected, ours_batch["margin"], center_rewards_coefficient)
+    ours.backward()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=LOSS_ATOL)
+    assert 0 < their_accuracy < 1  # a batch where the accuracy can be wrong either way
+    metrics = reward.eval_metrics(
+        scores.detach().view(2, -1).T, ours_batch["margin"], ours_batch["group"], [""]
+    )
+    assert metrics["eval/accuracy"] == pytest.approx(their_accuracy, abs=1e-7)
+    assert_same_grads(grads(model), grads(trainer.model))
+    assert "score.bias" in grads(model) and "score.bias" not in grads(trainer.model)
