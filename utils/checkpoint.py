@@ -14,7 +14,9 @@
 A checkpoint is written to `tmp-checkpoint-{step}` and renamed when complete, so a kill in the middle of a
 write never leaves a folder that `--resume_from_checkpoint latest` would pick; `latest` also checks every file
 against the recorded sizes (and the safetensors and zip headers) and skips, naming it, a damaged checkpoint; with
-no complete one it starts the run from scratch and says so. Resuming refuses, in one sentence naming the flags,
+no complete one it starts the run from scratch in the same folder, the damaged ones moved to
+`{output_dir}.damaged-{time}`, and says so. A resumed run names the checkpoint it loaded; the trainer state carries
+the seconds trained so far (`elapsed_seconds`), so a resumed run's total counts every part. Resuming refuses, in one sentence naming the flags,
 a checkpoint of another run. `--overwrite_output_dir` on a fresh run moves what --output_dir held aside (to
 `{output_dir}.replaced-{time}`) when the run first writes there (its first checkpoint or its final model), so old
 checkpoints are never resumed or rotated by mistake and a run that fails before writing leaves it as it was.
@@ -208,13 +210,13 @@ def file_sizes(path: str) -> dict[str, int]:
     return sizes
 
 
-def move_aside(path: str, what: str) -> str | None:
-    """Move everything in the folder `path` into `{path}.replaced-{time}` (nothing is deleted); returns a line
+def move_aside(path: str, what: str, suffix: str = "replaced") -> str | None:
+    """Move everything in the folder `path` into `{path}.{suffix}-{time}` (nothing is deleted); returns a line
     saying so, or None when `path` held nothing."""
     if not os.path.isdir(path) or not os.listdir(path):
         return None
     names = sorted(os.listdir(path))
-    base = os.path.normpath(path) + time.strftime(".replaced-%Y%m%d-%H%M%S")
+    base = os.path.normpath(path) + time.strftime(f".{suffix}-%Y%m%d-%H%M%S")
     aside, n = base, 1
     while os.path.exists(aside):
         aside, n = f"{base}-{n}", n + 1
@@ -317,13 +319,16 @@ class Checkpointer:
         if self.save_steps < 0 or (self.limit is not None and self.limit < 1):
             raise ValueError("--save_steps must be >= 0 and --save_total_limit >= 1.")
         self.definition = run_definition(args)
-        self.resume_path = None
+        self.resume_path, self.started = None, time.time()
+        check_writable(self.output_dir)
         _START_OVER.discard(os.path.normpath(self.output_dir))
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
             self.resume_path, notes = find_checkpoint(resume_from, args.output_dir)
             for note in notes if accelerator.is_main_process else ():
                 print(note, flush=True)
+        if resume_from == "latest" and self.resume_path is None:
+            set_aside_damaged(accelerator, self.output_dir)
         if self.resume_path:
             with open(os.path.join(self.resume_path, STATE_FILE)) as f:
                 saved = json.load(f)
@@ -354,6 +359,7 @@ class Checkpointer:
         restore every random state; returns the saved state (with its `step`), or None when not resuming. Called
         when training starts: unfinished tmp-checkpoint-N folders are removed here."""
         self._clear_the_way()
+        self.started = time.time()
         if self.resume_path is None:
             return None
         path, optimizers, generators = self.resume_path, optimizers or {}, generators or {}
@@ -393,7 +399,14 @@ class Checkpointer:
         _LAST_SAVED.append(path)
         _RESUMED.clear()
         _RESUMED.update(state)
+        self.started = time.time()
+        if self.accelerator.is_main_process:
+            print(f"resumed from {path} (step {state['step']})", flush=True)
         return state
+
+    def elapsed_seconds(self) -> float:
+        """Seconds this run has trained, over every resume: the checkpoint's count plus this process's time."""
+        return float(_RESUMED.get("elapsed_seconds", 0.0)) + time.time() - self.started
 
     def _clear_the_way(self) -> None:
         """On the main process: remove unfinished checkpoint writes; every process waits for it."""
@@ -444,7 +457,8 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             meta = {"step": step, "run_name": self.args.run_name, "world_size": accelerator.num_processes,
-                    "run": self.definition, "metrics_lines": metrics_lines(self.args), "files": file_sizes(tmp)}  # fmt: skip
+                    "run": self.definition, "metrics_lines": metrics_lines(self.args), "files": file_sizes(tmp),
+                    "elapsed_seconds": self.elapsed_seconds()}  # fmt: skip
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump({**(state or {}), **meta}, f, indent=1)
             shutil.rmtree(final, ignore_errors=True)
@@ -470,6 +484,43 @@ def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
         raise ValueError(
             f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
         )
+
+
+def check_writable(output_dir: str) -> None:
+    """Refuse, before any work, an --output_dir this process cannot write into (a read-only or foreign folder, a
+    path through a file): otherwise the run trains and then fails at its first checkpoint. Writes and removes a
+    probe in the folder, or in the nearest folder above it that exists (nothing is left behind)."""
+    import tempfile
+
+    where = os.path.abspath(output_dir)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    reason = None if os.path.isdir(where) else f"{where} is a file"
+    if reason is None:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=where)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as error:
+            reason = f"{where}: {error.strerror or error}"
+    if reason is not None:
+        raise ValueError(
+            f"--output_dir {output_dir} cannot be written ({reason}); pass a folder this user can write to."
+        )
+
+
+def set_aside_damaged(accelerator, output_dir: str) -> None:
+    """`--resume_from_checkpoint latest` found no usable checkpoint: when --output_dir holds nothing but damaged
+    checkpoints (and unfinished writes), they go to `{output_dir}.damaged-{time}` (said in one line), so the run
+    starts from scratch in the same folder and a requeue loop keeps going. Anything else there is left alone
+    (the fresh run then refuses the non-empty folder). Every process must call it."""
+    accelerator.wait_for_everyone()  # every process has looked for its checkpoint before they move
+    names = set(os.listdir(output_dir)) if os.path.isdir(output_dir) else set()
+    damaged = {name for name in names if re.fullmatch(r"checkpoint-\d+", name)}
+    if damaged and names <= damaged | set(leftovers(output_dir)) and accelerator.is_main_process:
+        line = move_aside(output_dir, "--resume_from_checkpoint latest found no usable checkpoint", "damaged")
+        print(line, flush=True)
+    accelerator.wait_for_everyone()
 
 
 def start_over(accelerator, output_dir: str) -> None:

@@ -80,7 +80,15 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
             with open(name_or_path, errors="replace") as f:
                 if not any(line.strip() for line in f):
                     raise ValueError(f"{flag} {name_or_path} holds only blank lines: no rows.")
-        dataset = datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
+        try:
+            dataset = datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
+        except datasets.exceptions.DatasetGenerationError:
+            bad = bad_json_line(name_or_path) if ext in (".json", ".jsonl") else None
+            if bad is None:
+                raise
+            raise ValueError(
+                f"{flag} {name_or_path}: line {bad[0]} is not valid JSON ({bad[1]}); fix or remove that line."
+            ) from None
     elif os.path.isdir(name_or_path):
         files = [os.path.join(name_or_path, split + ext) for ext in builders]
         if os.path.exists(os.path.join(name_or_path, "dataset_dict.json")):
@@ -112,6 +120,28 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
     if len(dataset) == 0:  # a script would fail later with an index error
         raise ValueError(f"{flag} {name_or_path}: split {split!r} has no rows.")
     return dataset
+
+
+def bad_json_line(path: str) -> tuple[int, str] | None:
+    """(line number, JSON error) of the first line of a JSON-lines file that does not parse (a line cut short,
+    say); for a file holding one JSON array, where that array stops parsing. None when it all parses."""
+    import json
+
+    with open(path, errors="replace") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except ValueError as error:
+            return getattr(error, "lineno", 1), getattr(error, "msg", str(error))
+        return None
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except ValueError as error:
+                return number, getattr(error, "msg", str(error))
+    return None
 
 
 def _load_from_disk(path: str, flag: str):

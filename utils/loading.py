@@ -62,3 +62,37 @@ def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None 
         tokenizer.pad_token = tokenizer.eos_token
     set_chat_template(tokenizer, chat_template_path)
     return tokenizer
+
+
+POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def model_positions(name_or_path: str) -> int | None:
+    """How many positions the model's config gives it (max_position_embeddings, or GPT-2's n_positions...),
+    read from the config alone; None when the config cannot be read or names none."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):  # the model's own loading gives the sentence for a bad path later
+        return None
+    config = getattr(config, "text_config", None) or config
+    for name in POSITION_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_length(
+    name_or_path: str, length: int, flags: str, flag: str = "--model_name_or_path"
+) -> None:
+    """Refuse, in one sentence naming the `flags` to lower, a run whose sequences reach `length` tokens when
+    the model has fewer positions: a rotary model would otherwise train silently on positions it never had
+    (a learned-position one fails mid-run). Reads the config only: call it before loading the model."""
+    positions = model_positions(name_or_path)
+    if positions is not None and length > positions:
+        raise ValueError(
+            f"this run's sequences reach {length} tokens, more than the {positions} positions of {flag} "
+            f"{name_or_path}; lower {flags} so that they fit."
+        )

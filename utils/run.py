@@ -232,18 +232,29 @@ def run_cli(args_class, main: Callable) -> None:
     except ValueError as error:
         if show_traceback or not raised_here(error, sys.argv[0]):
             raise
+        end_progress_bars()
         print(f"{script}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except NonFiniteError as error:
         if show_traceback:
             raise
+        end_progress_bars()
         if main_process():  # every process stops together; one line for the run
             print(f"{script}: stopped: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     except TrainingInterrupted as error:
+        end_progress_bars()
         if main_process():
             print(f"{script}: interrupted: {error}", file=sys.stderr)
         raise SystemExit(error.exit_code) from None
+
+
+def end_progress_bars() -> None:
+    """Close the open tqdm bars, so that the line printed next starts a line of its own instead of landing on
+    the bar's (a bar ends its line only when closed)."""
+    module = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(module, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def main_process() -> bool:
@@ -254,6 +265,24 @@ def main_process() -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # Accelerator and models
 # ----------------------------------------------------------------------------------------------------------------
+def launch_without_process_group(environ) -> str | None:
+    """Why this process was launched to be one of several but has no process group to join (a sentence), or
+    None. `accelerate launch` without --multi_gpu (or a DeepSpeed/FSDP config) uses its simple launcher, which
+    starts one process and exports MASTER_ADDR/MASTER_PORT (for --num_processes or --num_machines above 1) but
+    no WORLD_SIZE or RANK: each "node" would then train alone and write the same --output_dir."""
+    mpi_sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # mpirun, which accelerate reads
+    if "WORLD_SIZE" in environ or any(int(environ.get(name) or 1) > 1 for name in mpi_sizes):
+        return None
+    if "MASTER_ADDR" not in environ or "ACCELERATE_DYNAMO_BACKEND" not in environ:  # not accelerate launch's
+        return None
+    return (
+        "accelerate launch was asked for several processes or machines (it set MASTER_ADDR) but started this "
+        "one alone, with no process group to join; add --multi_gpu to the launch command on every machine "
+        "(on machines without GPUs too, where it runs as MULTI_CPU over gloo), or launch one process with "
+        "--num_processes 1 --num_machines 1 and MASTER_ADDR unset."
+    )
+
+
 def make_accelerator(
     args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None, mixed_precision=None
 ):
@@ -265,6 +294,9 @@ def make_accelerator(
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+    problem = launch_without_process_group(os.environ)
+    if problem:
+        raise ValueError(problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set it
     launched, on_cpu = world_size > 1, not torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and on_cpu else []

@@ -1,0 +1,236 @@
+"""#26 "Scale out without surprises", one test per case: two "nodes" on loopback train the weights of one 2-process
+launch, bit for bit, and a multi-machine launch without a process group is refused on every process; `latest`
+with only damaged checkpoints starts from scratch in the same folder; a cut JSON line, an output folder that
+cannot be written and sequences longer than the model's positions each end in one sentence before anything
+trains; a resumed run names its checkpoint and counts its training time across resumes; an error after a
+progress bar starts a line of its own. (SIGTERM on two processes: tests/test_never_silently_wrong.py.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_distributed_rl import script_flags
+from test_resume import dpo_flags, sft_flags, weights
+
+from conftest import OFFLINE_ENV, ROOT, free_port, run_script, run_torchrun
+
+
+def two_nodes(script_args, multi_gpu=True, timeout=300):
+    """Launch the script as two machines of one process each on loopback, as the user would on two nodes
+    (`accelerate launch --num_machines 2 --machine_rank R`); returns both CompletedProcess-like tuples."""
+    env = {**os.environ, **OFFLINE_ENV}
+    env.pop("ACCELERATE_USE_CPU", None)
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        command = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if multi_gpu else []),
+                   "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
+                   "--dynamo_backend", "no", *map(str, script_args)]  # fmt: skip
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))  # fmt: skip
+    try:
+        return [(p.wait(timeout=timeout), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+
+
+def same_weights(a, b):
+    first, second = weights(a), weights(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+# ---- 1. two nodes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["rloo.py", "sft.py"])
+def test_two_nodes_train_the_weights_of_one_two_process_launch(script, world, tmp_path):
+    if script == "rloo.py":
+        flags = lambda name: script_flags(script, world, tmp_path, name, 2, "--total_episodes", "16")  # noqa: E731
+    else:
+        flags = lambda name: sft_flags(world, tmp_path / name, name, steps=3, per_device_train_batch_size=4)  # noqa: E731
+    run_torchrun([script, *flags("one_node")])
+    results = two_nodes([script, *flags("two_nodes")])
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert same_weights(tmp_path / "one_node", tmp_path / "two_nodes")
+    assert not same_weights(tmp_path / "one_node", world / "policy")  # it trained
+
+
+def test_two_nodes_without_a_process_group_are_refused_on_every_process(world, tmp_path):
+    import utils
+
+    out = tmp_path / "alone"
+    results = two_nodes(["rloo.py", *script_flags("rloo.py", world, tmp_path, "alone", 2)], multi_gpu=False)
+    for code, _, stderr in results:
+        last = stderr.strip().splitlines()[-1]
+        assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+        assert last.startswith(
+            "rloo.py: error: accelerate launch was asked for several processes or machines"
+        )
+        assert "add --multi_gpu to the launch command on every machine" in last
+    assert not out.exists() and not (tmp_path / "runs").exists()
+    # What each launcher exports: refused without WORLD_SIZE; torchrun, mpirun or a plain `python` are left alone.
+    simple = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "ACCELERATE_DYNAMO_BACKEND": "NO"}
+    assert utils.run.launch_without_process_group(simple)
+    assert not utils.run.launch_without_process_group({**simple, "WORLD_SIZE": "2"})
+    assert not utils.run.launch_without_process_group({**simple, "OMPI_COMM_WORLD_SIZE": "2"})
+    assert not utils.run.launch_without_process_group({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert not utils.run.launch_without_process_group({"ACCELERATE_DYNAMO_BACKEND": "NO"})
+
+
+# ---- 2. `latest` with nothing usable ----------------------------------------------------------------------------
+def test_latest_with_only_a_damaged_checkpoint_starts_fresh_in_the_same_folder(world, tmp_path):
+    straight, out = tmp_path / "straight", tmp_path / "requeued"
+    run_script(["sft.py", *sft_flags(world, straight, "straight", steps=2)])
+    flags = sft_flags(world, out, "requeued", steps=2)
+    run_script(["sft.py", *flags])
+    for file in out.iterdir():  # a kill during the final save, after a kill that cut the only checkpoint
+        if file.is_file():
+            file.unlink()
+    with open(out / "checkpoint-2" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    proc = run_script(["sft.py", *flags, "--resume_from_checkpoint", "latest"])
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("requeued.damaged-")]
+    line = (
+        f"--resume_from_checkpoint latest found no usable checkpoint: moved the previous contents of {out} "
+    )
+    assert line + f"(checkpoint-2) to {aside}" in proc.stdout
+    assert (aside / "checkpoint-2" / "model.safetensors").stat().st_size == 1000
+    assert same_weights(straight, out) and (out / "checkpoint-2").is_dir()
+    # Anything besides damaged checkpoints stays where it is, and the non-empty folder is refused as before.
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{")
+    proc = run_script(["sft.py", *flags, "--resume_from_checkpoint", "latest"], check=False)
+    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr.strip().splitlines()[-1]
+    assert (out / "model.safetensors").exists()
+
+
+# ---- 3. bad inputs: one sentence, before anything trains ---------------------------------------------------------
+def cut_jsonl(source, path, rows=40, cut_line=5):
+    lines = open(source).read().splitlines()[:rows]
+    lines[cut_line - 1] = lines[cut_line - 1][: len(lines[cut_line - 1]) // 2]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("script", ["sft.py", "dpo.py", "grpo.py"])
+def test_a_jsonl_line_cut_short_is_named(script, world, tmp_path):
+    data = world / "dataset" / ("preference.jsonl" if script == "dpo.py" else "sft.jsonl")
+    bad = cut_jsonl(data, tmp_path / "bad.jsonl")
+    common = ["--dataset_name", str(bad), "--dataset_train_split", "train", "--output_dir", str(tmp_path / "out"),
+              "--logging_dir", str(tmp_path / "runs")]  # fmt: skip
+    if script == "grpo.py":
+        extra = ["--model_name_or_path", str(world / "policy"), "--reward_model_path", str(world / "reward")]
+    else:
+        extra = ["--model_name_or_path", str(world / "policy"), "--eval_strategy", "no"]
+    proc = run_script([script, *common, *extra], check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith(f"{script}: error: --dataset_name {bad}: line 5 is not valid JSON (")
+    assert last.endswith("); fix or remove that line.") and not (tmp_path / "out").exists()
+
+
+def test_bad_json_line_finds_the_line():
+    import tempfile
+
+    from utils.data import bad_json_line
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "x.jsonl")
+        open(path, "w").write('{"a": 1}\n\n{"a": 2}\n{"a": \n')
+        assert bad_json_line(path)[0] == 4
+        open(path, "w").write('[\n{"a": 1},\n{"a": 2\n]\n')
+        assert bad_json_line(path)[0] == 4
+        open(path, "w").write('{"a": 1}\n{"a": 2}\n')
+        assert bad_json_line(path) is None
+
+
+@pytest.mark.parametrize("script", ["sft.py", "ppo.py"])
+def test_an_output_dir_that_cannot_be_written_is_refused_before_training(script, world, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "out"  # a path through a file: unwritable for root too (a chmod would not stop root)
+    if script == "sft.py":
+        flags = sft_flags(world, out, "unwritable", steps=2)
+    else:
+        flags = [*script_flags("ppo.py", world, tmp_path, "unwritable", 1), "--output_dir", str(out)]
+    proc = run_script([script, *flags], check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last == (f"{script}: error: --output_dir {out} cannot be written ({blocker} is a file); pass a "
+                    "folder this user can write to.")  # fmt: skip
+    assert not list(tmp_path.glob("**/metrics.jsonl"))  # nothing trained
+
+
+def test_check_writable(tmp_path):
+    from utils.checkpoint import check_writable
+
+    check_writable(str(tmp_path / "new" / "deeper"))  # a folder still to be made, under a writable one
+    assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())  # the probe left nothing
+    if os.geteuid() != 0:  # permissions bind everyone but root
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        with pytest.raises(ValueError, match="cannot be written"):
+            check_writable(str(locked / "out"))
+
+
+def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_path):
+    import utils
+
+    assert utils.loading.model_positions(str(world / "policy")) == 256
+    out = tmp_path / "out"
+    proc = run_script(["sft.py", *sft_flags(world, out, "long", max_length=2000, packing=True)], check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last == (f"sft.py: error: this run's sequences reach 2000 tokens, more than the 256 positions of "
+                    f"--model_name_or_path {world / 'policy'}; lower --max_length so that they fit.")  # fmt: skip
+    # GRPO: the longest prompt (under --max_prompt_length 2000) plus --max_completion_length.
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the landlord kept my deposit " * 60}) + "\n")
+    proc = run_script(["grpo.py", "--model_name_or_path", str(world / "policy"), "--dataset_name", str(prompts),
+                       "--reward_model_path", str(world / "reward"), "--max_prompt_length", "2000",
+                       "--max_completion_length", "8", "--output_dir", str(out)], check=False)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (
+        last.startswith("grpo.py: error: this run's sequences reach ")
+        and "more than the 256 positions" in last
+    )
+    assert last.endswith("lower --max_prompt_length or --max_completion_length so that they fit.")
+    assert not out.exists()
+
+
+# ---- 5. what a resumed run says and counts; an error after a progress bar ----------------------------------------
+def test_a_resumed_run_names_its_checkpoint_and_counts_every_part_of_its_time(world, tmp_path):
+    out = tmp_path / "dpo"
+    flags = dpo_flags(world, out, "d", steps=2)
+    run_script(["dpo.py", *flags])
+    for file in out.iterdir():  # a kill during the final save
+        if file.is_file():
+            file.unlink()
+    proc = run_script(["dpo.py", *flags, "--resume_from_checkpoint", "latest"])
+    assert f"resumed from {out / 'checkpoint-2'} (step 2)\n" in proc.stdout
+    saved = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["elapsed_seconds"]
+    card = (out / "README.md").read_text()
+    (seconds,) = [
+        float(line.split("|")[2]) for line in card.splitlines() if line.startswith("| train_seconds |")
+    ]
+    assert saved > 0.05 and seconds >= saved  # the first run's 2 steps, not the resumed run's milliseconds
+
+
+def test_an_error_after_a_progress_bar_starts_its_own_line(world, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(world / "policy")
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan_policy")
+    AutoTokenizer.from_pretrained(world / "policy").save_pretrained(tmp_path / "nan_policy")
+    flags = sft_flags(world, tmp_path / "out", "nan", steps=3, model_name_or_path=tmp_path / "nan_policy")
+    proc = run_script(["sft.py", *flags], check=False)
+    assert proc.returncode == 1
+    at = proc.stderr.index("sft.py: stopped: ")
+    assert proc.stderr[at - 1] == "\n", repr(proc.stderr[max(0, at - 200) : at + 40])
