@@ -428,12 +428,18 @@ class RewardScorer:
         """One line saying which path scores the completions."""
         if self.reward_fn is not None:
             return "scores: the reward function, on the decoded prompts and completions"
+        has_template = getattr(self.reward_tokenizer, "chat_template", None)
+        template = "; conversational prompts go through its chat template" if has_template else ""
         if self.same_tokenizer:
-            return "scores: the reward model shares the policy's tokenizer; it reads the policy's token ids"
+            return (
+                "scores: the reward model shares the policy's tokenizer; it reads the policy's token ids"
+                + template
+            )
         limit = f", cut from the left to {self.max_length} tokens" if self.max_length else ""
         return (
             "scores: the reward model has its own tokenizer; completions are decoded and encoded again with it"
             + limit
+            + template
         )
 
     def take_num_truncated(self) -> int:
