@@ -17,10 +17,12 @@ A script uses three calls:
                                                  # the checkpoint resumed from), outside any gathering context
     query_responses, logprobs = engine.generate(model, queries, query_mask, R, T, chunk, generator)
 
-`Engine.generate` returns what `utils.generate` returns. The logprobs are NOT vLLM's: they are recomputed by a
-forward pass of the training model over the sampled rows. vLLM's kernels differ from the training forward's
-(measured here: 1e-6 nats in float32, 0.01 to 0.1 in bf16), and the update's ratio must be exactly 1 on its first step;
-vLLM's own logprobs stay in `engine.last_engine_logprobs` for comparison. Sampling noise comes from the caller's
+`Engine.generate` returns what `utils.generate` returns. By default the logprobs are NOT vLLM's: they are
+recomputed by a forward pass of the training model over the sampled rows. vLLM's kernels differ from the training
+forward's (measured here: 1e-6 nats in float32, 0.01 to 0.1 in bf16), and the update's ratio must be exactly 1 on
+its first step. With `engine_logprobs=True` it returns vLLM's own logprobs instead and skips that forward pass (for
+a script that weights its loss by their difference, grpo.py's importance sampling); they also stay in
+`engine.last_engine_logprobs`. Sampling noise comes from the caller's
 generator (seeded per process): one vLLM seed per row, so equal prompts get independent completions and a run
 is repeatable.
 
@@ -134,11 +136,13 @@ class Engine:
         temperature: float,
         chunk_size: int,
         generator: torch.Generator | None = None,
+        engine_logprobs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`utils.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q]
         (EOS does not stop it; the caller truncates), greedy at temperature 0. Returns (query_responses
         [B, Q+R], logprobs [B, R]), the logprobs of the sampled tokens under `model` (the bare training model,
-        in its precision) at `temperature`, recomputed in chunks of `chunk_size` rows."""
+        in its precision) at `temperature`, recomputed in chunks of `chunk_size` rows; with `engine_logprobs`,
+        vLLM's own logprobs of them at `temperature` (float32, on the queries' device; `model` is not run)."""
         from vllm import SamplingParams
 
         prompts = [row[mask].tolist() for row, mask in zip(queries, query_mask.bool())]
@@ -179,6 +183,8 @@ class Engine:
             [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)] for c in completions]
         ).view(len(completions), response_length)
         query_responses = torch.cat([queries, responses.to(queries.device)], 1)
+        if engine_logprobs:
+            return query_responses, self.last_engine_logprobs.to(queries.device)
         # The training forward's logprobs: every row attends to all R tokens, as utils.generate's do.
         attention_mask = torch.cat(
             [query_mask.bool(), torch.ones_like(responses, dtype=torch.bool).to(queries.device)], 1
