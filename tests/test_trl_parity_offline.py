@@ -137,6 +137,36 @@ def test_dpo_batch_is_trls(world, split, tokenizer, perturbed):
         assert torch.equal(ours[key].long(), batch[key].long()), key
 
 
+def test_dpo_truncation_is_trls_without_max_prompt_length(world, split, tokenizer, perturbed):
+    """TRL 1.16 cuts prompt + completion to --max_length keeping the start (truncation_mode keep_start, its only
+    supported mode) and drops a row whose prompt fills it; ours does the same with --max_prompt_length None. A
+    difference on purpose: our --truncation_mode picks the end kept of a prompt longer than --max_prompt_length
+    (TRL before 1.0), keep_end by default so that the final instruction (TL;DR:) survives."""
+    # Prompts of three lengths (their beginnings cut), all ending with the instruction.
+    data = split("preference").map(
+        lambda row, i: {"prompt": row["prompt"][(0, 6, 60)[i % 3] :]}, with_indices=True
+    )
+    tail = tokenizer(data[0]["prompt"])["input_ids"][-4:]  # "TL;DR:"
+    lengths = [len(tokenizer(p)["input_ids"]) for p in data["prompt"]]
+    max_length = max(lengths)  # the longest prompts fill it: dropped; the others' completions cut
+    cfg = trl.DPOConfig(**trl_kwargs(), max_length=max_length)
+    trainer = trl.DPOTrainer(model=causal_lm(world), ref_model=causal_lm(world), args=cfg, train_dataset=data,
+                             processing_class=tokenizer)  # fmt: skip
+    kept = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batch = trainer.data_collator(kept)
+    args = dpo.Args(max_length=max_length, max_prompt_length=None, truncation_mode="keep_start")
+    rows, counts = dpo.tokenize_dataset(data, tokenizer, args, "rows")
+    assert 0 < counts["dropped"] == ROWS - len(kept) and counts["completions_truncated"] > 0
+    ours = dpo.collate(rows, tokenizer.pad_token_id)
+    for key in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(ours[key].long(), batch[key].long()), key
+    # Our defaults (main lowers --max_prompt_length to max_length // 2 when it does not fit under --max_length):
+    default_args = dpo.Args(max_length=max_length, max_prompt_length=max_length // 2)
+    default_rows, _ = dpo.tokenize_dataset(data, tokenizer, default_args, "rows")
+    assert len(default_rows) == ROWS  # nothing dropped: the prompt gives way
+    assert all(row["prompt"][-len(tail) :] == tail for row in default_rows)  # and keeps the instruction
+
+
 @pytest.mark.parametrize(
     "loss_type, label_smoothing",
     [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("robust", 0.1), ("robust", 0.3)],
