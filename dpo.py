@@ -510,7 +510,7 @@ def main(args: Args) -> dict:
     global_step = resumed["step"]
     progress = tqdm(total=args.num_training_steps, initial=global_step, disable=not is_main)
     sums, micro_batches, tokens = torch.zeros(len(METRICS), device=device), 0, torch.zeros((), device=device)
-    train_start, log_start = time.time(), time.time()
+    log_start = time.time()
     model.train()
     while global_step < args.num_training_steps:
         for m in range(global_step * ga, (global_step + 1) * ga):
@@ -549,7 +549,8 @@ def main(args: Args) -> dict:
         checkpointer.maybe_save(global_step, {"model": model}, {"model": optimizer},
                                 state={"scheduler": scheduler.state_dict(), "train_metrics": train_metrics})  # fmt: skip
     progress.close()
-    final = {f"train/{k}": v for k, v in train_metrics.items()} | {"train_seconds": time.time() - train_start}
+    final = {f"train/{k}": v for k, v in train_metrics.items()}
+    final["train_seconds"] = checkpointer.elapsed_seconds()  # every part of a resumed run, not the last alone
     final |= evaluate(global_step) | {f"data/train_{k}": v for k, v in train_counts.items()}
     final |= {f"data/test_{k}": v for k, v in eval_counts.items()}
 

@@ -322,6 +322,8 @@ def main(args: Args) -> dict:
         eval_prompts, eval_references = utils.data.sample_prompts(
             eval_split, tokenizer, where, args.num_samples, args.dataset_text_field
         )
+    longest = max(len(row["input_ids"]) for row in train_rows + eval_rows)  # what the model will be run on
+    utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     steps_per_epoch = len(train_rows) // args.batch_size
     if steps_per_epoch == 0:
         raise ValueError(

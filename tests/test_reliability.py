@@ -40,6 +40,12 @@ def two_nodes(script_args, multi_gpu=True, timeout=300):
                 os.killpg(p.pid, 9)
 
 
+def rloo_flags(world, tmp_path, name, *extra):
+    """2 updates of 8 completions, 2 + 2 rows a micro-batch on each of two processes (tests/test_distributed_rl)."""
+    return [f for f in script_flags("rloo.py", world, tmp_path, name, 2, "--total_episodes", "16", *extra)
+            if f != "--normalize_reward"]  # fmt: skip
+
+
 def same_weights(a, b):
     first, second = weights(a), weights(b)
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
@@ -49,7 +55,7 @@ def same_weights(a, b):
 @pytest.mark.parametrize("script", ["rloo.py", "sft.py"])
 def test_two_nodes_train_the_weights_of_one_two_process_launch(script, world, tmp_path):
     if script == "rloo.py":
-        flags = lambda name: script_flags(script, world, tmp_path, name, 2, "--total_episodes", "16")  # noqa: E731
+        flags = lambda name: rloo_flags(world, tmp_path, name)  # noqa: E731
     else:
         flags = lambda name: sft_flags(world, tmp_path / name, name, steps=3, per_device_train_batch_size=4)  # noqa: E731
     run_torchrun([script, *flags("one_node")])
@@ -64,14 +70,15 @@ def test_two_nodes_without_a_process_group_are_refused_on_every_process(world, t
     import utils
 
     out = tmp_path / "alone"
-    results = two_nodes(["rloo.py", *script_flags("rloo.py", world, tmp_path, "alone", 2)], multi_gpu=False)
+    results = two_nodes(["rloo.py", *rloo_flags(world, tmp_path, "alone")], multi_gpu=False)
+    # The script exits 2 with its sentence; accelerate's simple launcher then raises CalledProcessError (exit 1).
     for code, _, stderr in results:
-        last = stderr.strip().splitlines()[-1]
-        assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
-        assert last.startswith(
+        (line,) = [line for line in stderr.splitlines() if line.startswith("rloo.py: error: ")]
+        assert code == 1 and "returned non-zero exit status 2." in stderr, stderr[-3000:]
+        assert line.startswith(
             "rloo.py: error: accelerate launch was asked for several processes or machines"
         )
-        assert "add --multi_gpu to the launch command on every machine" in last
+        assert "add --multi_gpu to the launch command on every machine" in line
     assert not out.exists() and not (tmp_path / "runs").exists()
     # What each launcher exports: refused without WORLD_SIZE; torchrun, mpirun or a plain `python` are left alone.
     simple = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "ACCELERATE_DYNAMO_BACKEND": "NO"}
@@ -84,10 +91,10 @@ def test_two_nodes_without_a_process_group_are_refused_on_every_process(world, t
 
 # ---- 2. `latest` with nothing usable ----------------------------------------------------------------------------
 def test_latest_with_only_a_damaged_checkpoint_starts_fresh_in_the_same_folder(world, tmp_path):
-    straight, out = tmp_path / "straight", tmp_path / "requeued"
-    run_script(["sft.py", *sft_flags(world, straight, "straight", steps=2)])
+    out = tmp_path / "requeued"
     flags = sft_flags(world, out, "requeued", steps=2)
     run_script(["sft.py", *flags])
+    straight = weights(out)
     for file in out.iterdir():  # a kill during the final save, after a kill that cut the only checkpoint
         if file.is_file():
             file.unlink()
@@ -100,7 +107,8 @@ def test_latest_with_only_a_damaged_checkpoint_starts_fresh_in_the_same_folder(w
     )
     assert line + f"(checkpoint-2) to {aside}" in proc.stdout
     assert (aside / "checkpoint-2" / "model.safetensors").stat().st_size == 1000
-    assert same_weights(straight, out) and (out / "checkpoint-2").is_dir()
+    fresh = weights(out)  # trained from scratch again, to the same weights
+    assert all(torch.equal(straight[k], fresh[k]) for k in straight) and (out / "checkpoint-2").is_dir()
     # Anything besides damaged checkpoints stays where it is, and the non-empty folder is refused as before.
     (out / "checkpoint-2" / "trainer_state.json").write_text("{")
     proc = run_script(["sft.py", *flags, "--resume_from_checkpoint", "latest"], check=False)
@@ -116,7 +124,14 @@ def cut_jsonl(source, path, rows=40, cut_line=5):
     return path
 
 
-@pytest.mark.parametrize("script", ["sft.py", "dpo.py", "grpo.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "sft.py",
+        pytest.param("dpo.py", marks=pytest.mark.slow),
+        pytest.param("grpo.py", marks=pytest.mark.slow),
+    ],
+)  # one loader (utils.data.load_split) for all: one script in CI
 def test_a_jsonl_line_cut_short_is_named(script, world, tmp_path):
     data = world / "dataset" / ("preference.jsonl" if script == "dpo.py" else "sft.jsonl")
     bad = cut_jsonl(data, tmp_path / "bad.jsonl")
@@ -148,7 +163,7 @@ def test_bad_json_line_finds_the_line():
         assert bad_json_line(path) is None
 
 
-@pytest.mark.parametrize("script", ["sft.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["sft.py", pytest.param("ppo.py", marks=pytest.mark.slow)])
 def test_an_output_dir_that_cannot_be_written_is_refused_before_training(script, world, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
