@@ -8,13 +8,17 @@ the current policy samples two completions at `--temperature`, an annotator says
 DPO step on that fresh pair pulls the policy toward the better completion and away from the other, relative to
 a frozen reference model (the starting policy). The annotator is a reward model (`--reward_model_path`: the
 completion with the higher score is chosen), a reward function (`--reward_fn`), or a pairwise judge (`--judge`:
-a Python function, or an OpenAI-compatible endpoint). Pairs the annotator cannot separate (equal scores, a tie
-or no verdict of the judge) are left out of the loss and counted (`val/num_ties`).
+a Python function, or an OpenAI-compatible endpoint). Equal scores make the first completion 'chosen', as TRL
+does (`--drop_ties` leaves such pairs out instead); a judge's tie or missing verdict is always left out; both are
+counted (`val/num_ties`). As in TRL, the loss reads the logprobs of the plain logits (the policy at temperature 1)
+on completions sampled at `--temperature`, and each prompt is cut from the left so that prompt + completion fit
+`--max_length` in those forward passes.
 
 Batch layout, completion-major as in rloo.py: the 2 * P completions of one update are rows `c * P + p`
 (completion c in {0, 1} of prompt p); prompts are stored once ([P, Q]) and the rows are built at forward time.
 One update samples, annotates, and takes exactly one optimizer step, so the training forward pass runs on the
-weights that sampled: its logprobs equal the sampling ones (`val/logprob_gap`, 0 up to float rounding).
+weights that sampled: with `--logprobs_at_temperature` (or `--temperature 1`) its logprobs equal the sampling
+ones (`val/logprob_gap`, 0 up to float rounding unless `--max_length` cut a prompt).
 
     python online_dpo.py --model_name_or_path models/sft --reward_model_path models/reward \
         --dataset_name data/tldr/prompts --learning_rate 5e-7 --per_device_train_batch_size 8 \
@@ -125,7 +129,13 @@ class Args:
     max_new_tokens: int = 64
     """tokens sampled per completion (then truncated after the EOS token)"""
     temperature: float = 0.9
-    """sampling temperature; the logprobs of policy and reference are taken at the same temperature"""
+    """sampling temperature (the loss's logprobs are of the plain logits, as TRL's; see --logprobs_at_temperature)"""
+    logprobs_at_temperature: bool = False
+    """ours, off by default: the loss's logprobs of policy and reference are those of logits / --temperature, the
+    distribution that sampled (the pairs are then on-policy and val/logprob_gap checks it); off: the plain logits"""
+    max_length: int | None = 512
+    """longest prompt + completion in the logprob forward passes (TRL's): a prompt keeps its last max_length - W
+    tokens, W the longest completion of its micro-batch (sampling and scoring see it whole); None: no limit"""
     missing_eos_penalty: float | None = None
     """subtracted from the score of completions without an EOS token (reward model or function only)"""
     local_rollout_forward_batch_size: int = 64
@@ -151,7 +161,10 @@ class Args:
     beta: list[float] = field(default_factory=lambda: [0.1])
     """strength of the pull toward the reference (IPO's tau); several values: one per epoch, the last kept"""
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """'sigmoid' (DPO), 'ipo' (log-ratios averaged over tokens), or 'hinge' (SLiC, margin 1/beta)"""
+    """'sigmoid' (DPO), 'ipo' (log-ratios summed over tokens, as TRL's online DPO), or 'hinge' (SLiC, margin 1/beta)"""
+    drop_ties: bool = False
+    """ours, off by default: leave pairs with equal scores out of the loss; off: the first completion is 'chosen'
+    (TRL's rule; a judge's ties are always left out)"""
 
     # Logging
     num_sample_generations: int = 10
@@ -173,22 +186,47 @@ class Args:
 # ----------------------------------------------------------------------------------------------------------------
 def verdicts_from_scores(scores: torch.Tensor) -> torch.Tensor:
     """Which completion of each prompt is better: scores [2P] completion-major -> verdicts [P], 0 when completion 0
-    scores higher, 1 when completion 1 does, -1 for a tie (no preference; the pair is skipped)."""
+    scores higher, 1 when completion 1 does, -1 for a tie."""
     first, second = scores.view(2, -1)
     verdicts = (second > first).long()
     return verdicts.masked_fill(first == second, -1)
 
 
-def pairs_from_verdicts(verdicts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pairs_from_verdicts(
+    verdicts: torch.Tensor, drop_ties: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of the chosen and rejected completion of each prompt and which pairs count: verdicts [P] in {0, 1, -1}
-    -> (chosen_rows [P], rejected_rows [P], kept [P] bool). Completion c of prompt p is row c * P + p; a tie keeps
-    completion 0 as 'chosen' but is not kept."""
+    -> (chosen_rows [P], rejected_rows [P], kept [P] bool). Completion c of prompt p is row c * P + p. A tie (-1)
+    keeps completion 0 as 'chosen' (TRL's rule: chosen when its score is >= the other's) and counts unless
+    `drop_ties`."""
     num_prompts = verdicts.size(0)
     prompt = torch.arange(num_prompts, device=verdicts.device)
     second_wins = verdicts == 1
     chosen = torch.where(second_wins, prompt + num_prompts, prompt)
     rejected = torch.where(second_wins, prompt, prompt + num_prompts)
-    return chosen, rejected, verdicts >= 0
+    return chosen, rejected, (verdicts >= 0) | (not drop_ties)
+
+
+def nan_as_zero(scores: torch.Tensor) -> torch.Tensor:
+    """A reward function's None (NaN) counts as 0 [B]: TRL sums its reward functions with nansum; infinities stay."""
+    return torch.where(scores.isnan(), torch.zeros_like(scores), scores)
+
+
+def prompt_mask_within(
+    query_mask: torch.Tensor, lengths: torch.Tensor, max_length: int | None, micro_batch: int
+) -> torch.Tensor:
+    """TRL's max_length in the logprob forward passes: the prompts [P, Q] (left-padded, mask bool) of micro-batch m
+    keep their last max_length - W_m tokens, W_m = the longest of the completions (lengths [2P], completion-major)
+    of its `micro_batch` prompts. TRL drops the left columns of each micro-batch's prompt + completion tensor (W_m
+    wide) until it is max_length wide: the same tokens. Returns the forward passes' prompt mask [P, Q]."""
+    if max_length is None:
+        return query_mask
+    num_prompts, width = query_mask.shape
+    longest = torch.maximum(lengths[:num_prompts], lengths[num_prompts:])
+    widest = torch.cat([part.max().expand(part.numel()) for part in longest.split(micro_batch)])
+    keep = (max_length - widest).clamp(min=0)
+    column = torch.arange(width, device=query_mask.device)
+    return query_mask & (column[None, :] >= width - keep[:, None])
 
 
 def sigmoid_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
@@ -197,8 +235,8 @@ def sigmoid_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def ipo_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
-    """IPO (Azar et al. 2023): (h - 1 / (2 * tau))^2 with tau = beta; here h is built from log-ratios averaged
-    over each completion's tokens (as TRL does, a choice the IPO authors confirmed) [P]."""
+    """IPO (Azar et al. 2023): (h - 1 / (2 * tau))^2 with tau = beta [P]; h from log-ratios summed over each
+    completion's tokens, as TRL's online DPO (its offline DPO averages them over the tokens)."""
     return (h - 1 / (2 * beta)) ** 2
 
 
@@ -207,14 +245,12 @@ def hinge_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
     return torch.relu(1 - beta * h)
 
 
-def online_dpo_loss(logp_c, logp_r, ref_c, ref_r, len_c, len_r, beta: float, loss_type: str):
+def online_dpo_loss(logp_c, logp_r, ref_c, ref_r, beta: float, loss_type: str):
     """Per-pair losses [P] and implicit rewards beta * log(pi / pi_ref) [P] of the chosen and rejected completions.
 
     logp_* and ref_* [P] are a completion's logprob summed over its tokens under the policy and the reference;
-    len_* [P] count its tokens. For 'ipo' every log-ratio is divided by its length before the loss."""
+    h = (logp_c - ref_c) - (logp_r - ref_r) for every loss type."""
     ratio_c, ratio_r = logp_c - ref_c, logp_r - ref_r
-    if loss_type == "ipo":
-        ratio_c, ratio_r = ratio_c / len_c, ratio_r / len_r
     h = ratio_c - ratio_r
     if loss_type == "sigmoid":
         losses = sigmoid_loss(h, beta)
@@ -240,6 +276,31 @@ def learning_rate_at(update: int, num_updates: int, base: float, schedule: str, 
     if schedule == "constant":
         return base
     return base * (1 - (update - 1 - warmup_updates) / max(1, num_updates - warmup_updates))
+
+
+def pair_losses(policy, query_responses, attention_mask, context_length: int, response_mask, ref_logprobs,
+                beta: float, loss_type: str, temperature: float):  # fmt: skip
+    """The loss of a micro-batch of n pairs: rows [2n, T] hold the n chosen completions, then their n rejected
+    ones. The policy's logprobs of the response tokens under logits / temperature (1: the plain logits, TRL's),
+    summed over response_mask [2n, R], against the reference's ref_logprobs [2n, R] summed likewise. Returns
+    (losses [n], implicit rewards of the chosen and of the rejected [n], summed logprobs [2n], logprobs [2n, R])."""
+    logprobs = utils.response_logprobs(policy, query_responses, attention_mask, context_length, temperature)
+    logps, ref_logps = (logprobs * response_mask).sum(1), (ref_logprobs * response_mask).sum(1)
+    n = logps.size(0) // 2
+    losses, reward_c, reward_r = online_dpo_loss(
+        logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta, loss_type
+    )
+    return losses, reward_c, reward_r, logps, logprobs
+
+
+def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, float]:
+    """The mean of each value a reward function logged, over the processes that logged it."""
+    from accelerate.utils import gather_object
+
+    every = gather_object([logged]) if accelerator.num_processes > 1 else [logged]
+    names = sorted({name for one in every for name in one})
+    return {name: sum(one[name] for one in every if name in one) / sum(name in one for one in every)
+            for name in names}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -344,6 +405,11 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(
             "--reward_tokenizer_path is the reward model's tokenizer; pass --reward_model_path too."
         )
+    if args.max_length is not None and args.max_length <= args.max_new_tokens:
+        raise ValueError(
+            f"--max_length {args.max_length} must exceed --max_new_tokens {args.max_new_tokens}, or no prompt "
+            "token would be left in the logprob forward passes."
+        )
     if args.missing_eos_penalty is not None and args.judge is not None:
         raise ValueError(
             "--missing_eos_penalty changes scores; a --judge gives none, so leave the penalty out."
@@ -392,6 +458,7 @@ def main(args: Args) -> None:
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fn else {}
+    raw_prompts = utils.data.column(dataset, "prompt")  # what the reward sees as each row's prompt, as in TRL
     sample_dataset = None
     if args.dataset_test_split and args.num_sample_generations:
         sample_dataset = utils.data.load_split(
@@ -449,6 +516,7 @@ def main(args: Args) -> None:
 
     chunk, R, T = args.local_rollout_forward_batch_size, args.max_new_tokens, args.temperature
     P, micro = args.local_batch_size, args.per_device_train_batch_size
+    logprob_temperature = T if args.logprobs_at_temperature else 1.0
     warmup_updates = math.ceil(args.warmup_ratio * args.num_total_batches)
 
     def sample(queries, query_mask, prompt_of_row, generator):
@@ -490,9 +558,13 @@ def main(args: Args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         beta = beta_for_epoch(args.beta, (update - 1) // updates_per_epoch)
+        trainer_state = utils.scoring.TrainerState(
+            global_step=update - 1, max_steps=args.num_total_batches, epoch=(update - 1) / updates_per_epoch
+        )
 
         # 5. Rollout: P prompts stored once [P, Q], two completions each in completion-major order (row i <-
-        # prompt i % P), truncated after EOS; reference logprobs of the truncated rows at the same temperature.
+        # prompt i % P), truncated after EOS; reference logprobs of the truncated rows (prompts cut to
+        # --max_length), at the loss's temperature.
         examples = next(batches)  # dataset indices of this process's P prompts
         queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         context_length = queries.size(1)
@@ -501,21 +573,32 @@ def main(args: Args) -> None:
             queries, query_mask, rows % P, sampling_generator
         )
         rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
+        forward_mask = prompt_mask_within(query_mask, lengths, args.max_length, micro)
+        first = int(forward_mask.any(0).long().argmax())  # columns no prompt keeps are left out
+        forward_rows_at = functools.partial(utils.query_response_rows, queries[:, first:],
+                                            forward_mask[:, first:], responses, response_mask)  # fmt: skip
+        forward_context = context_length - first
         ref_logprobs, scores = [], []
         with torch.no_grad(), accelerator.autocast():  # the policy's precision, so the KL starts at 0 in bf16
             for idx in rows.split(chunk):
-                query_responses, mask = rows_at(idx)
-                ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask,
-                                                                    context_length, T, chunk))  # fmt: skip
+                ref_logprobs.append(utils.batched_response_logprobs(
+                    ref_policy, *forward_rows_at(idx), forward_context, logprob_temperature, chunk
+                ))  # fmt: skip
                 if scorer is not None:
                     of_rows = utils.data.columns_of_rows(columns, examples, idx)
-                    scores.append(scorer(query_responses, mask, context_length, chunk, columns=of_rows))
+                    prompts = [raw_prompts[examples[r % P]] for r in idx.tolist()]
+                    scores.append(scorer(*rows_at(idx), context_length, chunk, prompts=prompts, columns=of_rows,
+                                         trainer_state=trainer_state))  # fmt: skip
         ref_logprobs = torch.cat(ref_logprobs)
         has_eos = ((responses == eos_id) & response_mask).any(1)
 
-        # 6. Annotation: the better completion of each prompt is 'chosen'; ties are skipped (weight 0).
+        # 6. Annotation: the better completion of each prompt is 'chosen'; a tie of scores keeps the first (TRL),
+        # or is skipped with --drop_ties; a judge's tie is skipped.
         if judge is None:
             scores = torch.cat(scores).float()
+            if reward_fn is not None:
+                scores = nan_as_zero(scores)
+            check_finite(update, accelerator, scores=scores)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~has_eos).float()
             verdicts = verdicts_from_scores(scores)
@@ -523,7 +606,7 @@ def main(args: Args) -> None:
             prompts = decode_rows(queries, query_mask)
             completions = decode_rows(responses, response_mask)
             verdicts = call_judge(judge, prompts, list(zip(completions[:P], completions[P:]))).to(device)
-        chosen_rows, rejected_rows, kept = pairs_from_verdicts(verdicts)
+        chosen_rows, rejected_rows, kept = pairs_from_verdicts(verdicts, args.drop_ties or judge is not None)
         num_kept = accelerator.reduce(kept.sum(), reduction="sum").item()
 
         # 7. One DPO step on the fresh pairs: micro-batches of pairs (chosen and rejected rows in one forward),
@@ -533,20 +616,14 @@ def main(args: Args) -> None:
         loss_scale = args.gradient_accumulation_steps * args.world_size / max(1, num_kept)
         sums = torch.zeros(7, device=device)  # loss, rewards c/r, accuracy, logps c/r, over kept pairs
         gap, measured = torch.zeros((), device=device), None
+        policy_logprobs = torch.zeros_like(ref_logprobs)
         for pair_idx in torch.arange(P, device=device).split(micro):
             with accelerator.accumulate(policy):
                 idx = torch.cat([chosen_rows[pair_idx], rejected_rows[pair_idx]])
-                query_responses, attention_mask = rows_at(idx)
-                new_logprobs = utils.response_logprobs(
-                    policy, query_responses, attention_mask, context_length, T
-                )
                 mask = response_mask[idx]
-                logps = (new_logprobs * mask).sum(1)
-                ref_logps, token_counts = (ref_logprobs[idx] * mask).sum(1), mask.sum(1)
-                n = len(pair_idx)
-                losses, reward_c, reward_r = online_dpo_loss(
-                    logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], token_counts[:n], token_counts[n:],
-                    beta, args.loss_type,
+                losses, reward_c, reward_r, logps, new_logprobs = pair_losses(
+                    policy, *forward_rows_at(idx), forward_context, mask, ref_logprobs[idx], beta,
+                    args.loss_type, logprob_temperature,
                 )  # fmt: skip
                 weight = kept[pair_idx].float()
                 accelerator.backward((losses * weight).sum() * loss_scale)
@@ -556,6 +633,8 @@ def main(args: Args) -> None:
                     optimizer.step()
                 optimizer.zero_grad()
             with torch.no_grad():
+                n = len(pair_idx)
+                policy_logprobs[idx] = new_logprobs.detach().to(policy_logprobs.dtype)
                 gap = torch.maximum(gap, ((new_logprobs - sampled_logprobs[idx]).abs() * mask).max())
                 sums += torch.stack([
                     (losses.detach() * weight).sum(), (reward_c * weight).sum(), (reward_r * weight).sum(),
@@ -563,16 +642,17 @@ def main(args: Args) -> None:
                     (logps[n:].detach() * weight).sum(), weight.sum(),
                 ])  # fmt: skip
 
-        # 8. Metrics, gathered over processes (pair statistics over the kept pairs).
+        # 8. Metrics, gathered over processes (pair statistics over the kept pairs; KL and entropy of the loss's
+        # logprobs, as TRL's).
         with torch.no_grad():
             sums = accelerator.reduce(sums, reduction="sum")
             pair_means = (sums[:6] / sums[6].clamp(min=1)).tolist()
-            kl = ((sampled_logprobs - ref_logprobs) * response_mask).sum(1)  # k1 estimator per completion
+            kl = ((policy_logprobs - ref_logprobs) * response_mask).sum(1)  # k1 estimator per completion
             episode = update * args.batch_size * 2
             metrics = {
                 "eps": int((episode - start_update * args.batch_size * 2) / (time.time() - start_time)),
                 "objective/kl": gathered_mean(kl),
-                "objective/entropy": gathered_mean((-sampled_logprobs * response_mask).sum(1)),
+                "objective/entropy": gathered_mean((-policy_logprobs * response_mask).sum(1)),
                 "objective/non_score_reward": -beta * gathered_mean(kl),
                 "loss/dpo_avg": pair_means[0],
                 "rewards/chosen": pair_means[1],
@@ -582,12 +662,16 @@ def main(args: Args) -> None:
                 "logps/chosen": pair_means[4],
                 "logps/rejected": pair_means[5],
                 "val/contain_eos_token": gathered_mean(has_eos),
-                "val/num_ties": args.batch_size - num_kept,
-                "val/logprob_gap": accelerator.reduce(gap, reduction="max").item(),
+                "val/num_ties": accelerator.reduce((verdicts < 0).sum(), reduction="sum").item(),
+                "val/num_truncated_prompts": accelerator.reduce(
+                    (forward_mask != query_mask).any(1).sum(), reduction="sum"
+                ).item(),
                 "beta": beta,
                 "lr": lr,
                 "episode": episode,
             }
+            if logprob_temperature == T:  # the loss's logprobs are of the distribution that sampled
+                metrics["val/logprob_gap"] = accelerator.reduce(gap, reduction="max").item()
             if judge is None:
                 margins = (scores[chosen_rows] - scores[rejected_rows])[kept]
                 metrics["objective/scores"] = gathered_mean(scores)
@@ -595,6 +679,7 @@ def main(args: Args) -> None:
                 metrics["objective/rlhf_reward"] = (
                     metrics["objective/scores"] + metrics["objective/non_score_reward"]
                 )
+                metrics.update(mean_over_processes(accelerator, scorer.take_logged()))
             grad_norm = grad_norm_after_step(policy, measured) if num_kept > 0 else None
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import online_dpo
+import utils
 from conftest import (
     ROOT,
     check_trl_style_calls,
@@ -28,31 +29,35 @@ METRICS = {
     "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
     "objective/scores_margin", "objective/rlhf_reward", "loss/dpo_avg", "rewards/chosen", "rewards/rejected",
     "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token",
-    "val/num_ties", "val/logprob_gap", "grad_norm", "beta", "lr", "episode",
+    "val/num_ties", "val/num_truncated_prompts", "val/logprob_gap", "grad_norm", "beta", "lr", "episode",
 }  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ pair construction
-def loop_pairs(scores, num_prompts):
-    """From the definition: completion c of prompt p is row c * P + p; the higher score is chosen; ties skipped."""
+def loop_pairs(scores, num_prompts, drop_ties):
+    """From the definition: completion c of prompt p is row c * P + p; the first is chosen when its score is at
+    least the second's (TRL's rule), the second otherwise; with drop_ties a tie does not count."""
     chosen, rejected, kept = [], [], []
     for p in range(num_prompts):
         first, second = scores[p], scores[num_prompts + p]
-        if second > first:
-            chosen.append(num_prompts + p), rejected.append(p), kept.append(True)
+        if first >= second:
+            chosen.append(p), rejected.append(num_prompts + p), kept.append(first != second or not drop_ties)
         else:
-            chosen.append(p), rejected.append(num_prompts + p), kept.append(first != second)
+            chosen.append(num_prompts + p), rejected.append(p), kept.append(True)
     return chosen, rejected, kept
 
 
+@pytest.mark.parametrize("drop_ties", [False, True])
 @pytest.mark.parametrize("num_prompts", [1, 5, 16])
-def test_pairs_from_scores_match_loop(num_prompts):
+def test_pairs_from_scores_match_loop(num_prompts, drop_ties):
     g = torch.Generator().manual_seed(num_prompts)
     scores = torch.randint(0, 3, (2 * num_prompts,), generator=g).float()  # few values: many ties
-    chosen, rejected, kept = online_dpo.pairs_from_verdicts(online_dpo.verdicts_from_scores(scores))
-    expected = loop_pairs(scores.tolist(), num_prompts)
+    verdicts = online_dpo.verdicts_from_scores(scores)
+    chosen, rejected, kept = online_dpo.pairs_from_verdicts(verdicts, drop_ties)
+    expected = loop_pairs(scores.tolist(), num_prompts, drop_ties)
     assert (chosen.tolist(), rejected.tolist(), kept.tolist()) == expected
-    assert (scores[chosen][kept] > scores[rejected][kept]).all()
+    assert (scores[chosen][kept] >= scores[rejected][kept]).all()
+    assert (verdicts == -1).tolist() == [a == b for a, b in zip(scores[:num_prompts], scores[num_prompts:])]
 
 
 def test_pairs_hand_case():
@@ -60,9 +65,39 @@ def test_pairs_hand_case():
     scores = torch.tensor([1.0, 2.0, 5.0, 3.0, 2.0, -1.0])
     verdicts = online_dpo.verdicts_from_scores(scores)
     assert verdicts.tolist() == [1, -1, 0]
-    chosen, rejected, kept = online_dpo.pairs_from_verdicts(verdicts)
-    assert chosen.tolist() == [3, 1, 2] and rejected.tolist() == [0, 4, 5]
-    assert kept.tolist() == [True, False, True]
+    for drop_ties, kept_tie in ((False, True), (True, False)):  # TRL: the tie trains toward its first (row 1)
+        chosen, rejected, kept = online_dpo.pairs_from_verdicts(verdicts, drop_ties)
+        assert chosen.tolist() == [3, 1, 2] and rejected.tolist() == [0, 4, 5]
+        assert kept.tolist() == [True, kept_tie, True]
+
+
+def test_a_none_reward_counts_as_zero_as_trls_nansum():
+    scores = torch.tensor([float("nan"), 2.0, -float("inf"), float("inf")])
+    assert online_dpo.nan_as_zero(scores).tolist() == [0.0, 2.0, -float("inf"), float("inf")]
+
+
+def loop_prompt_mask(query_mask, lengths, max_length, micro_batch):
+    """TRL's cut, literally: per micro-batch, drop left columns of [prompts | completions as wide as the longest]
+    until max_length wide."""
+    num_prompts, width = query_mask.shape
+    out = torch.zeros_like(query_mask)
+    for start in range(0, num_prompts, micro_batch):
+        prompts = list(range(start, min(start + micro_batch, num_prompts)))
+        widest = max(max(int(lengths[p]), int(lengths[num_prompts + p])) for p in prompts)
+        dropped = max(width + widest - max_length, 0)
+        for p in prompts:
+            out[p, dropped:] = query_mask[p, dropped:]
+    return out
+
+
+@pytest.mark.parametrize("max_length,micro_batch", [(12, 2), (9, 3), (8, 6), (100, 2), (6, 1)])
+def test_prompt_mask_within_max_length_matches_trls_cut(max_length, micro_batch):
+    g = torch.Generator().manual_seed(max_length)
+    query_mask = utils.left_pad([[7] * n for n in (9, 3, 6, 1, 8, 5)], 0)[1]
+    lengths = torch.randint(1, 6, (12,), generator=g)
+    got = online_dpo.prompt_mask_within(query_mask, lengths, max_length, micro_batch)
+    assert torch.equal(got, loop_prompt_mask(query_mask, lengths, max_length, micro_batch))
+    assert online_dpo.prompt_mask_within(query_mask, lengths, None, micro_batch) is query_mask
 
 
 def test_judge_answers_are_checked():
@@ -75,13 +110,13 @@ def test_judge_answers_are_checked():
 
 
 # ----------------------------------------------------------------------------------------------------------- losses
-def loop_losses(logp_c, logp_r, ref_c, ref_r, len_c, len_r, beta, loss_type):
+def loop_losses(logp_c, logp_r, ref_c, ref_r, beta, loss_type):
     out = []
-    for lc, lr, rc, rr, nc, nr in zip(logp_c, logp_r, ref_c, ref_r, len_c, len_r):
+    for lc, lr, rc, rr in zip(logp_c, logp_r, ref_c, ref_r):
         if loss_type == "sigmoid":  # DPO, eq. 7: -log sigma(beta * ((lc - rc) - (lr - rr)))
             out.append(math.log(1 + math.exp(-beta * ((lc - rc) - (lr - rr)))))
-        elif loss_type == "ipo":  # IPO with per-token averaged log-ratios: (h - 1 / (2 tau))^2
-            out.append(((lc - rc) / nc - (lr - rr) / nr - 1 / (2 * beta)) ** 2)
+        elif loss_type == "ipo":  # IPO on summed log-ratios (TRL's online DPO): (h - 1 / (2 tau))^2
+            out.append(((lc - rc) - (lr - rr) - 1 / (2 * beta)) ** 2)
         else:  # SLiC hinge on reference-corrected log-ratios: max(0, 1 - beta * h)
             out.append(max(0.0, 1 - beta * ((lc - rc) - (lr - rr))))
     return out
@@ -92,45 +127,34 @@ def loop_losses(logp_c, logp_r, ref_c, ref_r, len_c, len_r, beta, loss_type):
 def test_losses_match_loops(loss_type, beta):
     g = torch.Generator().manual_seed(7)
     logp_c, logp_r, ref_c, ref_r = (-10 * torch.rand(6, generator=g, dtype=torch.float64) for _ in range(4))
-    len_c = torch.tensor([1.0, 2, 3, 4, 5, 8], dtype=torch.float64)
-    len_r = torch.tensor([8.0, 5, 4, 3, 2, 1], dtype=torch.float64)
-    losses, reward_c, reward_r = online_dpo.online_dpo_loss(
-        logp_c, logp_r, ref_c, ref_r, len_c, len_r, beta, loss_type
-    )
-    expected = loop_losses(
-        *(t.tolist() for t in (logp_c, logp_r, ref_c, ref_r, len_c, len_r)), beta, loss_type
-    )
+    losses, reward_c, reward_r = online_dpo.online_dpo_loss(logp_c, logp_r, ref_c, ref_r, beta, loss_type)
+    expected = loop_losses(*(t.tolist() for t in (logp_c, logp_r, ref_c, ref_r)), beta, loss_type)
     assert losses.tolist() == pytest.approx(expected, rel=1e-9)
-    per_token = loss_type == "ipo"
-    for reward, logp, ref, n in ((reward_c, logp_c, ref_c, len_c), (reward_r, logp_r, ref_r, len_r)):
-        assert reward.tolist() == pytest.approx((beta * (logp - ref) / (n if per_token else 1)).tolist())
+    for reward, logp, ref in ((reward_c, logp_c, ref_c), (reward_r, logp_r, ref_r)):
+        assert reward.tolist() == pytest.approx((beta * (logp - ref)).tolist())
 
 
 def test_loss_hand_cases_and_gradient_direction():
     zero = torch.zeros(1)
     # policy equal to the reference: h = 0 -> log 2, (1/(2 beta))^2, 1
-    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 1, 1, 0.5, "sigmoid")[
-        0
-    ].item() == pytest.approx(math.log(2))
-    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 1, 1, 0.5, "ipo")[0].item() == pytest.approx(
-        1.0
+    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 0.5, "sigmoid")[0].item() == pytest.approx(
+        math.log(2)
     )
-    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 1, 1, 0.5, "hinge")[0].item() == pytest.approx(
-        1.0
-    )
+    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 0.5, "ipo")[0].item() == pytest.approx(1.0)
+    assert online_dpo.online_dpo_loss(zero, zero, zero, zero, 0.5, "hinge")[0].item() == pytest.approx(1.0)
     # beyond the margin 1/beta the hinge loss is 0
     two = torch.tensor([2.0])
-    assert online_dpo.online_dpo_loss(two, zero, zero, zero, 1, 1, 0.5, "hinge")[0].item() == 0.0
+    assert online_dpo.online_dpo_loss(two, zero, zero, zero, 0.5, "hinge")[0].item() == 0.0
     # every loss raises the chosen logprob and lowers the rejected one
     for loss_type in ("sigmoid", "ipo", "hinge"):
         logp_c, logp_r = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
-        online_dpo.online_dpo_loss(logp_c, logp_r, zero, zero, 1, 1, 0.1, loss_type)[0].sum().backward()
+        online_dpo.online_dpo_loss(logp_c, logp_r, zero, zero, 0.1, loss_type)[0].sum().backward()
         assert logp_c.grad.item() < 0 < logp_r.grad.item(), loss_type
 
 
 def test_unknown_loss_type():
     with pytest.raises(ValueError, match="unknown --loss_type"):
-        online_dpo.online_dpo_loss(torch.zeros(1), torch.zeros(1), 0, 0, 1, 1, 0.1, "simpo")
+        online_dpo.online_dpo_loss(torch.zeros(1), torch.zeros(1), 0, 0, 0.1, "simpo")
 
 
 # -------------------------------------------------------------------------------------------- schedules and sizes
@@ -163,6 +187,8 @@ def test_trl_command_parses_and_sizes_follow():
     assert (args.local_batch_size, args.batch_size) == (128, 1024)
     assert args.num_total_batches == 116722 // 1024
     assert args.beta == [0.1, 0.05] and args.loss_type == "sigmoid" and args.temperature == 0.9
+    # TRL's OnlineDPOConfig defaults: no flag of ours changes what the TRL command does
+    assert (args.max_length, args.logprobs_at_temperature, args.drop_ties) == (512, False, False)
 
 
 @pytest.mark.parametrize(
@@ -174,6 +200,10 @@ def test_trl_command_parses_and_sizes_follow():
         (["--judge", "j.py:f", "--missing_eos_penalty", "1"], "a --judge gives none"),
         (["--reward_model_path", "r", "--temperature", "0"], "--temperature must be positive"),
         (["--reward_model_path", "r", "--max_steps", "0"], "--max_steps must be at least 1"),
+        (
+            ["--reward_model_path", "r", "--max_length", "64"],
+            "--max_length 64 must exceed --max_new_tokens 64",
+        ),
     ],
 )
 def test_bad_flags_are_refused_with_one_sentence(flags, message):
@@ -250,11 +280,13 @@ def test_trl_style_reward_function_gets_its_rows_columns(world, lab, tmp_path):
 
 
 def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path):
-    """Learning rate 0: the training forward gives back the logprobs of sampling (gap 0) and the reference's (KL
-    0, implicit rewards 0), under left padding, truncation after EOS, a temperature and dropout in the config."""
+    """Learning rate 0, --logprobs_at_temperature: the training forward gives back the logprobs of sampling (gap
+    0) and the reference's (KL 0, implicit rewards 0), under left padding, truncation after EOS, a temperature
+    and dropout in the config."""
     flags = common_flags(tmp_path, "invariant") + [
         "--model_name_or_path", str(lab / "policy"), "--reward_model_path", str(world / "reward"),
         "--dataset_name", str(lab / "prompts.jsonl"), "--learning_rate", "0", "--temperature", "0.7",
+        "--logprobs_at_temperature",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "2",
         "--missing_eos_penalty", "1.0", "--local_rollout_forward_batch_size", "6", "--loss_type", "ipo",
         "--num_sample_generations", "1",
@@ -266,6 +298,9 @@ def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path)
     for metrics in lines:
         assert set(metrics) == METRICS
         assert metrics["val/logprob_gap"] < 1e-5  # measured: about 1e-6
+        assert (
+            metrics["val/num_truncated_prompts"] == 0
+        )  # every prompt + completion is within --max_length 512
         assert abs(metrics["objective/kl"]) < 1e-4
         assert metrics["rewards/chosen"] == pytest.approx(0, abs=1e-6)
         assert metrics["loss/dpo_avg"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-4)  # IPO at h = 0
@@ -279,8 +314,8 @@ def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path)
 
 def test_two_processes_keep_each_pair_within_its_prompt(world, lab, tmp_path):
     """2 processes: the score depends on the prompt alone, so every pair is a tie exactly when both of its
-    completions are of one prompt. Then nothing is learned and the policy does not move."""
-    flags = common_flags(tmp_path, "ddp") + [
+    completions are of one prompt. With --drop_ties nothing is then learned and the policy does not move."""
+    flags = common_flags(tmp_path, "ddp") + ["--drop_ties",
         "--model_name_or_path", str(world / "policy"), "--reward_fn", f"{lab / 'rules.py'}:prompt_only",
         "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "2",
         "--gradient_accumulation_steps", "2", "--max_steps", "2", "--learning_rate", "1e-2",
@@ -336,6 +371,7 @@ def test_judge_function_is_honoured(world, lab, tmp_path):
         assert metrics["val/num_ties"] == sum(len(a) == len(b) for a, b in call["pairs"]) < 16
         assert "objective/scores" not in metrics
         assert metrics["logps/chosen"] > metrics["logps/rejected"] + 1.0, metrics  # measured: about 10 apart
+        assert metrics["val/logprob_gap"] < 1e-5  # at temperature 1 the plain logits are those that sampled
 
 
 @pytest.mark.slow
@@ -372,6 +408,7 @@ def test_deepspeed_keeps_the_sampling_invariant(world, lab, tmp_path, zero_stage
         "--model_name_or_path", str(lab / "policy"), "--reward_model_path", str(world / "reward"),
         "--dataset_name", str(lab / "prompts.jsonl"), "--learning_rate", "0", "--per_device_train_batch_size", "2",
         "--gradient_accumulation_steps", "2", "--max_steps", "2", "--missing_eos_penalty", "1.0",
+        "--logprobs_at_temperature",
     ]  # fmt: skip
     run_deepspeed(["online_dpo.py", *flags], tmp_path, zero_stage)
     lines = read_metrics(tmp_path / "runs" / "ds")
