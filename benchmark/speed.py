@@ -29,6 +29,18 @@ Shapes (`--preset`; every size can still be set by its own flag):
     prompts) and 1 epoch of 2 mini-batches of 4 (2 optimizer steps). On a quiet 2-core CPU one side of one
     algorithm takes about 1-2 minutes at vocabulary 151936 and peaks at up to ~7 GiB: use --parallel 1 or 2.
 
+On a GPU (`--device cuda`, the default where torch sees one; docs/speed_gpu.md): ours and TRL run on it one after
+the other (--parallel 1), each in its own process, in `--precision` fp32 or bf16 (autocast on fp32 weights, both
+sides); the bare loop is CPU-only and left out. Each side's peak torch.cuda.max_memory_allocated and
+max_memory_reserved are recorded, and every optimizer step is timed after torch.cuda.synchronize (or by a CUDA
+event: --no_cuda_sync_per_step). The presets tldr_qwen05b and grpo_qwen05b are the tldr_qwen and grpo shapes with
+Qwen2.5-0.5B's body (hidden 896 x 24 layers, MLP 4864, 14 heads; 663M parameters untied) and 8 rows a micro-batch
+(--micro_batch_rows sets the rows of any preset); `--profile` adds torch.profiler's counts of kernel launches and
+host syncs per update. The results name the device (the GPU's name), the model's size and the precision.
+
+    python benchmark/speed.py --preset tldr_qwen05b --precision bf16 --runs 1 --algorithms sft dpo rloo \
+        online_dpo --trl_python "$(command -v python3)" --output $OUT/speed_tldr_qwen05b.json
+
 Counted the same way on all three sides: every optimizer step is timed by a hook on torch's optimizers, so the
 in-loop throughput is (updates - 1) * examples per update / (time from the end of the first update to the end of
 the last), with examples = sequences (sft), preference pairs (reward, dpo, online_dpo) or completions (rloo, ppo,
@@ -68,6 +80,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -82,23 +95,62 @@ SIDES = ["ours", "trl", "bare"]
 # and grpo, 8 prompts for ppo) and 1 epoch of 2 mini-batches of 4. The first update is warm-up, so each in-loop
 # figure is over updates 2-3. On a 2-core CPU one side of one algorithm takes about 1-2 minutes at vocabulary
 # 151936 (about a third of that at 50304) and peaks at up to ~7 GiB: use --parallel 1 or 2.
-REAL = {"hidden_size": 256, "num_layers": 2, "intermediate_size": 1024, "batch_size": 4, "pair_batch_size": 2,
-        "steps": 3, "updates": 3, "epochs": 1}  # fmt: skip
+REAL = {"hidden_size": 256, "num_layers": 2, "intermediate_size": 1024, "num_heads": 4, "batch_size": 4,
+        "pair_batch_size": 2, "steps": 3, "updates": 3, "epochs": 1}  # fmt: skip
+# Qwen2.5-0.5B's body (hidden 896 x 24 layers, MLP 4864, 14 heads; shape_world has no GQA, so 14 key-value heads
+# too) with 8 rows a micro-batch: the workload /work/shared/gpu's harness measured on one H100 (docs/speed_gpu.md).
+QWEN05B = {**REAL, "hidden_size": 896, "num_layers": 24, "intermediate_size": 4864, "num_heads": 14, "batch_size": 8,
+           "pair_batch_size": 4}  # fmt: skip
+TLDR_SHAPE = {"prompt_length": 512, "response_length": 53, "max_length": 565}
+GRPO_SHAPE = {"prompt_length": 128, "response_length": 256, "max_length": 384}
 PRESETS = {
-    "toy": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 512, "batch_size": 32, "pair_batch_size": 32,
-            "steps": 12, "updates": 4, "epochs": None, "response_length": 8, "prompt_length": None,
-            "vocab_size": None, "max_length": 128},
-    "tldr": {**REAL, "prompt_length": 512, "response_length": 53, "vocab_size": 50304, "max_length": 565},
-    "tldr_qwen": {**REAL, "prompt_length": 512, "response_length": 53, "vocab_size": 151936, "max_length": 565},
-    "grpo": {**REAL, "prompt_length": 128, "response_length": 256, "vocab_size": 151936, "max_length": 384},
+    "toy": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 512, "num_heads": 4, "batch_size": 32,
+            "pair_batch_size": 32, "steps": 12, "updates": 4, "epochs": None, "response_length": 8,
+            "prompt_length": None, "vocab_size": None, "max_length": 128},
+    "tldr": {**REAL, **TLDR_SHAPE, "vocab_size": 50304},
+    "tldr_qwen": {**REAL, **TLDR_SHAPE, "vocab_size": 151936},
+    "grpo": {**REAL, **GRPO_SHAPE, "vocab_size": 151936},
+    "tldr_qwen05b": {**QWEN05B, **TLDR_SHAPE, "vocab_size": 151936},
+    "grpo_qwen05b": {**QWEN05B, **GRPO_SHAPE, "vocab_size": 151936},
 }  # fmt: skip
 TOY_EPOCHS = {"rloo": 2, "ppo": 4, "grpo": 2}
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a GPU (torch is imported only here, so `--help` stays fast)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def resolve(args: Args) -> Args:
-    """Fill every size left at None from the preset."""
+    """Check the flags and fill in what was left at None: the device (cuda when torch sees a GPU), the runs at
+    once (1 on a GPU), the micro-batch sizes from --micro_batch_rows, every other size from the preset."""
     if args.preset not in PRESETS:
         raise ValueError(f"unknown --preset {args.preset}; choose from {list(PRESETS)}.")
+    if args.device is None:
+        args.device = "cuda" if cuda_available() else "cpu"
+    elif args.device == "cuda" and not cuda_available():
+        raise ValueError("--device cuda needs a GPU, and torch sees none here; run with --device cpu.")
+    if args.parallel is None:
+        args.parallel = 1 if args.device == "cuda" else 6
+    elif args.device == "cuda" and args.parallel != 1:
+        raise ValueError(
+            "--parallel must be 1 with --device cuda: runs sharing one GPU disturb each other's times."
+        )
+    if args.micro_batch_rows is not None:
+        if args.batch_size is not None or args.pair_batch_size is not None:
+            raise ValueError(
+                "--micro_batch_rows sets --batch_size and --pair_batch_size; give one or the others."
+            )
+        if args.micro_batch_rows < 2 or args.micro_batch_rows % 2:
+            raise ValueError(
+                f"--micro_batch_rows must be even and at least 2 (a pair is 2 rows), got {args.micro_batch_rows}."
+            )
+        args.batch_size, args.pair_batch_size = args.micro_batch_rows, args.micro_batch_rows // 2
+    unknown = set(args.sides) - set(SIDES)
+    if unknown or "ours" not in args.sides:
+        raise ValueError(f"--sides must include ours and name only {SIDES}, got {args.sides}.")
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -136,20 +188,47 @@ class Args:
     its peak tensor bytes (torch's CPU allocations) and the checkpoint files mapped (the loaded weights): a
     counting shim (benchmark/live_heap.c, built with the system's C compiler `cc`) loaded into every side with
     LD_PRELOAD. Freed blocks that glibc keeps resident are in none of them. Held = tensors + checkpoints"""
-    parallel: int = 6
+    parallel: int | None = None
     """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
-    so each pair sees the same load on a shared machine; 6: two algorithms at a time)"""
+    so each pair sees the same load on a shared machine; 6: two algorithms at a time). None: 6 on a CPU, 1 (the
+    only value allowed) on a GPU"""
+    sides: list[str] = field(default_factory=lambda: list(SIDES))
+    """the sides to run (ours always; TRL 1.16 has no PPO, so `--sides ours` where no TRL 1.12 environment is)"""
+
+    # Device and precision (every side the same)
+    device: Literal["cuda", "cpu"] | None = None
+    """where every side runs (TRL's with use_cpu off on cuda; the bare loop is CPU-only and left out on cuda).
+    None: cuda when torch sees a GPU, else cpu. On cuda: peak torch.cuda.max_memory_allocated and
+    max_memory_reserved of each side (its own process), optimizer steps timed after torch.cuda.synchronize"""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 autocast on fp32 weights (ours --bf16, TRL bf16=True, the bare loop under torch.autocast)"""
+    cuda_sync_per_step: bool = True
+    """on cuda, time each optimizer step after torch.cuda.synchronize; --no_cuda_sync_per_step times it with a
+    CUDA event instead, so no side waits for the GPU at the step's end unless its own code does"""
+    profile: bool = False
+    """torch.profiler over the timed updates of every run: kernel launches, host syncs (.item(), nonzero, ...),
+    GPU kernel time and the top ops per update go into the results (diagnosis only: the profiler slows the runs)"""
+    ours_logit_tile_elements: int | None = None
+    """our side only: utils.logprobs.LOGIT_TILE_ELEMENTS (logits one tile of the LM head holds; 2**22 in the code)
+    for this run, to measure what the tile count costs (docs/speed_gpu.md). None: the code's value"""
 
     # Model and workload (None: the --preset's value, see PRESETS)
     preset: str = "toy"
     """workload shapes: toy (the tiny world), tldr (prompt 512 + response 53, vocabulary 50304), tldr_qwen (the
-    same at vocabulary 151936) or grpo (prompt 128 + completion 256, vocabulary 151936); see PRESETS"""
+    same at vocabulary 151936) or grpo (prompt 128 + completion 256, vocabulary 151936), all with a hidden-256 x
+    2-layer body; tldr_qwen05b and grpo_qwen05b: the tldr_qwen and grpo shapes with Qwen2.5-0.5B's body (hidden
+    896 x 24 layers, 663M parameters untied) and 8 rows a micro-batch, for a GPU; see PRESETS"""
     hidden_size: int | None = None
     """hidden size of the world's models"""
     num_layers: int | None = None
     """layers of the world's models"""
     intermediate_size: int | None = None
     """MLP width of the world's models"""
+    num_heads: int | None = None
+    """attention heads of the world's models (as many key-value heads)"""
+    micro_batch_rows: int | None = None
+    """rows per forward/backward micro-batch, for every algorithm: sets --batch_size to it and --pair_batch_size to
+    half of it (a preference pair, or a prompt's two online-DPO completions, is two rows)"""
     batch_size: int | None = None
     """sequences (sft) or completions (rl) per optimizer step (one micro-batch)"""
     pair_batch_size: int | None = None
@@ -190,7 +269,9 @@ def workload(algorithm: str, args: Args, world: str, out: str) -> dict:
     spec = {"algorithm": algorithm, "preset": args.preset, "world": world, "output_dir": out, "batch_size": B,
             "learning_rate": lr, "max_length": args.max_length, "prompt_length": args.prompt_length,
             "vocab_size": args.vocab_size, "response_length": R, "k": k, "temperature": 0.7, "kl_coef": 0.05,
-            "beta": 0.1}  # fmt: skip
+            "beta": 0.1, "device": args.device or "cpu", "precision": args.precision,
+            "cuda_sync_per_step": args.cuda_sync_per_step, "profile": args.profile,
+            "logit_tile_elements": args.ours_logit_tile_elements}  # fmt: skip
     if algorithm in ("sft", "reward", "dpo"):
         if algorithm != "sft":
             B = spec["batch_size"] = args.pair_batch_size
@@ -247,7 +328,8 @@ def workload(algorithm: str, args: Args, world: str, out: str) -> dict:
                    "--eval_strategy", "no"]  # fmt: skip
             if algorithm == "rloo":
                 cmd += ["--rloo_k", str(k)]
-    spec["ours_command"] = [*cmd, *common]
+    precision = ["--bf16"] if args.precision == "bf16" else []
+    spec["ours_command"] = [*cmd, *common, *precision]
     return spec
 
 
@@ -255,8 +337,11 @@ def workload(algorithm: str, args: Args, world: str, out: str) -> dict:
 # Child processes: the step-timing hook, then our script, TRL's trainer or the bare loop
 # ----------------------------------------------------------------------------------------------------------------
 def child(side: str, spec_path: str, timing_path: str) -> None:
-    """Run one side of one workload with every optimizer step timed; write the times to `timing_path`."""
+    """Run one side of one workload with every optimizer step timed; write the times to `timing_path`. On cuda
+    also the peak CUDA memory (allocated and reserved) and the GPU's name; with `profile` the profiler's summary
+    of the timed updates (profile_summary)."""
     import runpy
+    from contextlib import nullcontext
 
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -265,12 +350,32 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     step_times, step_cpu_times, checkpoints = [], [], [0]
+    cuda = spec.get("device") == "cuda"
+    sync_per_step, events = spec.get("cuda_sync_per_step", True), []
+    S, n = spec["steps_per_update"], spec["updates"]
+    profiler, profiled = None, [False]
+    if spec.get("profile"):
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
 
     def timed(optimizer, args, kwargs):
+        if cuda and sync_per_step:
+            torch.cuda.synchronize()  # the step's kernels have run, not only been queued
+        elif cuda:  # read at the end: the GPU's own clock, and no wait here
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
         step_times.append(time.time())
         step_cpu_times.append(time.process_time())
         if len(step_times) == 1:  # every model is loaded by the first step (read again at the end)
             checkpoints[0] = checkpoints_mapped_kib()
+        if profiler is not None and len(step_times) == S:  # the timed span: after the first (warm-up) update
+            profiler.start()
+        if profiler is not None and len(step_times) == n * S:
+            profiler.stop()
+            profiled[0] = True
 
     register_optimizer_step_post_hook(timed)
     # the live-heap shim measures this process, not its children
@@ -291,6 +396,10 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
         if side == "ours":
             sys.argv = list(spec["ours_command"])
             sys.path.insert(0, ROOT)
+            if spec.get("logit_tile_elements"):  # the script imports this same module object
+                import utils.logprobs
+
+                utils.logprobs.LOGIT_TILE_ELEMENTS = int(spec["logit_tile_elements"])
             runpy.run_path(os.path.join(ROOT, sys.argv[0]), run_name="__main__")
         elif side == "trl":
             run_trl(spec)
@@ -298,17 +407,60 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
             sys.path.insert(0, HERE)
             import bare_work
 
-            bare_work.run(spec)
+            bf16 = spec.get("precision") == "bf16"
+            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+                bare_work.run(spec)
     except SystemExit as stop:
         if stop.code not in (None, 0):
             raise
     finally:
+        timing = {"step_times": step_times, "step_cpu_times": step_cpu_times, "peak_anon_kib": peak_anon[0],
+                  "checkpoints_mapped_kib": max(checkpoints[0], checkpoints_mapped_kib()),
+                  "forward_shapes": forward_shapes}  # fmt: skip
+        if cuda:
+            torch.cuda.synchronize()
+            if events:
+                timing["step_times"] = [step_times[0] + events[0].elapsed_time(e) / 1000 for e in events]
+            timing |= {"cuda_max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+                       "cuda_max_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+                       "gpu": torch.cuda.get_device_name()}  # fmt: skip
+        if profiled[0]:
+            timing["profile"] = profile_summary(profiler.key_averages(), n - 1, cuda)
         with open(timing_path, "w") as f:
-            json.dump(
-                {"step_times": step_times, "step_cpu_times": step_cpu_times, "peak_anon_kib": peak_anon[0],
-                 "checkpoints_mapped_kib": max(checkpoints[0], checkpoints_mapped_kib()),
-                 "forward_shapes": forward_shapes}, f
-            )  # fmt: skip
+            json.dump(timing, f)
+
+
+# Ops that wait for the GPU: .item(), float() and bool() of a tensor (_local_scalar_dense), boolean indexing
+# (nonzero), masked_select, torch.equal.
+HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal")
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+CUDA_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def profile_summary(averages, updates: int, cuda: bool, top: int = 25) -> dict:
+    """Per timed update, from torch.profiler's key_averages(): the host-sync ops and CUDA waits by name, the aten
+    ops dispatched (nested ones included), the CUDA kernel launches, the GPU's busy seconds (kernels and copies,
+    summed over streams); and the top ops by self GPU time (self CPU time without a GPU) as a text table."""
+    from torch.autograd import DeviceType
+
+    counts, device_us = {}, 0.0
+    for event in averages:
+        counts[event.key] = counts.get(event.key, 0) + event.count
+        if getattr(event, "device_type", DeviceType.CPU) != DeviceType.CPU:  # a kernel or copy, not the op
+            device_us += event.self_device_time_total
+    per = max(updates, 1)
+    summary = {
+        "updates": updates,
+        "host_syncs_per_update": {k: counts[k] / per for k in HOST_SYNC_OPS if k in counts},
+        "aten_ops_per_update": sum(c for k, c in counts.items() if k.startswith("aten::")) / per,
+    }
+    if cuda:
+        summary |= {"kernel_launches_per_update": sum(counts.get(k, 0) for k in KERNEL_LAUNCHES) / per,
+                    "cuda_waits_per_update": {k: counts[k] / per for k in CUDA_WAITS if k in counts},
+                    "gpu_busy_s_per_update": device_us / 1e6 / per}  # fmt: skip
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    summary["top_ops"] = averages.table(sort_by=sort_by, row_limit=top, max_name_column_width=60)
+    return summary
 
 
 def checkpoints_mapped_kib() -> int:
@@ -344,20 +496,27 @@ def record_forward_shapes() -> dict:
     return shapes
 
 
+def trl_common_args(spec: dict) -> dict:
+    """The config fields every TRL trainer of the workload shares: sizes, steps, the device (use_cpu off on cuda)
+    and the precision (bf16 autocast on fp32 weights, or fp32), no checkpointing, tracking or saving on the way."""
+    return dict(output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch_size"],
+                learning_rate=float(spec["learning_rate"]), max_steps=spec["updates"] * spec["steps_per_update"],
+                bf16=spec.get("precision") == "bf16", gradient_checkpointing=False, report_to="none",
+                save_strategy="no", use_cpu=spec.get("device", "cpu") != "cuda", seed=1, disable_tqdm=False)  # fmt: skip
+
+
 def run_trl(spec: dict) -> None:
-    """TRL's trainer on the workload: fp32, no gradient checkpointing (TRL's defaults turn on bf16 and
-    checkpointing; the scripts' defaults do neither), no evaluation, no tracking, the model saved at the end."""
+    """TRL's trainer on the workload: the spec's device (use_cpu off on cuda) and precision (fp32, or bf16 autocast
+    on fp32 weights), no gradient checkpointing (TRL's defaults turn on bf16 and checkpointing; the scripts'
+    defaults do neither), no evaluation, no tracking, the model saved at the end."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     datasets.disable_caching()  # every run prepares its data, as a first run would (ours have no cache)
-    algorithm, world, B = spec["algorithm"], spec["world"], spec["batch_size"]
+    algorithm, world = spec["algorithm"], spec["world"]
     data = datasets.load_from_disk(f"{world}/dataset")
     tokenizer = AutoTokenizer.from_pretrained(f"{world}/policy")
-    steps = spec["updates"] * spec["steps_per_update"]
-    common = dict(output_dir=spec["output_dir"], per_device_train_batch_size=B, learning_rate=float(spec["learning_rate"]),
-                  max_steps=steps, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
-                  use_cpu=True, seed=1, disable_tqdm=False)  # fmt: skip
+    common = trl_common_args(spec)
     if algorithm == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -460,7 +619,14 @@ def child_env(args: Args) -> dict:
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if args.malloc_mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    if args.device == "cpu":  # on a GPU machine, accelerate would otherwise put our side on the GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
+
+
+def measures_live_heap(args: Args) -> bool:
+    """The live-heap shim counts host memory: it runs on cpu only (on cuda torch.cuda's peaks say what is held)."""
+    return args.live_heap and args.device != "cuda"
 
 
 def live_heap_path(work_dir: str) -> str:
@@ -481,13 +647,14 @@ def live_heap_library(work_dir: str) -> str:
 
 
 def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> dict:
-    """One child process; returns throughput, wall time, peak RSS and the time before/after the loop."""
+    """One child process; returns throughput, wall time, peak RSS, the time before/after the loop and, on cuda, the
+    peak CUDA memory."""
     spec_path, timing_path = log_path + ".spec.json", log_path + ".timing.json"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = child_env(args)
     peaks_path = log_path + ".live_heap"
-    if args.live_heap:  # built by main() before the runs
+    if measures_live_heap(args):  # built by main() before the runs
         env["LD_PRELOAD"] = " ".join(filter(None, [live_heap_path(args.work_dir), env.get("LD_PRELOAD")]))
         env["LIVE_HEAP_OUTPUT"] = peaks_path
         if os.path.exists(peaks_path):
@@ -511,7 +678,7 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
         timing = json.load(f)
     times = timing["step_times"]
     live = {}
-    if args.live_heap:  # the shim writes its peaks when the process exits
+    if measures_live_heap(args):  # the shim writes its peaks when the process exits
         with open(peaks_path) as f:
             heap, tensors, overflow = (int(x) for x in f.read().split())
         if overflow:
@@ -535,6 +702,11 @@ def run_one(side: str, spec: dict, python: str, args: Args, log_path: str) -> di
         "before_loop_s": times[0] - start,
         "loop_s": times[-1] - times[0],
         "after_loop_s": start + wall - times[-1],
+        **{
+            k: timing[k]
+            for k in ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "gpu", "profile")
+            if k in timing
+        },
     }
 
 
@@ -564,6 +736,8 @@ def summarize(runs: dict) -> dict:
             "peak_tensor_mib",
             "checkpoints_mapped_mib",
             "peak_held_mib",
+            "cuda_max_allocated_mib",
+            "cuda_max_reserved_mib",
             "before_loop_s",
             "after_loop_s",
         ):
@@ -635,11 +809,15 @@ def memory_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, path: str, title: str) -> None:
+def plot(summary: dict, path: str, title: str, cuda: bool = False) -> None:
     """Four panels of ratios (in-loop throughput per CPU second and per wall second, whole-process wall and CPU
-    time, peak memory), one bar group per algorithm, whiskers min-max over the pairs."""
-    import matplotlib
-
+    time, peak memory; on cuda: in-loop throughput per wall second, whole-process wall time, peak CUDA memory
+    allocated and reserved), one bar group per algorithm, whiskers min-max over the pairs."""
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU machine: the results file is written already
+        print(f"matplotlib is not installed: no plot at {path}", flush=True)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -654,12 +832,19 @@ def plot(summary: dict, path: str, title: str) -> None:
         ("wall_s", ["trl"], "whole process, wall time\nours / TRL (lower is better)"),
         ("peak_anon_mib", ["trl"], "peak private (anonymous) memory\nours / TRL (lower is better)"),
     ]
+    if cuda:
+        panels = [
+            ("throughput", ["trl"], "in-loop examples per wall second\nours / TRL (higher is better)"),
+            ("wall_s", ["trl"], "whole process, wall time\nours / TRL (lower is better)"),
+            ("cuda_max_allocated_mib", ["trl"], "peak CUDA memory allocated\nours / TRL (lower is better)"),
+            ("cuda_max_reserved_mib", ["trl"], "peak CUDA memory reserved\nours / TRL (lower is better)"),
+        ]
     colors = {"trl": "tab:blue", "bare": "tab:gray"}
     fig, axes = plt.subplots(1, len(panels), figsize=(17, 4.2))
     for ax, (figure, others, label) in zip(axes, panels):
         width = 0.8 / len(others)
         for j, other in enumerate(others):
-            ratios = [summary[n][figure].get(f"ours/{other}") for n in names]
+            ratios = [summary[n].get(figure, {}).get(f"ours/{other}") for n in names]
             xs = [i + (j - (len(others) - 1) / 2) * width for i in range(len(names))]
             heights = [r["median"] if r else 0 for r in ratios]
             errors = [
@@ -680,6 +865,79 @@ def plot(summary: dict, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def gpu_table(summary: dict) -> str:
+    """Per algorithm on cuda: peak torch.cuda.max_memory_allocated and max_memory_reserved, and wall seconds per
+    update; ours / TRL (medians over the pairs) with both sides' medians."""
+    figures = [("cuda_max_allocated_mib", "max allocated MiB", 0), ("cuda_max_reserved_mib", "max reserved MiB", 0),
+               ("wall_per_update_s", "wall s / update", 3)]  # fmt: skip
+    head = " | ".join(f"{label}: ours / TRL | ours / TRL" for _, label, _ in figures)
+    lines = [f"| algorithm | {head} |", "|---" * (1 + 2 * len(figures)) + "|"]
+    for algorithm, e in summary.items():
+        cells = []
+        for figure, _, digits in figures:
+            f = e.get(figure, {})
+            cells += [" / ".join(f"{f[side]:.{digits}f}" if side in f else "-" for side in ("ours", "trl")),
+                      "-" if f.get("ours/trl") is None else f"{f['ours/trl']['median']:.2f}"]  # fmt: skip
+        lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+PRECISIONS = {"fp32": "fp32", "bf16": "bf16 autocast on fp32 weights"}
+
+
+def device_record(device: str) -> dict:
+    """The device every side ran on: the GPU (name, memory, count, torch's CUDA version) or the CPU. torch.cuda is
+    asked only for cuda, which resolve() has checked is there."""
+    import torch
+
+    if device == "cuda":
+        properties = torch.cuda.get_device_properties(0)
+        return {"type": "cuda", "name": torch.cuda.get_device_name(0), "memory_mib": properties.total_memory // 2**20,
+                "count": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda}  # fmt: skip
+    return {"type": "cpu", "name": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__}  # fmt: skip
+
+
+def model_record(world: str) -> dict:
+    """The world's policy model from its config: its sizes, weight dtype and parameter count (a Llama body: per
+    layer the q, k, v, o projections, the gated MLP's three matrices and two norms; embeddings, the LM head unless
+    tied, and the final norm)."""
+    with open(os.path.join(world, "policy", "config.json")) as f:
+        config = json.load(f)
+    H, L, mlp, V = (
+        config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+    )
+    heads = config["num_attention_heads"]
+    kv_heads, head_dim = config.get("num_key_value_heads") or heads, config.get("head_dim") or H // heads
+    attention = 2 * H * heads * head_dim + 2 * H * kv_heads * head_dim
+    tied = config.get("tie_word_embeddings", False)
+    parameters = V * H * (1 if tied else 2) + L * (attention + 3 * H * mlp + 2 * H) + H
+    return {"hidden_size": H, "num_layers": L, "intermediate_size": mlp, "num_heads": heads, "vocab_size": V,
+            "tied_embeddings": tied, "dtype": config.get("dtype") or config.get("torch_dtype"),
+            "parameters": parameters}  # fmt: skip
+
+
+def run_record(args: Args, world: str) -> dict:
+    """What a result file says it measured: device (with the GPU's name), precision and model size."""
+    return {
+        "device": device_record(args.device),
+        "precision": PRECISIONS[args.precision],
+        "model": model_record(world),
+    }
+
+
+def describe(record: dict) -> str:
+    """One line: the device's name, the model's size and the precision of a run_record."""
+    device, model = record["device"], record["model"]
+    where = (
+        f"{device['name']} (cuda {device['cuda']})"
+        if device["type"] == "cuda"
+        else f"CPU, {device['cpus']} cores"
+    )
+    return (f"{where}; policy {model['parameters'] / 1e6:.0f}M parameters (hidden {model['hidden_size']} x "
+            f"{model['num_layers']} layers, vocabulary {model['vocab_size']}); {record['precision']}")  # fmt: skip
 
 
 def versions(python: str, names: list[str]) -> dict:
@@ -705,10 +963,13 @@ def main(args: Args) -> dict:
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {ALGORITHMS}.")
     algorithms = [a for a in args.algorithms if a != "grpo" or os.path.exists(os.path.join(ROOT, "grpo.py"))]
+    if "bare" in args.sides and not args.no_bare and args.device == "cuda":
+        print("the bare loop (benchmark/bare_work.py) runs on the CPU only: left out on cuda", flush=True)
+    sides = [s for s in args.sides if s != "bare" or not (args.no_bare or args.device == "cuda")]
     pythons = {"ours": sys.executable, "bare": sys.executable}
     for name in ("trl_python", "trl_ppo_python"):
         path = getattr(args, name)
-        needed = (
+        needed = "trl" in sides and (
             any(a == "ppo" for a in algorithms)
             if name == "trl_ppo_python"
             else any(a != "ppo" for a in algorithms)
@@ -720,12 +981,13 @@ def main(args: Args) -> dict:
     work = os.path.abspath(args.work_dir)
     world = os.path.join(work, "world")
     size = ["--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers),
-            "--intermediate_size", str(args.intermediate_size)]  # fmt: skip
+            "--intermediate_size", str(args.intermediate_size), "--num_heads", str(args.num_heads)]  # fmt: skip
     world_config = os.path.join(world, "world.json")
     wanted = {
         "hidden_size": args.hidden_size,
         "num_layers": args.num_layers,
         "intermediate_size": args.intermediate_size,
+        "num_heads": args.num_heads,
     }
     if not toy:
         wanted |= {"vocab_size": args.vocab_size, "prompt_length": args.prompt_length,
@@ -733,7 +995,7 @@ def main(args: Args) -> dict:
         size += [
             f"--{k}={v}"
             for k, v in wanted.items()
-            if k not in ("hidden_size", "num_layers", "intermediate_size")
+            if k not in ("hidden_size", "num_layers", "intermediate_size", "num_heads")
         ]
     if not os.path.exists(world_config) or any(
         json.load(open(world_config)).get(k) != v for k, v in wanted.items()
@@ -742,7 +1004,6 @@ def main(args: Args) -> dict:
         print(f"building the world in {world} ({builder})", flush=True)
         subprocess.run([sys.executable, os.path.join(HERE, builder), "--output_dir", world, *size],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    sides = [s for s in SIDES if s != "bare" or not args.no_bare]
     runs = {a: {s: [] for s in sides} for a in algorithms}
     failures, specs = [], {}
     started = time.time()
@@ -772,10 +1033,14 @@ def main(args: Args) -> dict:
               f"in-loop ({result['throughput_cpu']:8.1f} per CPU second), {result['wall_s']:6.1f} s wall, "
               f"{result['cpu_s']:5.1f} s CPU, {result['peak_rss_mib']:5.0f} MiB peak RSS, "
               f"{result['peak_anon_mib']:5.0f} MiB private", flush=True)  # fmt: skip
+        if "cuda_max_allocated_mib" in result:
+            print(f"    {result['wall_per_update_s']:.3f} s per update, {result['cuda_max_allocated_mib']:.0f} MiB "
+                  f"CUDA allocated at most ({result['cuda_max_reserved_mib']:.0f} reserved) on {result['gpu']}",
+                  flush=True)  # fmt: skip
         return result
 
     os.makedirs(os.path.join(work, "logs"), exist_ok=True)
-    if args.live_heap:
+    if measures_live_heap(args):
         live_heap_library(work)  # built once here, before runs start in parallel
     if args.from_runs:
         with open(args.from_runs) as f:
@@ -798,10 +1063,12 @@ def main(args: Args) -> dict:
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     units = {a: specs[a]["unit"] for a in algorithms}
+    pairs = {a: sum(r is not None and t is not None for r, t in zip(runs[a]["ours"], runs[a].get("trl", [])))
+             for a in runs}  # fmt: skip
     names = ["torch", "transformers", "accelerate", "datasets", "tokenizers", "trl"]
     trl_versions = {}
     for name, algos in (("trl_python", [a for a in algorithms if a != "ppo"]), ("trl_ppo_python", ["ppo"])):
-        if set(algos) & set(algorithms):
+        if "trl" in sides and set(algos) & set(algorithms):
             trl_versions[", ".join(a for a in algos if a in algorithms)] = versions(
                 getattr(args, name), names
             )
@@ -815,14 +1082,12 @@ def main(args: Args) -> dict:
             "cpus": os.cpu_count(),
             "load_average_at_end": os.getloadavg(),
         },  # fmt: skip
+        **run_record(args, world),
         "versions": {"ours": versions(sys.executable, names), "trl": trl_versions},
         "units": units,
         "commands": {a: {"ours": specs[a]["ours_command"]} for a in algorithms},
         "workloads": {a: {k: v for k, v in specs[a].items() if k != "ours_command"} for a in algorithms},
-        "pairs": {
-            a: sum(r is not None and t is not None for r, t in zip(runs[a]["ours"], runs[a]["trl"]))
-            for a in runs
-        },
+        "pairs": pairs,
         "summary": summary,
         "runs": runs,
         "failures": failures,
@@ -833,24 +1098,38 @@ def main(args: Args) -> dict:
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
     trl_names = ", ".join(f"TRL {v['trl']} ({k})" for k, v in trl_versions.items())
-    pairs = {
-        a: sum(r is not None and t is not None for r, t in zip(runs[a]["ours"], runs[a]["trl"])) for a in runs
-    }
     counts = (
         ", ".join(f"{a} {n}" for a, n in pairs.items()) if len(set(pairs.values())) > 1 else str(args.runs)
     )
     plot(summary, os.path.splitext(args.output)[0] + ".png",
-         f"medians over interleaved runs (pairs: {counts}; whiskers: min-max over pairs), shared 2-core CPU; {trl_names}")  # fmt: skip
+         f"medians over runs (pairs: {counts}; whiskers: min-max over pairs); {describe(result)}; {trl_names}",
+         args.device == "cuda")  # fmt: skip
     print(table(summary, units))
-    print(memory_table(summary))
-    print(f"TRL: {trl_names}; {len(failures)} failed runs; {result['total_seconds']:.0f} s in all")
+    print(gpu_table(summary) if args.device == "cuda" else memory_table(summary))
+    print(
+        f"{describe(result)}; TRL: {trl_names}; {len(failures)} failed runs; {result['total_seconds']:.0f} s in all"
+    )
     return result
+
+
+def cli() -> None:
+    """`python benchmark/speed.py ...`: a bad flag ends in one line, `speed.py: error: <sentence>`, exit 2."""
+    import traceback
+
+    import tyro
+
+    args = tyro.cli(Args, use_underscores=True)
+    try:
+        main(args)
+    except ValueError as error:
+        if traceback.extract_tb(error.__traceback__)[-1].filename != os.path.abspath(__file__):
+            raise  # not a flag this file checked: the whole traceback
+        print(f"speed.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         child(*sys.argv[2:5])
     else:
-        import tyro
-
-        main(tyro.cli(Args, use_underscores=True))
+        cli()

@@ -20,6 +20,11 @@ CPU seconds per update of each side, after a change and before it (the sampling 
     python benchmark/speed_compare.py --cpu benchmark/results/speed_{grpo,tldr_qwen,tldr}_sampling.json \
         --before benchmark/results/speed_{grpo,tldr_qwen,tldr}_live_heap.json
 
+The GPU table (runs with speed.py --device cuda; docs/speed_gpu.md): peak CUDA memory allocated and reserved,
+wall seconds per update, ours / TRL, with the GPU's name, the model's size and the precision of each file:
+
+    python benchmark/speed_compare.py --gpu results/speed_tldr_qwen05b.json results/speed_grpo_qwen05b.json
+
 Each file is one preset (speed.py --preset ...). A later file of the same preset (a rerun of some algorithms,
 `--algorithms rloo`) replaces the rows it has figures for. `--fixed_threshold` files (runs with speed.py's
 `--malloc_mmap_threshold`, whose peaks leave out the freed blocks glibc keeps) and `--before` files are matched to
@@ -72,6 +77,35 @@ def held_table(paths: list[str]) -> None:
                 print("| " + " | ".join([result["name"], algorithm, *cells]) + " |")
 
 
+def gpu_table(paths: list[str]) -> None:
+    """Per file and algorithm, on cuda: the device, model and precision it records, peak CUDA memory allocated and
+    reserved (ours / TRL with both figures) and wall seconds per update ours / TRL."""
+    header = ["shape", "device, model, precision", "algorithm", "max allocated ours / TRL",
+              "max reserved ours / TRL", "wall s / update ours / TRL"]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        device, model = data.get("device", {}), data.get("model", {})
+        where = (f"{device.get('name', '?')}, {model.get('parameters', 0) / 1e6:.0f}M parameters, "
+                 f"{data.get('precision', '?')}")  # fmt: skip
+        _, result = load(path)
+        for algorithm in ALGORITHMS:
+            summary = result["summary"]
+            if algorithm not in summary:
+                continue
+            wall = summary[algorithm].get("wall_per_update_s", {})
+            seconds = "-"
+            if "ours" in wall and "trl" in wall:
+                seconds = f"{wall['ours'] / wall['trl']:.2f} ({wall['ours']:.3f} / {wall['trl']:.3f} s)"
+            elif "ours" in wall:
+                seconds = f"- ({wall['ours']:.3f} s / -)"
+            cells = [ratio(summary, algorithm, "cuda_max_allocated_mib"),
+                     ratio(summary, algorithm, "cuda_max_reserved_mib"), seconds]  # fmt: skip
+            print("| " + " | ".join([result["name"], where, algorithm, *cells]) + " |")
+
+
 def cpu_table(paths: list[str], before_paths: list[str]) -> None:
     """In-loop CPU seconds per update of each side, ours / TRL, in the files and in the --before files of the same
     presets, and ours after / ours before (TRL's side, unchanged code, shows how much the machine moved)."""
@@ -109,6 +143,9 @@ def main() -> None:
     parser.add_argument("results", nargs="+", help="speed.py result files, one per preset")
     parser.add_argument("--held", action="store_true", help="the held-memory table of the files instead")
     parser.add_argument(
+        "--gpu", action="store_true", help="the GPU table (speed.py --device cuda runs) instead"
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="CPU seconds per update of each side, with --before"
     )
     parser.add_argument("--before", nargs="*", default=[], help="earlier result files of the same presets")
@@ -116,6 +153,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.held:
         return held_table(args.results)
+    if args.gpu:
+        return gpu_table(args.results)
     if args.cpu:
         return cpu_table(args.results, args.before)
     before = dict(load(p) for p in args.before)

@@ -212,6 +212,176 @@ def test_speed_runs_set_glibcs_mmap_threshold_only_from_the_flag(monkeypatch):
     assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and env["OMP_NUM_THREADS"] == "2"
 
 
+def test_speed_device_defaults_to_cuda_only_where_torch_sees_a_gpu(monkeypatch):
+    """--device left out means cuda exactly when torch.cuda.is_available(); on cuda the runs go one at a time and
+    the live-heap shim (host memory) is off, on cpu the defaults are today's; the children see no GPU on cpu."""
+    import torch
+    from speed import Args, child_env, measures_live_heap, resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = resolve(Args())
+    assert (args.device, args.parallel, measures_live_heap(args)) == ("cpu", 6, True)
+    assert child_env(args)["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = resolve(Args())
+    assert (args.device, args.parallel, measures_live_heap(args)) == ("cuda", 1, False)
+    assert child_env(args).get("CUDA_VISIBLE_DEVICES") != ""
+    assert resolve(Args(device="cpu")).device == "cpu"  # asked for: the CPU even where a GPU is
+    with pytest.raises(ValueError, match="--parallel must be 1"):
+        resolve(Args(parallel=3))
+
+
+def test_speed_refuses_cuda_without_a_gpu_in_one_sentence():
+    """`--device cuda` on a machine without a GPU stops before building anything, with one line naming the flag."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_script(
+        ["benchmark/speed.py", "--device", "cuda", "--work_dir", "/nonexistent/speed"], check=False
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "speed.py: error: --device cuda needs a GPU, and torch sees none here; run with --device cpu."
+    ]
+
+
+def test_speed_presets_at_qwen_size_and_rows_per_micro_batch():
+    """The GPU presets are Qwen2.5-0.5B's body at the harness's shapes with 8 rows a micro-batch; --micro_batch_rows
+    sets the rows of any preset (a pair is two rows) and refuses what cannot be split into pairs."""
+    from speed import Args, resolve
+
+    args = resolve(Args(preset="tldr_qwen05b", device="cpu"))
+    assert (args.hidden_size, args.num_layers, args.intermediate_size, args.num_heads) == (896, 24, 4864, 14)
+    assert (args.vocab_size, args.prompt_length, args.response_length) == (151936, 512, 53)
+    assert (args.batch_size, args.pair_batch_size, args.steps, args.updates) == (8, 4, 3, 3)
+    args = resolve(Args(preset="grpo_qwen05b", device="cpu"))
+    assert (args.hidden_size, args.prompt_length, args.response_length) == (896, 128, 256)
+    args = resolve(Args(preset="tldr", device="cpu", micro_batch_rows=6))
+    assert (args.batch_size, args.pair_batch_size, args.hidden_size) == (6, 3, 256)
+    with pytest.raises(ValueError, match="--micro_batch_rows must be even"):
+        resolve(Args(device="cpu", micro_batch_rows=5))
+    with pytest.raises(ValueError, match="give one or the others"):
+        resolve(Args(device="cpu", micro_batch_rows=4, batch_size=4))
+    with pytest.raises(ValueError, match="--sides must include ours"):
+        resolve(Args(device="cpu", sides=["trl"]))
+
+
+def test_speed_precision_and_device_reach_every_side():
+    """bf16 is --bf16 on our command line and bf16=True in TRL's config; cuda turns TRL's use_cpu off. The CPU
+    defaults stay fp32 with use_cpu on."""
+    from speed import Args, resolve, trl_common_args, workload
+
+    for device, precision in [("cpu", "fp32"), ("cpu", "bf16"), ("cuda", "bf16"), ("cuda", "fp32")]:
+        args = resolve(Args(preset="tldr", device="cpu", precision=precision))
+        args.device = device  # resolve() refuses cuda here; the workload only records it
+        for algorithm in ("sft", "dpo", "rloo", "online_dpo"):
+            spec = workload(algorithm, args, "/w", "/out")
+            assert ("--bf16" in spec["ours_command"]) == (precision == "bf16")
+            assert (spec["device"], spec["precision"]) == (device, precision)
+            config = trl_common_args(spec)
+            assert (config["use_cpu"], config["bf16"]) == (device == "cpu", precision == "bf16")
+            assert config["max_steps"] == spec["updates"] * spec["steps_per_update"]
+
+
+def test_speed_result_names_the_device_model_and_precision(tmp_path, monkeypatch):
+    """The result file says what it measured: the device (on a CPU without asking torch.cuda anything), the
+    precision, and the policy's size, whose parameter count matches the model's own at the tiny size and at
+    Qwen2.5-0.5B's (built on the meta device: nothing allocated)."""
+    import torch
+    from speed import Args, describe, model_record, resolve, run_record
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("torch.cuda was asked on a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
+    sizes = [dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
+             dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
+                  num_key_value_heads=14, vocab_size=151936, tie_word_embeddings=False)]  # fmt: skip
+    for i, size in enumerate(sizes):
+        config = LlamaConfig(**size)
+        world = tmp_path / f"world{i}"
+        config.save_pretrained(world / "policy")
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+        assert model_record(str(world))["parameters"] == parameters
+    assert parameters == 663_169_920  # the GPU presets' policy
+    record = run_record(resolve(Args(device="cpu", precision="bf16")), str(world))
+    assert record["device"]["type"] == "cpu" and record["precision"] == "bf16 autocast on fp32 weights"
+    assert record["model"]["hidden_size"] == 896 and record["model"]["num_layers"] == 24
+    assert describe(record).startswith("CPU, ") and "663M parameters" in describe(record)
+    gpu = {**record, "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "cuda": "13.0"}}
+    assert describe(gpu).startswith("NVIDIA H100 80GB HBM3 (cuda 13.0); policy 663M parameters")
+
+
+def test_speed_summarizes_cuda_memory_per_side():
+    """Peak CUDA memory and wall time per update get medians and ours / TRL ratios like every other figure, and
+    the GPU table shows them; a run without them (CPU) leaves them out."""
+    from speed import gpu_table, summarize
+
+    def run(allocated, reserved, seconds):
+        base = {"throughput": 1.0, "wall_per_update_s": seconds, "cuda_max_allocated_mib": allocated,
+                "cuda_max_reserved_mib": reserved}  # fmt: skip
+        return base
+
+    summary = summarize({"sft": {"ours": [run(900, 1000, 0.2), run(1100, 1200, 0.4)],
+                                 "trl": [run(1000, 1000, 0.1), run(1000, 1000, 0.2)]}})  # fmt: skip
+    allocated = summary["sft"]["cuda_max_allocated_mib"]
+    assert allocated["ours"] == 1000 and allocated["ours/trl"] == pytest.approx(
+        {"median": 1.0, "min": 0.9, "max": 1.1}
+    )
+    assert summary["sft"]["wall_per_update_s"]["ours/trl"]["median"] == pytest.approx(2.0)
+    assert "| sft | 1000 / 1000 | 1.00 | 1100 / 1000 | 1.10 | 0.300 / 0.150 | 2.00 |" in gpu_table(summary)
+    cpu = summarize({"sft": {"ours": [{"throughput": 1.0}], "trl": [{"throughput": 2.0}]}})
+    assert "cuda_max_allocated_mib" not in cpu["sft"]
+
+
+def test_speed_compare_gpu_table_names_the_gpu_and_gives_ratios(tmp_path, capsys):
+    """speed_compare.py --gpu: one row per algorithm of each result file, with the GPU's name, the model's size,
+    the precision, and ours / TRL of peak CUDA memory and wall seconds per update."""
+    from speed import summarize
+    from speed_compare import gpu_table
+
+    def run(allocated, seconds):
+        return {"throughput": 1.0, "wall_per_update_s": seconds, "cuda_max_allocated_mib": allocated,
+                "cuda_max_reserved_mib": allocated + 100}  # fmt: skip
+
+    result = {"args": {"preset": "tldr_qwen05b", "prompt_length": 512, "response_length": 53, "vocab_size": 151936},
+              "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}, "model": {"parameters": 663_169_920},
+              "precision": "bf16 autocast on fp32 weights",
+              "summary": summarize({"sft": {"ours": [run(16293, 0.145)], "trl": [run(16376, 0.123)]},
+                                    "ppo": {"ours": [run(34364, 1.79)]}})}  # fmt: skip
+    path = tmp_path / "speed_tldr_qwen05b.json"
+    path.write_text(json.dumps(result))
+    gpu_table([str(path)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "NVIDIA" in line]
+    assert len(rows) == 2 and "663M parameters, bf16 autocast on fp32 weights" in rows[0]
+    assert "| sft | 0.99 (16293 / 16376 MiB) | 0.99 (16393 / 16476 MiB) | 1.18 (0.145 / 0.123 s) |" in rows[0]
+    assert rows[1].endswith("| ppo | - | - | - (1.790 s / -) |")
+
+
+def test_speed_profile_counts_host_syncs_per_update():
+    """--profile's summary counts the ops that wait for the device (.item(), boolean indexing) per timed update,
+    from torch.profiler's averages."""
+    import torch
+    from speed import profile_summary
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.arange(12.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):  # three "updates": one .item() and one boolean index each
+            x.sum().item()
+            x[x > 5].sum()
+    summary = profile_summary(prof.key_averages(), 3, cuda=False)
+    assert summary["host_syncs_per_update"]["aten::_local_scalar_dense"] == 1
+    assert summary["host_syncs_per_update"]["aten::nonzero"] >= 1
+    assert summary["aten_ops_per_update"] >= 4 and "aten::sum" in summary["top_ops"]
+    assert "kernel_launches_per_update" not in summary
+
+
 def test_ilql_reward_baseline_is_the_mean_of_the_prompts_completions():
     import random
 
