@@ -63,9 +63,30 @@ def test_group_advantages_by_hand():
     assert out.tolist() == pytest.approx([-1 / 2.0001, 0, 0, 0, 1 / 2.0001, 0])
 
 
+def test_unscored_completions_leave_their_group_and_get_zero():
+    """A NaN reward (no reward scored the completion) is left out of its group's mean and std, as if the group
+    were smaller, and gets advantage 0; a group with one scored completion has no std (advantage 0 too)."""
+    nan = float("nan")
+    rewards = torch.tensor([0.0, 5.0, nan, nan, 3.0, 1.0, 1.0, 2.0], dtype=torch.float64)  # G = 4, P = 2
+    out = grpo.group_advantages(rewards, 4, "group")
+    # prompt 0: 0, nan, 3, 1 -> the loop over [0, 3, 1]; prompt 1: 5, nan, 1, 2 -> over [5, 1, 2]
+    kept = loop_advantages([0.0, 5.0, 3.0, 1.0, 1.0, 2.0], 3, "group")
+    assert out.tolist() == pytest.approx([kept[0], kept[1], 0.0, 0.0, *kept[2:]], rel=1e-9)
+    alone = torch.tensor([1.0, nan, nan, nan, nan, nan, nan, nan])
+    assert grpo.group_advantages(alone, 4, "group").tolist() == [0.0] * 8
+    # batch scaling: the std of the scored rewards
+    batch = grpo.group_advantages(rewards, 4, "batch")
+    scored = rewards[~rewards.isnan()]
+    assert batch[0].item() == pytest.approx((0 - 4 / 3) / (scored.std().item() + 1e-4))
+    assert grpo.nanstd(rewards).item() == pytest.approx(scored.std().item())
+
+
 def test_combine_rewards_and_kl():
     per_func = torch.tensor([[1.0, 10.0], [0.0, 20.0]])
     assert grpo.combine_rewards(per_func, torch.tensor([1.0, 0.5])).tolist() == [6.0, 10.0]
+    # a reward that returned None (NaN) for a completion adds nothing to it (TRL's nansum)
+    per_func = torch.tensor([[1.0, float("nan")], [float("nan"), 20.0]])
+    assert grpo.combine_rewards(per_func, torch.tensor([1.0, 0.5])).tolist() == [1.0, 10.0]
     logp, ref = torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0])
     # KL k3: exp(d) - d - 1 with d = ref - logp = log 0.5; zero where the policies agree
     assert grpo.k3_kl(logp, ref).tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0], abs=1e-7)
@@ -221,16 +242,73 @@ def test_sizes_follow_trl_meanings():
     assert args.steps_per_generation == 1 and args.total_steps == 7 and args.epsilon_high == 0.28
 
 
+def test_generation_batch_size_sets_steps_per_generation():
+    """TRL's two ways to size a generation: --generation_batch_size (all processes) sets --steps_per_generation
+    and is kept as given; --steps_per_generation (default gradient_accumulation_steps) fills it in."""
+    args = parse("--generation_batch_size 16 --per_device_train_batch_size 4 --num_generations 4".split())
+    grpo.fill_sizes(args, world_size=1, num_prompts=100)
+    grpo.fill_sizes(args, world_size=1, num_prompts=100)  # main calls it twice: the sizes it filled in stay
+    assert (args.generation_batch_size, args.steps_per_generation, args.local_prompts_per_generation) == (
+        16,
+        4,
+        4,
+    )
+    args = parse("--generation_batch_size 16 --per_device_train_batch_size 4 --num_generations 4".split())
+    grpo.fill_sizes(args, world_size=2)
+    assert (args.steps_per_generation, args.local_generation_batch_size, args.local_prompts_per_generation) == (
+        2, 8, 2,
+    )  # fmt: skip
+    args = parse("--steps_per_generation 3 --per_device_train_batch_size 4 --num_generations 4".split())
+    grpo.fill_sizes(args, world_size=2)
+    assert args.generation_batch_size == 24
+    args = parse(
+        "--gradient_accumulation_steps 2 --per_device_train_batch_size 4 --num_generations 4".split()
+    )
+    grpo.fill_sizes(args, world_size=1)
+    assert (args.steps_per_generation, args.generation_batch_size) == (2, 8)
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
+        (["--generation_batch_size", "16", "--steps_per_generation", "2"], "not both"),
+        (
+            ["--generation_batch_size", "12"],
+            "--generation_batch_size 12 must be a positive multiple of .* = 8",
+        ),
+        (
+            [
+                "--generation_batch_size",
+                "12",
+                "--gradient_accumulation_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--num_generations",
+                "4",
+            ],
+            "--steps_per_generation 3 .* multiple of --gradient_accumulation_steps 2",
+        ),
+        (["--vllm_importance_sampling_clip_min", "3"], "clip_min 3.0 must be below"),
+        (
+            [
+                "--vllm_importance_sampling_mode",
+                "token_truncate",
+                "--vllm_importance_sampling_clip_max",
+                "None",
+            ],
+            "needs --vllm_importance_sampling_clip_min or",
+        ),
         (["--num_generations", "1"], "--num_generations must be at least 2"),
         (["--num_generations", "3"], "--num_generations 3 must divide .* = 8, so that groups stay whole"),
         (
             ["--gradient_accumulation_steps", "2", "--steps_per_generation", "3"],
             "must be a positive multiple",
         ),
-        (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 rewards"),
+        (
+            ["--reward_weights", "1", "2"],
+            "--reward_weights has 2 values for 1 rewards \\(the reward model, then",
+        ),
         (["--delta", "1.1"], "--delta must exceed 1 \\+ epsilon_high"),
         (["--max_steps", "0"], "--max_steps to a positive number"),
         (["--steps_per_generation", "2", "--num_generations", "2", "--save_steps", "3"], "multiple of the 2"),
@@ -270,7 +348,7 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     flags = common_flags(tmp_path, "invariant") + [
         "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
         "--reward_funcs", f"{lab / 'rules.py'}:chars", "--reward_model_path", str(world / "reward"),
-        "--reward_weights", "1", "0.5", "--learning_rate", "0", "--num_generations", "4",
+        "--reward_weights", "0.5", "1", "--learning_rate", "0", "--num_generations", "4",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--steps_per_generation", "4",
         "--num_iterations", "2", "--epsilon", "0.001", "--beta", "0.1", "--max_steps", "4", "--temperature", "0.7",
         "--local_rollout_forward_batch_size", "6", "--num_sample_generations", "1", "--loss_type", "grpo",
@@ -283,6 +361,12 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
         assert metrics["ratio"] == pytest.approx(1.0, abs=1e-5)
         assert metrics["clip_ratio/region_mean"] == 0.0
         assert abs(metrics["kl"]) < 1e-6
+        # TRL's order: the reward model's weight first (0.5), then the function's (1)
+        expected = 0.5 * metrics["rewards/reward/mean"] + metrics["rewards/chars/mean"]
+        assert metrics["reward"] == pytest.approx(expected, rel=1e-5)
+        assert metrics["reward"] != pytest.approx(
+            metrics["rewards/reward/mean"] + 0.5 * metrics["rewards/chars/mean"]
+        )
         assert 0 < metrics["completions/clipped_ratio"] < 1  # some completions end with EOS, some not
         assert {"rewards/chars/mean", "rewards/reward/mean", "reward_std", "frac_reward_zero_std"} <= set(
             metrics
@@ -312,6 +396,62 @@ def test_trl_style_reward_functions_get_their_rows_columns(world, lab, tmp_path,
     run_script(["grpo.py", *flags], env={"REWARD_LOG": str(tmp_path / "calls.jsonl")})
     seen = check_trl_style_calls(tmp_path / "calls.jsonl", conversational)
     assert seen == 2 * 16  # two generations of 4 prompts x 4 completions
+
+
+PARTIAL_REWARD = """
+def half(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
+    \"\"\"TRL-style: None (not judged) for completions starting with an odd token id (about half); logs a metric,
+    the step it saw.\"\"\"
+    log_metric("custom/step", float(trainer_state.global_step))
+    return [None if ids[0] % 2 else float(len(ids)) for ids in completion_ids]
+
+
+def odd_too(prompts, completions, completion_ids, **kwargs):
+    \"\"\"None where `half` is None too (those completions get no reward at all), 1 for the others.\"\"\"
+    return [None if ids[0] % 2 else 1.0 for ids in completion_ids]
+"""
+
+
+def test_generation_batch_size_and_none_rewards_through_the_cli(lab, tmp_path):
+    """--generation_batch_size 16 with micro-batches of 4 and groups of 4: 16 completions per generation (4
+    optimizer steps each); reward functions returning None for some completions (nansum, nan-means in the
+    logs, a warning when none scores a completion), trainer_state and log_metric reaching the logs."""
+    (tmp_path / "partial.py").write_text(PARTIAL_REWARD)
+    flags = common_flags(tmp_path, "gbs") + [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{tmp_path / 'partial.py'}:half", f"{tmp_path / 'partial.py'}:odd_too",
+        "--generation_batch_size", "16", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_steps", "8", "--learning_rate", "1e-3",
+    ]  # fmt: skip
+    proc = run_script(["grpo.py", *flags])
+    lines = read_metrics(tmp_path / "runs" / "gbs")
+    assert [m["episode"] for m in lines] == [16] * 4 + [32] * 4
+    assert [m["custom/step"] for m in lines] == [0.0] * 4 + [
+        4.0
+    ] * 4  # the step when the rewards were computed
+    for metrics in lines:
+        assert all(math.isfinite(metrics[k]) for k in ("reward", "rewards/half/mean", "loss", "reward_std"))
+    assert "every reward returned None" in proc.stderr
+
+
+def test_bf16_off_policy_old_logprobs_come_from_the_training_forward(lab, tmp_path):
+    """--bf16, two passes over each generation (off-policy), learning rate 0 and epsilon 1e-3: the old logprobs
+    come from a forward pass of the policy after sampling (grpo.recomputes_old_logprobs, checked against TRL's
+    rule in test_trl_parity_grpo.py), so nothing is clipped. On this CPU the bf16 sampling forward (KV cache)
+    agrees with the training forward to 5e-7 for the tiny policy, so this run alone cannot tell them apart; on
+    GPUs they differ by up to 0.1, which is why the old logprobs are not sampling's."""
+    flags = common_flags(tmp_path, "bf16") + [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{lab / 'rules.py'}:chars", "--bf16", "--learning_rate", "0", "--epsilon", "0.001",
+        "--num_generations", "4", "--per_device_train_batch_size", "8", "--num_iterations", "2",
+        "--max_steps", "2", "--temperature", "0.7",
+    ]  # fmt: skip
+    run_script(["grpo.py", *flags])
+    lines = read_metrics(tmp_path / "runs" / "bf16")
+    assert [m["episode"] for m in lines] == [8, 8]  # both steps from one generation
+    for metrics in lines:
+        assert metrics["clip_ratio/region_mean"] == 0.0
+        assert metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
 
 
 @pytest.mark.slow  # kept out of CI for time; run with -m slow
@@ -357,7 +497,7 @@ def test_two_processes_keep_each_group_whole(world, lab, tmp_path):
     ]  # one generation: 2 processes x 2 prompts x 4 completions
     for metrics in lines:
         assert metrics["loss"] == 0.0 and metrics["frac_reward_zero_std"] == 1.0
-        assert metrics["reward_std"] == 0.0
+        assert metrics["reward_std"] > 0  # TRL's meaning: the std of the whole batch, whose prompts differ
     before, after = weights(world / "policy"), weights(tmp_path / "ddp")
     assert all(torch.equal(before[n], after[n]) for n in before)
 

@@ -131,6 +131,13 @@ def test_sampled_logprobs_equal_the_training_forward(lab):
     eos_at = (responses[:, :-1] == EOS).any(1)
     assert eos_at.any() and responses.size(1) == R  # an EOS inside a row, and the row went on
     assert not torch.equal(responses[:6], responses[6:])  # the same prompt, independent samples
+    # engine_logprobs: vLLM's own logprobs of the same samples instead of the training forward's (grpo.py's IS)
+    same, engine_logprobs = lab.engine.generate(
+        lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(0), engine_logprobs=True
+    )
+    assert torch.equal(same, query_responses) and torch.equal(
+        engine_logprobs, lab.engine.last_engine_logprobs
+    )
     again, _ = lab.engine.generate(lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(0))
     other, _ = lab.engine.generate(lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(1))
     assert torch.equal(again, query_responses) and not torch.equal(other, query_responses)
@@ -306,6 +313,26 @@ def test_first_update_ratio_is_one_with_vllm(world, tmp_path, script):
         assert metrics[clipped] == 0.0
 
 
+@needs_vllm
+def test_grpo_importance_sampling_with_vllm(world, tmp_path):
+    """grpo.py --use_vllm (float32): the old logprobs come from the training forward, vLLM's own weight the loss
+    (--vllm_importance_sampling_mode token_truncate here); TRL's sampling/* metrics show both agree within 1e-4
+    (weights 1), and the update's ratio is 1 at learning rate 0."""
+    flags = ["--num_generations", "4", "--per_device_train_batch_size", "8", "--max_steps", "1",
+             "--learning_rate", "0", "--vllm_importance_sampling_mode", "token_truncate"]  # fmt: skip
+    run_script(["grpo.py", *run_flags(world, tmp_path, "grpo.py", "is", *flags)])
+    (metrics,) = read_metrics(tmp_path, "is")
+    assert (
+        0
+        <= metrics["sampling/sampling_logp_difference/mean"]
+        < metrics["sampling/sampling_logp_difference/max"]
+    )
+    assert metrics["sampling/sampling_logp_difference/max"] < 1e-4
+    for stat in ("min", "mean", "max"):
+        assert metrics[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
+
+
 LEARN = {
     "rloo.py": [
         "--rloo_k",
@@ -334,6 +361,8 @@ LEARN = {
         "2",
         "--max_prompt_length",
         "8",
+        "--stop_token",
+        "eos",
     ],  # fmt: skip
     "grpo.py": [
         "--num_generations",
