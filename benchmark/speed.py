@@ -425,7 +425,10 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
                        "cuda_max_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
                        "gpu": torch.cuda.get_device_name()}  # fmt: skip
         if profiled[0]:
-            timing["profile"] = profile_summary(profiler.key_averages(), n - 1, cuda)
+            try:
+                timing["profile"] = profile_summary(profiler.key_averages(), n - 1, cuda)
+            except Exception as error:  # noqa: BLE001  a diagnosis must not cost the run's figures
+                timing["profile"] = {"error": repr(error)[:300]}
         with open(timing_path, "w") as f:
             json.dump(timing, f)
 
