@@ -14,10 +14,19 @@ mini-batches) the update is PPO's clipped objective; with one epoch and one mini
 Batch layout, completion-major: the k*P completions of one update are rows `c * P + p` (completion c of prompt
 p), i.e. `rewards.view(k, P)`. Prompts are stored once ([P, Q]); the rows are built at forward time.
 
+Two versions of TRL's flags: TRL 0.19's RLOOConfig (`--rloo_k`, `--kl_coef`, `--total_episodes`, ...) and TRL 1.16's
+(`--num_generations`, `--beta`, `--max_steps`, several `--reward_funcs` with `--reward_weights`, ...; see
+TRL_RENAMED and TRL1_ONLY). A command line that sets any TRL-1.16-only flag gets TRL 1.16's defaults for every flag
+it leaves out (stop at EOS, 512 tokens, one iteration, 3 epochs, learning rate 1e-6, ...) and TRL 1.16's meaning
+(epochs and optimizer steps, advantages normalized with std + 1e-4, unscorable completions left out of the
+baseline); any other command line keeps TRL 0.19's. `--trl_defaults` picks one outright.
+
     python rloo.py --sft_model_path models/sft --reward_model_path models/reward --dataset_name data/tldr/prompts \
         --rloo_k 2 --per_device_train_batch_size 16 --gradient_accumulation_steps 16 --num_mini_batches 2 \
         --num_ppo_epochs 2 --learning_rate 3e-6 --total_episodes 1000000 --kl_coef 0.03 \
         --stop_token eos --missing_eos_penalty 1.0 --local_rollout_forward_batch_size 16 --output_dir models/rloo
+    python rloo.py --model_name_or_path models/sft --dataset_name data/prompts --reward_model_name_or_path \
+        models/reward --reward_funcs rewards.py:length --reward_weights 1.0 0.1 --num_generations 4 --beta 0.03
 """
 
 import functools
@@ -25,10 +34,9 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import torch
-import tyro
 
 import utils
 import utils.checkpoint
@@ -36,6 +44,7 @@ import utils.data
 import utils.run
 import utils.saving
 import utils.scoring
+import utils.trl_flags
 import utils.vllm
 
 
@@ -44,8 +53,9 @@ class Args:
     # Run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (model init is the checkpoint's; this seeds sampling and shuffling)"""
+    seed: int | None = None
+    """seed of the experiment (model init is the checkpoint's; this seeds sampling and shuffling); None: 1 (TRL
+    0.19's flags) or 42 (TRL 1.16's)"""
     run_name: str | None = None
     """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
     track: bool = False
@@ -64,8 +74,9 @@ class Args:
     """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
-    save_steps: int = 0
-    """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT)"""
+    save_steps: int | None = None
+    """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT);
+    None: 0 (TRL 0.19's flags) or 500 (TRL 1.16's)"""
     save_total_limit: int | None = None
     """keep only the newest this-many checkpoints (None: keep all)"""
     resume_from_checkpoint: str | None = None
@@ -76,14 +87,23 @@ class Args:
     """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides the weights"""
     sft_model_path: str | None = None
     """the SFT policy to start from; also the frozen reference model of the KL penalty"""
-    reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
+    reward_model_path: str | None = None
     """sequence classifier (one label) giving the score; or use --reward_fn"""
+    reward_model_name_or_path: str | None = None
+    """TRL 1.16's name of --reward_model_path; TRL's order: the reward model's score comes first, then the
+    --reward_funcs"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""
-    reward_fn: Annotated[str | None, tyro.conf.arg(aliases=("--reward_funcs",))] = None
-    """path/to/file.py:function or module.function, returning one float per completion: called as function(prompts, completions) on
-    texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions and every dataset column)"""
+    reward_fn: str | None = None
+    """path/to/file.py:function or module.function, returning one float per completion: called as function(prompts,
+    completions) on texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions,
+    completion_ids, trainer_state, log_metric, log_extra and every dataset column)"""
+    reward_funcs: list[str] | None = None
+    """TRL 1.16: reward functions as --reward_fn takes them, scored after the reward model, summed with
+    --reward_weights; a None from one counts as no reward, and a completion without any is left out"""
+    reward_weights: list[float] | None = None
+    """TRL 1.16: one weight per reward (the reward model, then the --reward_funcs); None: all 1"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
     or conversations rendered with the chat template and its generation prompt); other columns are ignored"""
@@ -103,44 +123,78 @@ class Args:
     """recompute activations in the backward pass to save memory"""
 
     # Algorithm
+    trl_defaults: Literal["auto", "0.19", "1.16"] = "auto"
+    """whose defaults fill the flags not given: auto: TRL 1.16's when any TRL-1.16-only flag is set, else 0.19's"""
     total_episodes: int | None = None
-    """completions to train on in total (None: every prompt once, rloo_k completions each)"""
-    learning_rate: float = 3e-6
-    """Adam learning rate"""
+    """completions to train on in total (None: every prompt once, rloo_k completions each; with TRL 1.16's flags,
+    --num_train_epochs or --max_steps)"""
+    num_train_epochs: float | None = None
+    """TRL 1.16: passes over the prompts (incomplete last batch dropped), when --max_steps is -1; None: 3"""
+    max_steps: int | None = None
+    """TRL 1.16: optimizer steps in all, rounded up to whole updates (-1: from --num_train_epochs); None: -1"""
+    learning_rate: float | None = None
+    """Adam learning rate; None: 3e-6 (TRL 0.19's flags) or 1e-6 (TRL 1.16's)"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
     """'linear' decays the learning rate to 0 over the updates"""
     max_grad_norm: float | None = None
-    """clip the gradient norm at this value (also under DeepSpeed); None: no clipping. The norm is logged"""
+    """clip the gradient norm at this value (also under DeepSpeed; 0: no clipping). The norm is logged. None: 0
+    (TRL 0.19's flags) or 1.0 (TRL 1.16's)"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass per process (micro-batch)"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    num_mini_batches: int = 1
-    """optimizer steps per epoch over one update's batch"""
-    num_ppo_epochs: int = 4
-    """epochs over each batch of completions; > 1 relies on the clipped objective"""
-    rloo_k: Annotated[int, tyro.conf.arg(aliases=("--num_generations",))] = 2
-    """completions sampled per prompt (at least 2: the baseline is the mean of the other k-1)"""
-    kl_coef: float = 0.05
-    """weight of the KL penalty to the reference model"""
-    cliprange: float = 0.2
-    """clip range of the probability ratio"""
+    num_mini_batches: int | None = None
+    """optimizer steps per epoch over one update's batch; None: 1"""
+    steps_per_generation: int | None = None
+    """TRL 1.16: micro-batches per rollout = gradient_accumulation_steps * num_mini_batches (a multiple of it)"""
+    generation_batch_size: int | None = None
+    """TRL 1.16: completions per rollout over all processes = batch_size"""
+    num_ppo_epochs: int | None = None
+    """epochs over each batch of completions; > 1 relies on the clipped objective; None: 4 (TRL 0.19's flags) or
+    1 (TRL 1.16's)"""
+    num_iterations: int | None = None
+    """TRL 1.16's name of --num_ppo_epochs"""
+    rloo_k: int | None = None
+    """completions sampled per prompt (at least 2: the baseline is the mean of the other k-1); None: 2"""
+    num_generations: int | None = None
+    """TRL 1.16's name of --rloo_k"""
+    kl_coef: float | None = None
+    """weight of the KL penalty to the reference model, subtracted from the reward; None: 0.05"""
+    beta: float | None = None
+    """TRL 1.16's name of --kl_coef"""
+    cliprange: float | None = None
+    """clip range of the probability ratio; None: 0.2"""
+    epsilon: float | None = None
+    """TRL 1.16's name of --cliprange"""
+    epsilon_high: float | None = None
+    """TRL 1.16: upper clip range of the ratio, 1 + epsilon_high (DAPO); None: --cliprange"""
     token_level_kl: bool = False
     """KL penalty on every token and the score on the EOS token, every token an action (REINFORCE++ style)"""
     whiten_rewards: bool = False
     """whiten the rewards (variance 1, mean kept) over the batch before the advantages"""
     normalize_reward: bool = False
     """normalize the scores to mean 0, std 1 over the batch, then clip them to +-reward_clip_range"""
-    reward_clip_range: float = 10.0
-    """clip range of the normalized scores (used with --normalize_reward)"""
+    reward_clip_range: tuple[float, ...] | None = None
+    """one value (TRL 0.19): clip range of the normalized scores (with --normalize_reward; None: 10); two values
+    (TRL 1.16): clamp the summed reward to [min, max] before the KL penalty"""
     normalize_advantage: bool = False
-    """normalize the advantages to mean 0, std 1 over the batch (over its tokens with --token_level_kl)"""
-    response_length: int = 53
-    """tokens sampled per completion (then truncated after the stop token)"""
-    temperature: float = 0.7
-    """sampling temperature; logprobs of policy and reference are taken at the same temperature"""
+    """TRL 0.19: whiten the advantages over the batch, (A - mean) / sqrt(var + 1e-8) (over its tokens with
+    --token_level_kl)"""
+    normalize_advantages: bool = False
+    """TRL 1.16: normalize the advantages over the batch, (A - mean) / (std + 1e-4), unscorable ones left out"""
+    mask_truncated_completions: bool = False
+    """TRL 1.16: completions without a stop token get no gradient and no KL (they still count in the baselines)"""
+    response_length: int | None = None
+    """tokens sampled per completion (then truncated after the stop token); None: 53 (TRL 0.19's flags) or 512
+    (TRL 1.16's)"""
+    max_completion_length: int | None = None
+    """TRL 1.16's name of --response_length"""
+    temperature: float | None = None
+    """sampling temperature; logprobs of policy and reference are taken at the same temperature; None: 0.7
+    (TRL 0.19's flags) or 1.0 (TRL 1.16's)"""
     stop_token: Literal["eos"] | None = None
-    """'eos' truncates completions after the tokenizer's EOS token"""
+    """'eos' truncates completions after the tokenizer's EOS token; None: no stop token (TRL 0.19's flags) or
+    'eos' (TRL 1.16's, unless --stop_token_id)"""
     stop_token_id: int | None = None
     """truncate completions after this token id"""
     missing_eos_penalty: float | None = None
@@ -167,6 +221,8 @@ class Args:
     """print the sample table every this many updates (replaces --num_sample_generations' spacing)"""
 
     # Filled in at runtime
+    dialect: str = ""
+    """the TRL version whose flags and defaults the run uses, 0.19 or 1.16 (filled in at runtime)"""
     world_size: int = 0
     """number of processes (filled in at runtime)"""
     local_batch_size: int = 0
@@ -184,25 +240,125 @@ class Args:
     """number of updates = ceil(total_episodes / batch_size) (filled in at runtime)"""
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Checks and sizes: TRL 0.19's and TRL 1.16's flags, then the batch arithmetic
+# ----------------------------------------------------------------------------------------------------------------
+VERSIONS = ("0.19", "1.16")
+# TRL 0.19's name (the field the script reads) -> TRL 1.16's name of the same setting
+TRL_RENAMED = {
+    "rloo_k": "num_generations", "kl_coef": "beta", "cliprange": "epsilon", "num_ppo_epochs": "num_iterations",
+    "response_length": "max_completion_length", "reward_model_path": "reward_model_name_or_path",
+}  # fmt: skip
+# Flags only TRL 1.16 has: one of them (or a 1.16 name above) makes the command line TRL 1.16's
+TRL1_ONLY = ("reward_funcs", "reward_weights", "epsilon_high", "normalize_advantages", "mask_truncated_completions",
+             "num_train_epochs", "max_steps", "steps_per_generation", "generation_batch_size")  # fmt: skip
+# flag: (default with TRL 0.19's flags, default with TRL 1.16's)
+TRL_DEFAULTS = {
+    "rloo_k": (2, 2), "kl_coef": (0.05, 0.05), "cliprange": (0.2, 0.2), "num_ppo_epochs": (4, 1),
+    "response_length": (53, 512), "learning_rate": (3e-6, 1e-6), "temperature": (0.7, 1.0), "seed": (1, 42),
+    "max_grad_norm": (0.0, 1.0), "save_steps": (0, 500), "num_mini_batches": (1, 1),
+}  # fmt: skip
+
+
+def flag(args: Args, name: str) -> str:
+    """`--name` as the command line's TRL version calls it."""
+    return utils.trl_flags.flag_name(name, TRL_RENAMED, args.dialect, VERSIONS)
+
+
+def read_trl_flags(args: Args) -> Args:
+    """Settle which TRL version's flags the command line speaks (args.dialect) and fill every flag not given with
+    that version's default; flags that contradict each other are refused in one sentence. Runs once."""
+    if args.dialect:
+        return args
+    clip = args.reward_clip_range
+    if clip is not None and (len(clip) not in (1, 2) or (len(clip) == 2 and clip[0] > clip[1])):
+        raise ValueError(f"--reward_clip_range takes one value or two (min <= max), got {clip}.")
+    two_values = clip is not None and len(clip) == 2  # TRL 1.16's (min, max)
+    choice = "1.16" if args.trl_defaults == "auto" and two_values else args.trl_defaults
+    version = utils.trl_flags.speaks(args, TRL_RENAMED, TRL1_ONLY, choice, VERSIONS)
+    if args.total_episodes is not None and (args.max_steps is not None or args.num_train_epochs is not None):
+        raise ValueError("--total_episodes (TRL 0.19) and --max_steps / --num_train_epochs (TRL 1.16) both set the "
+                         "length of the run; pass one.")  # fmt: skip
+    sizes = (args.generation_batch_size, args.steps_per_generation, args.num_mini_batches)
+    if sizes[0] is not None and sizes[1:] != (None, None):
+        raise ValueError("--generation_batch_size, --steps_per_generation and --num_mini_batches all set the size of "
+                         "an update; pass one.")  # fmt: skip
+    if args.steps_per_generation is not None:
+        spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
+        if spg < 1 or spg % ga:
+            raise ValueError(f"--steps_per_generation {spg} must be a positive multiple of "
+                             f"--gradient_accumulation_steps {ga}.")  # fmt: skip
+        if args.num_mini_batches not in (None, spg // ga):
+            raise ValueError(f"--steps_per_generation {spg} with --gradient_accumulation_steps {ga} means "
+                             f"--num_mini_batches {spg // ga}, not {args.num_mini_batches}; pass one.")  # fmt: skip
+        args.num_mini_batches = spg // ga
+    if args.normalize_advantage and args.normalize_advantages:
+        raise ValueError("--normalize_advantage (TRL 0.19) and --normalize_advantages (TRL 1.16) normalize the "
+                         "advantages two ways (sqrt(var + 1e-8) against std + 1e-4); pass one.")  # fmt: skip
+    if two_values and args.normalize_reward:
+        raise ValueError("--reward_clip_range with two values clamps the reward (TRL 1.16); with --normalize_reward "
+                         "it takes one, the clip range of the normalized scores.")  # fmt: skip
+    if args.mask_truncated_completions and args.token_level_kl:
+        raise ValueError("--mask_truncated_completions (TRL 1.16, a loss per completion) does not go with "
+                         "--token_level_kl.")  # fmt: skip
+    if args.reward_fn is not None and args.reward_funcs not in (None, [args.reward_fn]):
+        raise ValueError("--reward_fn (TRL 0.19, one function) and --reward_funcs (TRL 1.16) both name reward "
+                         "functions; put them all in --reward_funcs.")  # fmt: skip
+    utils.trl_flags.resolve(args, TRL_RENAMED, TRL_DEFAULTS, version, VERSIONS)
+    if args.reward_fn is not None:
+        args.reward_funcs = [args.reward_fn]
+    if version == "1.16" and args.stop_token is None and args.stop_token_id is None:
+        args.stop_token = "eos"  # TRL 1.16 always stops at EOS
+    if version == "1.16" and args.total_episodes is None:
+        args.max_steps = -1 if args.max_steps is None else args.max_steps
+        args.num_train_epochs = 3.0 if args.num_train_epochs is None else args.num_train_epochs
+    if args.reward_clip_range is None and (version == "0.19" or args.normalize_reward):
+        args.reward_clip_range = (10.0,)
+    args.dialect = version
+    return args
+
+
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags and compute the derived batch sizes (TRL's arithmetic); ValueError on a bad value."""
+    """Read the TRL flags, check them and compute the derived batch sizes (TRL's arithmetic); ValueError on a bad
+    value."""
+    read_trl_flags(args)
     if args.rloo_k < 2:
         raise ValueError(
-            f"--rloo_k must be at least 2 (the baseline is the mean of the other k-1), got {args.rloo_k}."
+            f"{flag(args, 'rloo_k')} must be at least 2 (the baseline is the mean of the other k-1), got {args.rloo_k}."
         )
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size"):  # fmt: skip
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
-    if args.temperature <= 0 or args.cliprange <= 0:
-        raise ValueError("--temperature and --cliprange must be positive (RLOO needs sampled completions).")
-    if (args.reward_model_path is None) == (args.reward_fn is None):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{flag(args, name)} must be at least 1, got {getattr(args, name)}.")
+    if min(args.temperature, args.cliprange, args.epsilon_high or 1) <= 0:
+        raise ValueError(
+            "--temperature and the clip ranges must be positive (RLOO needs sampled completions)."
+        )
+    num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
+    if args.dialect == "0.19" and num_rewards != 1:
         raise ValueError("pass exactly one of --reward_model_path and --reward_fn.")
+    if num_rewards == 0:
+        raise ValueError("pass a reward: --reward_model_name_or_path and/or --reward_funcs.")
+    if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
+        raise ValueError(f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the "
+                         "reward model, then the --reward_funcs).")  # fmt: skip
     if args.sft_model_path is None and args.model_name_or_path is None:
         raise ValueError("pass the policy to train with --sft_model_path or --model_name_or_path.")
     if args.stop_token is not None and args.stop_token_id is not None:
         raise ValueError("pass only one of --stop_token and --stop_token_id.")
+    if args.max_steps is not None and (args.max_steps == 0 or args.max_steps < -1):
+        raise ValueError(
+            f"--max_steps must be positive, or -1 to use --num_train_epochs, got {args.max_steps}."
+        )
+    if args.max_steps == -1 and args.num_train_epochs <= 0:
+        raise ValueError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
     args.world_size = world_size
+    if args.generation_batch_size is not None:  # TRL 1.16: completions per rollout over all processes
+        args.num_mini_batches = utils.run.exact_div(
+            args.generation_batch_size,
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
+            "--generation_batch_size / (per_device_train_batch_size * gradient_accumulation_steps * processes)",
+        )
     args.local_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     )
@@ -210,9 +366,10 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
     args.mini_batch_size = args.batch_size // args.num_mini_batches
     if args.local_batch_size % args.rloo_k:
+        k = flag(args, "rloo_k")
         raise ValueError(
-            f"--rloo_k {args.rloo_k} must divide the completions per process per update, per_device_train_batch_size "
-            f"* gradient_accumulation_steps * num_mini_batches = {args.local_batch_size}; change --rloo_k or "
+            f"{k} {args.rloo_k} must divide the completions per process per update, per_device_train_batch_size "
+            f"* gradient_accumulation_steps * num_mini_batches = {args.local_batch_size}; change {k} or "
             "--per_device_train_batch_size / --gradient_accumulation_steps / --num_mini_batches."
         )
     args.local_dataloader_batch_size = args.local_batch_size // args.rloo_k
@@ -223,6 +380,13 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
                 f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_update} of one update; "
                 "lower the batch flags or use a larger split."
             )
+        if args.max_steps is not None:  # TRL 1.16: optimizer steps, or epochs of whole updates
+            steps_per_update = args.num_ppo_epochs * args.num_mini_batches
+            steps, updates_per_epoch = args.max_steps, num_prompts // prompts_per_update
+            if steps == -1:
+                steps = math.ceil(args.num_train_epochs * updates_per_epoch * steps_per_update)
+            args.num_total_batches = math.ceil(steps / steps_per_update)
+            return args
         if args.total_episodes is None:
             args.total_episodes = num_prompts * args.rloo_k
         if args.total_episodes < 1:
@@ -235,14 +399,32 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
 # The math (pure functions; B = k * P completions in completion-major order, R response tokens)
 # ----------------------------------------------------------------------------------------------------------------
 def rloo_baseline(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """Leave-one-out baseline [B]: for completion c of prompt p, mean_{c' != c} rewards[c' * P + p]."""
+    """Leave-one-out baseline [B]: for completion c of prompt p, mean_{c' != c} rewards[c' * P + p]. A NaN reward
+    (an unscorable completion, TRL 1.16) is left out of its siblings' means; NaN where no sibling has one."""
     grouped = rewards.view(k, -1)  # [k, P]: row c holds completion c of every prompt
-    return ((grouped.sum(0, keepdim=True) - grouped) / (k - 1)).flatten()
+    if not grouped.isnan().any():
+        return ((grouped.sum(0, keepdim=True) - grouped) / (k - 1)).flatten()
+    scored = (~grouped.isnan()).sum(0, keepdim=True)
+    return ((grouped.nansum(0, keepdim=True) - grouped) / (scored - 1)).flatten()
 
 
 def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     """A_i = R_i - mean of the other k-1 rewards of the same prompt. rewards [B] completion-major -> [B]."""
     return rewards - rloo_baseline(rewards, k)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Reward [B] = sum_f w_f * r_f over the F rewards [B, F] (the reward model, then the functions), a NaN (a
+    function's None) counting as absent; NaN where all are absent (TRL 1.16: an unscorable completion)."""
+    total = (rewards_per_func * weights).nansum(1)
+    return total.masked_fill(rewards_per_func.isnan().all(1), math.nan)
+
+
+def standardize_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL 1.16's normalize_advantages: (A - mean) / (std + 1e-4) over the actions where mask [B] or [B, R] is set,
+    std with Bessel's correction; NaN (unscorable) entries are left out of both and stay NaN."""
+    kept = advantages[mask.bool() & ~advantages.isnan()]
+    return (advantages - kept.mean()) / (kept.std() + 1e-4) * mask
 
 
 def sequence_level_rewards(scores, kl, mask, kl_coef):
@@ -267,13 +449,20 @@ def token_level_advantages(rewards: torch.Tensor, mask: torch.Tensor, k: int) ->
     return (returns - rloo_baseline(returns[:, 0], k)[:, None]) * mask
 
 
+def finished(responses: torch.Tensor, lengths: torch.Tensor, finished_ids: torch.Tensor) -> torch.Tensor:
+    """[B] True where the completion's last kept token is one of `finished_ids` (stop, EOS or pad token): it was
+    not cut at the length limit (TRL 1.16's test for --mask_truncated_completions)."""
+    return torch.isin(responses.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1), finished_ids)
+
+
 def normalize_scores(scores: torch.Tensor, clip_range: float) -> torch.Tensor:
     """(scores - mean) / std over the batch, then clipped to [-clip_range, clip_range]."""
     return ((scores - scores.mean()) / (scores.std() + 1e-8)).clamp(-clip_range, clip_range)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
-    """PPO's clipped surrogate, -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged over the actions.
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange, cliprange_high=None):
+    """PPO's clipped surrogate, -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A), averaged over the actions
+    (eps_high: `cliprange_high`, else `cliprange`).
 
     new/old_logprobs [B, R] of the response tokens, mask [B, R]. With advantages [B] an action is a whole
     completion (ratio = exp of the summed log-ratio); with advantages [B, R] it is a token.
@@ -284,13 +473,56 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
         log_ratio, weights = log_ratio.sum(1), torch.ones_like(advantages)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + (cliprange_high or cliprange))
     per_action = torch.max(unclipped, clipped)
     loss = utils.masked_mean(per_action, weights)
     with torch.no_grad():
         clipfrac = utils.masked_mean((clipped > unclipped).float(), weights)
         approxkl = utils.masked_mean(0.5 * log_ratio**2, weights)
     return loss, ratio.detach()[weights.bool()], clipfrac, approxkl
+
+
+def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: values, rank=0):
+    """Phase 6 for this process's B completions: the score clamped (TRL 1.16's two-value --reward_clip_range) or
+    normalized (--normalize_reward), minus kl_coef times the KL (kl, mask [B, R]; summed, or per token with
+    --token_level_kl), leave-one-out advantages, then the flags' normalizations, with the statistics of every
+    process's completions (`gather`: all processes' rows in process order). NaN scores (unscorable completions)
+    are left out of every statistic and get advantage 0. Returns (advantages [B] or [B, R], action mask, scores)."""
+    B, k = scores.size(0), args.rloo_k
+
+    def local(values):
+        return values[rank * B : (rank + 1) * B]
+
+    def whiten(values, action_mask, shift_mean=True):
+        missing = values.isnan()
+        kept = gather((action_mask & ~missing).long())
+        whitened = utils.masked_whiten(gather(values.masked_fill(missing, 0)), kept, shift_mean)
+        return (local(whitened) * action_mask).masked_fill(missing, math.nan)
+
+    if len(args.reward_clip_range or ()) == 2:
+        scores = scores.clamp(*args.reward_clip_range)
+    if args.normalize_reward:
+        all_scores = gather(scores).clone()
+        scored = ~all_scores.isnan()
+        all_scores[scored] = normalize_scores(all_scores[scored], args.reward_clip_range[0])
+        scores = local(all_scores)
+    if args.token_level_kl:  # every token is an action
+        rewards = token_level_rewards(scores, kl, lengths, args.kl_coef)
+        action_mask = mask
+    else:  # the whole completion is one action
+        rewards = sequence_level_rewards(scores, kl, mask, args.kl_coef)
+        action_mask = torch.ones_like(rewards, dtype=torch.bool)
+    if args.whiten_rewards:
+        rewards = whiten(rewards, action_mask, shift_mean=False)
+    if args.token_level_kl:
+        advantages = token_level_advantages(rewards, mask, k)
+    else:
+        advantages = rloo_advantages(rewards, k)
+    if args.normalize_advantage:
+        advantages = whiten(advantages, action_mask)
+    if args.normalize_advantages:
+        advantages = local(standardize_advantages(gather(advantages), gather(action_mask.long())))
+    return advantages.masked_fill(advantages.isnan(), 0.0), action_mask, scores
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,19 +561,29 @@ def sample(args, accelerator, policy, queries, query_mask, num_completions, key,
     return responses, lengths, utils.lengths_to_mask(lengths, args.response_length), logprobs
 
 
+def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
+    """Rewards [B, F] of the rows from each reward model / function, in TRL's order (the reward model first);
+    kwargs: the RewardScorer's prompts, columns and trainer_state."""
+    return torch.stack(
+        [score(query_responses, mask, context_length, chunk, **kwargs) for score in scorers], 1
+    )
+
+
 @torch.no_grad()
-def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, first_prompt,
-            stop_token_id, pad_id, recompute_old_logprobs, engine=None, columns=None, examples=()):  # fmt: skip
+def rollout(args, accelerator, policy, ref_policy, scorers, queries, query_mask, update, first_prompt,
+            stop_token_id, pad_id, recompute_old_logprobs, engine=None, columns=None, examples=(), raw_prompts=(),
+            trainer_state=None):  # fmt: skip
     """Sample rloo_k completions of each prompt and score them; the logprobs of the policy (sampling's, or the
-    training forward pass's with `recompute_old_logprobs`) and of the reference. `columns`, `examples`: the
-    dataset's columns and the P prompts' rows in it, for a TRL-style reward function. Returns a dict of [B, ...]."""
+    training forward pass's with `recompute_old_logprobs`) and of the reference. `columns`, `examples`,
+    `raw_prompts`: the dataset's columns, the P prompts' rows in it and every row's prompt as the dataset holds it
+    (text or messages), for the reward models and functions. Returns a dict of [B, ...]; rewards [B, F]."""
     responses, lengths, response_mask, logprobs = sample(
         args, accelerator, policy, queries, query_mask, args.rloo_k, (update,), first_prompt, stop_token_id,
         pad_id, engine,
     )  # fmt: skip
     chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
     rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
-    ref_logprobs, scores, recomputed = [], [], []
+    ref_logprobs, rewards, recomputed, P = [], [], [], queries.size(0)
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         query_responses, mask = rows_at(idx)
         ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask, Q, T, chunk))
@@ -349,12 +591,26 @@ def rollout(args, accelerator, policy, ref_policy, scorer, queries, query_mask, 
             bare = utils.run.bare(policy)
             recomputed.append(utils.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk))
         of_rows = utils.data.columns_of_rows(columns or {}, examples, idx)
-        scores.append(scorer(query_responses, mask, Q, chunk, columns=of_rows))
+        prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()] if len(raw_prompts) else None
+        rewards.append(score_rows(scorers, query_responses, mask, Q, chunk, prompts=prompts, columns=of_rows,
+                                  trainer_state=trainer_state))  # fmt: skip
     return dict(
         responses=responses, lengths=lengths, response_mask=response_mask, sampled_logprobs=logprobs,
         logprobs=torch.cat(recomputed) if recomputed else logprobs, ref_logprobs=torch.cat(ref_logprobs),
-        scores=torch.cat(scores).float(),
+        rewards=torch.cat(rewards).float(),
     )  # fmt: skip
+
+
+def logged_means(accelerator, scorers) -> dict[str, float]:
+    """What TRL-style reward functions reported through log_metric this update: each name's mean over the
+    processes that reported it."""
+    from accelerate.utils import gather_object
+
+    logged = {name: value for scorer in scorers for name, value in scorer.take_logged().items()}
+    every = gather_object([logged]) if accelerator.num_processes > 1 else [logged]
+    names = sorted({name for one in every for name in one})
+    return {name: sum(one[name] for one in every if name in one) / sum(name in one for one in every)
+            for name in names}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,11 +627,12 @@ def main(args: Args) -> dict:
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
-    reward_fn = utils.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fns = [utils.load_reward_fn(spec) for spec in args.reward_funcs or []]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
-    columns = utils.data.columns(dataset) if reward_fn else {}
+    columns = utils.data.columns(dataset) if reward_fns else {}
+    raw_prompts = list(dataset["prompt"])  # what reward models and functions read: the text or the messages
     if args.eval_steps is not None and args.eval_steps < 1:
         raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
     sample_prompts = None
@@ -387,7 +644,8 @@ def main(args: Args) -> dict:
         sample_prompts = sample_prompts.select(
             range(min(4, len(sample_prompts)))
         )  # rendered with the tokenizer
-    sample_columns = utils.data.columns(sample_prompts) if reward_fn and sample_prompts is not None else {}
+    sample_columns = utils.data.columns(sample_prompts) if reward_fns and sample_prompts is not None else {}
+    sample_raw_prompts = list(sample_prompts["prompt"]) if sample_prompts is not None else None
     fill_sizes(args, accelerator.num_processes, len(dataset))
     if args.eval_strategy == "no":
         args.num_sample_generations = 0
@@ -400,7 +658,7 @@ def main(args: Args) -> dict:
         args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
     )
     set_seed(args.seed)
-    device, rank, k = accelerator.device, accelerator.process_index, args.rloo_k
+    device, rank = accelerator.device, accelerator.process_index
 
     # 2. Tokenizer and prompts: --model_name_or_path gives the tokenizer; --sft_model_path, when given, the weights.
     policy_path, policy_flag = (
@@ -436,8 +694,14 @@ def main(args: Args) -> dict:
     reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     # Scores: the reward model reads the policy's ids, or its own tokenizer's encoding of the decoded text.
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
-    scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
-    accelerator.print(scorer.describe())
+    scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
+    reward_names = [getattr(fn, "__name__", "reward") for fn in reward_fns]
+    if reward_model is not None:  # TRL's order: the reward model first
+        scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
+        reward_names.insert(0, os.path.basename(os.path.normpath(args.reward_model_path)))
+    weights = torch.tensor(args.reward_weights or [1.0] * len(scorers), device=device)
+    for scorer in scorers:
+        accelerator.print(scorer.describe())
 
     # 4. State of the run: the prompt order is the same on every process; sampling noise is keyed by update and
     # prompt (sampling_generator); the shuffling generator, weights and optimizer come back from a checkpoint.
@@ -455,15 +719,12 @@ def main(args: Args) -> dict:
     chunk, T = args.local_rollout_forward_batch_size, args.temperature
     B, P = args.local_batch_size, args.local_dataloader_batch_size
 
-    def global_whiten(values, mask, shift_mean=True):
-        """masked_whiten with the statistics of every process's completions, so N processes whiten as 1 does;
-        zero where mask is 0."""
-        all_values, all_masks = accelerator.gather(values), accelerator.gather(mask.long())
-        whitened = utils.masked_whiten(all_values, all_masks, shift_mean)
-        return whitened[rank * B : (rank + 1) * B] * mask
+    def gathered_mean(values):  # NaN: an unscorable completion (TRL 1.16), left out
+        values = accelerator.gather(values.float())
+        return (values.nanmean() if values.isnan().any() else values.mean()).item()
 
-    def gathered_mean(values):
-        return accelerator.gather(values.float()).mean().item()
+    finished_ids = torch.tensor([i for i in (stop_token_id, eos_id, pad_id) if i is not None], device=device)
+    steps_per_update = args.num_ppo_epochs * args.num_mini_batches
 
     sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start_time, metrics = time.time(), {}
@@ -479,42 +740,37 @@ def main(args: Args) -> dict:
         examples = next(batches)  # dataset indices of this process's P prompts
         queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         context_length = queries.size(1)
+        # Reward functions see TRL's trainer state: optimizer steps done and planned, passes over the prompts.
+        trainer_state = utils.scoring.TrainerState(
+            global_step=(update - 1) * steps_per_update, max_steps=args.num_total_batches * steps_per_update,
+            epoch=(update - 1) * P * args.world_size / len(prompt_ids),
+        )  # fmt: skip
         with accelerator.autocast():
             data = rollout(
-                args, accelerator, policy, ref_policy, scorer, queries, query_mask, update, rank * P,
+                args, accelerator, policy, ref_policy, scorers, queries, query_mask, update, rank * P,
                 stop_token_id, pad_id, recompute_old_logprobs, engine,
-                columns, examples,
+                columns, examples, raw_prompts, trainer_state,
             )  # fmt: skip
         responses, lengths, response_mask = data["responses"], data["lengths"], data["response_mask"]
-        old_logprobs, scores = data["logprobs"], data["scores"]
-        utils.tracking.check_finite(update, accelerator, scores=scores)
+        old_logprobs, scores = data["logprobs"], combine_rewards(data["rewards"], weights)
+        # TRL 1.16 leaves a completion no reward scored (NaN) out; under TRL 0.19's flags a NaN stops the run.
+        checked = scores.nan_to_num(0.0) if args.dialect == "1.16" else scores
+        utils.tracking.check_finite(update, accelerator, scores=checked)
         rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
         has_eos = ((responses == eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
+        loss_mask = response_mask  # TRL 1.16: a completion cut at the length limit gets no gradient and no KL
+        if args.mask_truncated_completions:
+            loss_mask = response_mask & finished(responses, lengths, finished_ids)[:, None]
 
         # 6. Rewards and leave-one-out advantages; batch statistics over every process's completions.
-        kl = (old_logprobs - data["ref_logprobs"]) * response_mask  # k1 estimator per token
-        shaped_scores = scores
-        if args.normalize_reward:
-            all_scores = normalize_scores(accelerator.gather(scores), args.reward_clip_range)
-            shaped_scores = all_scores[rank * B : (rank + 1) * B]
+        kl = (old_logprobs - data["ref_logprobs"]) * loss_mask  # k1 estimator per token
+        advantages, action_mask, shaped_scores = batch_advantages(
+            args, scores, kl, loss_mask, lengths, accelerator.gather, rank
+        )
         non_score_reward = -args.kl_coef * kl.sum(1)
         rlhf_reward = shaped_scores + non_score_reward
-        if args.token_level_kl:  # every token is an action
-            rewards = token_level_rewards(shaped_scores, kl, lengths, args.kl_coef)
-            action_mask = response_mask
-        else:  # the whole completion is one action
-            rewards = sequence_level_rewards(shaped_scores, kl, response_mask, args.kl_coef)
-            action_mask = torch.ones_like(rewards, dtype=torch.bool)
-        if args.whiten_rewards:
-            rewards = global_whiten(rewards, action_mask, shift_mean=False)
-        if args.token_level_kl:
-            advantages = token_level_advantages(rewards, response_mask, k)
-        else:
-            advantages = rloo_advantages(rewards, k)
-        if args.normalize_advantage:
-            advantages = global_whiten(advantages, action_mask)
 
         # 7. Policy update: epochs over the shuffled batch; every gradient_accumulation_steps micro-batches make
         # one mini-batch and one optimizer step (accelerate counts them), num_mini_batches steps per epoch.
@@ -532,7 +788,12 @@ def main(args: Args) -> dict:
                         policy, query_responses, attention_mask, context_length, T, with_stats=True
                     )
                     loss, ratio, clipfrac, approxkl = policy_loss(
-                        new_logprobs, old_logprobs[idx], advantages[idx], response_mask[idx], args.cliprange
+                        new_logprobs,
+                        old_logprobs[idx],
+                        advantages[idx],
+                        loss_mask[idx],
+                        args.cliprange,
+                        args.epsilon_high,
                     )
                     accelerator.backward(loss)
                     measured = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm)
@@ -577,9 +838,14 @@ def main(args: Args) -> dict:
                 metrics["grad_norm"] = grad_norm
             if utils.run.zero_stage(accelerator) == 3:
                 metrics["zero3/local_param_share"] = utils.run.local_param_share(policy)
-            if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
-                truncated = torch.tensor(scorer.take_num_truncated(), device=device)
+            if not scorers[0].same_tokenizer:  # rows re-encoded for the reward model and cut to its length
+                truncated = torch.tensor(scorers[0].take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
+            if len(scorers) > 1:  # each reward's mean, TRL's names
+                all_rewards = accelerator.gather(data["rewards"])
+                metrics.update({f"rewards/{name}/mean": all_rewards[:, f].nanmean().item()
+                                for f, name in enumerate(reward_names)})  # fmt: skip
+            metrics.update(logged_means(accelerator, scorers))
         tracker.log(metrics, update)
 
         # Sample table: completions of held-out prompts (--dataset_test_split; the same noise every time), or
@@ -596,9 +862,11 @@ def main(args: Args) -> dict:
                     query_responses, mask = utils.query_response_rows(
                         queries, query_mask, responses, response_mask, shown
                     )
-                    table_scores = scorer(
-                        query_responses, mask, queries.size(1), chunk, columns=sample_columns
-                    )
+                    table_rewards = score_rows(
+                        scorers, query_responses, mask, queries.size(1), chunk, prompts=sample_raw_prompts,
+                        columns=sample_columns, trainer_state=trainer_state,
+                    )  # fmt: skip
+                    table_scores = combine_rewards(table_rewards.float(), weights)
             tracker.samples({
                 "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
                 "response": [tokenizer.decode(r[m], skip_special_tokens=True)
