@@ -272,7 +272,6 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
     # --reward_fn and --reward_funcs, --reward_model_name_or_path and --reward_model_path: one flag each
     for module, field in [
         (ppo, "reward_fn"),
-        (rloo, "reward_fn"),
         (online_dpo, "reward_fn"),
         (grpo, "reward_funcs"),
     ]:
@@ -281,7 +280,13 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
                 run.parse_args(module.Args, [flag, "r.py:f", "--reward_model_name_or_path", "m"]), field
             )
             assert value in ("r.py:f", ["r.py:f"])
-    assert run.parse_args(rloo.Args, ["--num_generations", "4"]).rloo_k == 4
+    # rloo.py keeps TRL 0.19's and TRL 1.16's names apart: the names given pick the version's defaults
+    mixed = ["--reward_fn", "f.py:f", "--reward_model_name_or_path", "m", "--sft_model_path", "p"]
+    mixed = rloo.fill_sizes(run.parse_args(rloo.Args, mixed), 1)
+    assert (mixed.reward_funcs, mixed.reward_model_path, mixed.dialect) == (["f.py:f"], "m", "1.16")
+    parsed = ["--reward_funcs", "r.py:f", "--num_generations", "4", "--sft_model_path", "p"]
+    parsed = rloo.fill_sizes(run.parse_args(rloo.Args, parsed), 1)
+    assert (parsed.reward_funcs, parsed.rloo_k, parsed.dialect) == (["r.py:f"], 4, "1.16")
 
 
 def test_a_refused_trl_flag_is_one_line(tmp_path):
