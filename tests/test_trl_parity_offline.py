@@ -31,9 +31,17 @@ NOT_OURS = ["exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaire
             "discopop", "sft", "sigmoid_norm"]  # fmt: skip
 
 
+OUTPUT_DIR = {}  # the trainers write nothing, but TrainingArguments wants a folder: a temporary one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def output_dir(tmp_path_factory):
+    OUTPUT_DIR["path"] = str(tmp_path_factory.mktemp("trl_output"))
+
+
 def trl_kwargs() -> dict:
     """TrainingArguments for a CPU, fp32, untracked trainer that is only asked for its loss."""
-    return dict(output_dir="unused", use_cpu=True, report_to=[], bf16=False, gradient_checkpointing=False,
+    return dict(output_dir=OUTPUT_DIR["path"], use_cpu=True, report_to=[], bf16=False, gradient_checkpointing=False,
                 per_device_train_batch_size=ROWS)  # fmt: skip
 
 
