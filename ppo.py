@@ -13,7 +13,8 @@ Example (the offline tiny world: `python benchmark/tiny_world.py --output_dir ti
 
     python ppo.py --sft_model_path tiny_world/policy --reward_model_path tiny_world/reward \
         --dataset_name tiny_world/dataset --dataset_train_split sft --dataset_test_split validation \
-        --total_episodes 2048 --per_device_train_batch_size 16 --response_length 8 --learning_rate 1e-4
+        --total_episodes 2048 --per_device_train_batch_size 16 --response_length 8 --learning_rate 1e-4 \
+        --stop_token eos
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ class Args:
     """tokens sampled for every completion (it is truncated after the stop token afterwards)"""
     temperature: float = 0.7
     """sampling temperature; the logprobs of the policy and the reference are those of logits / temperature"""
-    stop_token: Literal["eos"] | None = "eos"
-    """truncate completions after the tokenizer's EOS; None: do not truncate (unless stop_token_id is set)"""
+    stop_token: Literal["eos"] | None = None
+    """eos: truncate completions after the tokenizer's EOS; None (TRL's default): keep all --response_length tokens
+    (unless --stop_token_id is set)"""
     stop_token_id: int | None = None
     """truncate completions after this token id"""
     missing_eos_penalty: float | None = None
@@ -157,6 +159,9 @@ class Args:
     """clip (scaled) scores to [-score_clip, score_clip]"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (keeping their mean) before GAE"""
+    whiten_across_processes: bool = False
+    """ours, off by default: whiten advantages (and --whiten_rewards' rewards) with the statistics of every
+    process's tokens, so N processes update as 1 does; off: each process over its own tokens, as TRL's PPO"""
     kl_coef: float = 0.05
     """coefficient of the per-token KL penalty (the initial one with --adaptive_kl)"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
@@ -360,6 +365,29 @@ class RunningMoments:
         return self.mean, math.sqrt(self.var)
 
 
+def whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, accelerator=None
+) -> torch.Tensor:
+    """masked_whiten of values [B, R] over the tokens in `mask` [B, R], 0 elsewhere: (v - mean) / std (the mean
+    added back without shift_mean). The statistics are this process's tokens' (TRL's PPO), or with `accelerator`
+    those of every process's tokens gathered, so that N processes whiten as 1 does."""
+    if accelerator is None:
+        return utils.masked_whiten(values, mask, shift_mean) * mask
+    all_values, all_masks = accelerator.gather(values), accelerator.gather(mask.long())
+    rows = slice(accelerator.process_index * values.size(0), (accelerator.process_index + 1) * values.size(0))
+    return utils.masked_whiten(all_values, all_masks, shift_mean)[rows] * mask
+
+
+def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, float]:
+    """The mean of each value a reward function logged (scorer.take_logged), over the processes that logged it."""
+    from accelerate.utils import gather_object
+
+    every = gather_object([logged]) if accelerator.num_processes > 1 else [logged]
+    names = sorted({name for one in every for name in one})
+    return {name: sum(one[name] for one in every if name in one) / sum(name in one for one in every)
+            for name in names}  # fmt: skip
+
+
 def shape_scores(scores: torch.Tensor, moments: RunningMoments | None, norm: bool, clip: float | None):
     """Optional score scaling by the running std (and centring by the running mean), then clipping: [B] -> [B]."""
     if moments is not None:
@@ -391,13 +419,21 @@ def compute_sizes(args: Args, world_size: int, num_prompts: int) -> Args:
                 f"--{name} {value} does not match per_device_train_batch_size * gradient_accumulation_steps * "
                 f"num_mini_batches (* world_size) = {getattr(args, name)}; change those flags instead."
             )
-    if args.total_episodes is None:
+    given_episodes = args.total_episodes is not None
+    if not given_episodes:
         args.total_episodes = int(args.num_train_epochs * num_prompts)
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
     if num_prompts < args.batch_size:
         raise ValueError(
             f"the train split has {num_prompts} prompts, fewer than batch_size {args.batch_size}; "
             "lower --per_device_train_batch_size, --gradient_accumulation_steps or --num_mini_batches."
+        )
+    if args.total_episodes < args.batch_size:  # TRL would round it up to one whole update, silently
+        asked = (f"--total_episodes {args.total_episodes}" if given_episodes else
+                 f"--num_train_epochs {args.num_train_epochs} ({args.total_episodes} episodes)")  # fmt: skip
+        raise ValueError(
+            f"{asked} is fewer than the {args.batch_size} episodes of one update (per_device_train_batch_size * "
+            "gradient_accumulation_steps * num_mini_batches * processes); ask for more or lower those flags."
         )
     return args
 
@@ -446,15 +482,16 @@ class PolicyAndValue(nn.Module):
         return logprobs, entropy, values[:, context_length - 1 : -1].float()
 
 
-def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
+def score_completions(args, tokenizer, scorer, queries, query_mask, responses, prompts, trainer_state):
     """Truncate `responses` [B, R] after the stop token and score them: (mask [B, R] of the kept tokens,
     scores [B], whether each has an EOS [B]). The reward sees the truncated completion and its score is read
-    at the last real token (the EOS); `missing_eos_penalty` is subtracted from completions without one."""
+    at the last real token (the EOS); `missing_eos_penalty` is subtracted from completions without one.
+    prompts: the dataset's raw prompt of each row (text or messages), what a reward function gets, as in TRL."""
     truncated, lengths = utils.truncate_response(responses, args.stop_token_id, tokenizer.pad_token_id)
     mask = utils.lengths_to_mask(lengths, responses.size(1))
     scores = scorer(
         torch.cat([queries, truncated], 1), torch.cat([query_mask, mask], 1), queries.size(1),
-        args.local_rollout_forward_batch_size,
+        args.local_rollout_forward_batch_size, prompts=prompts, trainer_state=trainer_state,
     ).float()  # fmt: skip
     scores, contains_eos = penalize_missing_eos(
         scores, truncated, mask, tokenizer.eos_token_id, args.missing_eos_penalty
@@ -464,10 +501,11 @@ def score_completions(args, tokenizer, scorer, queries, query_mask, responses):
 
 @torch.no_grad()
 def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update, first_prompt,
-            recompute_old_logprobs, engine=None):  # fmt: skip
-    """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs. The chunk of
-    prompts p.. is sampled with the noise of (seed, update, first_prompt + p), first_prompt being the index of
-    this process's first prompt in the update's global batch. The "old" logprobs are sampling's, or those of
+            recompute_old_logprobs, engine=None, prompts=None, trainer_state=None):  # fmt: skip
+    """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs (`prompts`:
+    their raw texts or messages, and `trainer_state`, for the reward). The chunk of prompts p.. is sampled with
+    the noise of (seed, update, first_prompt + p), first_prompt being the index of this process's first prompt
+    in the update's global batch. The "old" logprobs are sampling's, or those of
     the training forward pass with `recompute_old_logprobs`. With `engine` (--use_vllm), vLLM samples."""
     Q, chunk = queries.size(1), args.local_rollout_forward_batch_size
     query_responses, logprobs = [], []
@@ -487,7 +525,9 @@ def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, que
     responses = query_responses[:, Q:]
     # Every forward pass attends to all R sampled tokens, as generation did, so logprobs match sampling's.
     attention_mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
-    mask, scores, contains_eos = score_completions(args, tokenizer, scorer, queries, query_mask, responses)
+    mask, scores, contains_eos = score_completions(
+        args, tokenizer, scorer, queries, query_mask, responses, prompts, trainer_state
+    )
     unwrapped, ref_logprobs, values, kl_full, recomputed = utils.run.bare(model), [], [], [], []
     for i in range(0, queries.size(0), chunk):
         qr, am = query_responses[i : i + chunk], attention_mask[i : i + chunk]
@@ -513,8 +553,10 @@ def rollout(args, accelerator, model, ref_model, scorer, tokenizer, queries, que
 
 
 @torch.no_grad()
-def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_prompts):
-    """Greedy completions of this process's share of the test prompts: (mean score over processes, table)."""
+def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_prompts, raw_test_prompts,
+                 trainer_state):  # fmt: skip
+    """Greedy completions of this process's share of the test prompts (rendered texts, and the raw ones the
+    reward gets): (mean score over processes, table)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     queries, query_mask = utils.left_pad(test_rows[rank::world], tokenizer.pad_token_id, accelerator.device)
     with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
@@ -527,7 +569,9 @@ def sample_table(args, accelerator, model, scorer, tokenizer, test_rows, test_pr
             args.local_rollout_forward_batch_size,
         )
     responses = query_responses[:, queries.size(1) :]
-    mask, scores, _ = score_completions(args, tokenizer, scorer, queries, query_mask, responses)
+    mask, scores, _ = score_completions(
+        args, tokenizer, scorer, queries, query_mask, responses, raw_test_prompts[rank::world], trainer_state
+    )
     columns = {
         "prompt": [p[-80:] for p in test_prompts[rank::world]],
         "completion": [tokenizer.decode(r[m]) for r, m in zip(responses, mask)],
@@ -598,6 +642,9 @@ def main(args: Args) -> dict:
     test_prompts = (
         utils.data.prompt_texts(test.select(range(num_eval)), tokenizer, "the test split") if num_eval else []
     )
+    # The dataset's own prompts (text or messages): what the reward gets as each row's prompt, as in TRL.
+    raw_train_prompts = utils.data.column(train, "prompt")
+    raw_test_prompts = utils.data.column(test.select(range(num_eval)), "prompt") if num_eval else []
     test_rows = utils.tokenize_prompts(tokenizer, test_prompts, args.max_prompt_length)
 
     # 3. Models: policy and reference from the SFT model; critic from the value/reward model (own head). Frozen
@@ -664,12 +711,7 @@ def main(args: Args) -> dict:
     def mean_all(x: torch.Tensor) -> float:
         return accelerator.gather(x.detach().float().reshape(1)).mean().item()
 
-    def global_whiten(values, mask, shift_mean=True):
-        """masked_whiten with the statistics of every process's response tokens, so N processes whiten as 1
-        does; zero where mask is 0."""
-        all_values, all_masks = accelerator.gather(values), accelerator.gather(mask.long())
-        whitened = utils.masked_whiten(all_values, all_masks, shift_mean)
-        return whitened[rank * values.size(0) : (rank + 1) * values.size(0)] * mask
+    whitening = accelerator if args.whiten_across_processes else None  # None: per process, as TRL
 
     for update in tqdm(range(start + 1, args.num_total_batches + 1), initial=start, total=args.num_total_batches,
                        disable=not accelerator.is_local_main_process):  # fmt: skip
@@ -681,14 +723,20 @@ def main(args: Args) -> dict:
 
         # 5. Rollout: sample, truncate, score; logprobs of the policy and the reference; values of the critic.
         model.eval()
+        examples = next(batches)
         queries, query_mask = utils.left_pad(
-            [train_rows[i] for i in next(batches)], tokenizer.pad_token_id, device
+            [train_rows[i] for i in examples], tokenizer.pad_token_id, device
         )
         Q = queries.size(1)
+        trainer_state = utils.scoring.TrainerState(
+            global_step=update - 1, max_steps=args.num_total_batches,
+            epoch=(update - 1) * args.batch_size / len(train_rows),
+        )  # fmt: skip
         with accelerator.autocast():
             data = rollout(
                 args, accelerator, model, ref_model, scorer, tokenizer, queries, query_mask, update,
                 rank * args.local_batch_size, recompute_old_logprobs, engine,
+                [raw_train_prompts[i] for i in examples], trainer_state,
             )  # fmt: skip
         mask, scores = data["mask"], data["scores"]
         utils.tracking.check_finite(update, accelerator, scores=scores)
@@ -698,10 +746,11 @@ def main(args: Args) -> dict:
         shaped_scores = shape_scores(scores, moments, args.use_score_norm, args.score_clip)
         rewards, non_score_rewards = per_token_rewards(data["kl"], shaped_scores, mask, kl_coef)
         if args.whiten_rewards:
-            rewards = global_whiten(rewards, mask, shift_mean=False)
-        # 7. Advantages from GAE, whitened over every process's response tokens.
+            rewards = whiten(rewards, mask, shift_mean=False, accelerator=whitening)
+        # 7. Advantages from GAE, whitened over this process's response tokens (every process's with
+        # --whiten_across_processes).
         advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
-        advantages = global_whiten(advantages, mask)
+        advantages = whiten(advantages, mask, accelerator=whitening)
 
         # 8. PPO epochs over shuffled mini-batches; each mini-batch is gradient-accumulated micro-batches.
         model.train()
@@ -786,14 +835,18 @@ def main(args: Args) -> dict:
             if not scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
+            metrics.update(mean_over_processes(accelerator, scorer.take_logged()))
         if args.adaptive_kl:
             kl_controller.update(metrics["objective/kl"], args.batch_size)
         if sample_freq and (update % sample_freq == 0 or update == args.num_total_batches):
             model.eval()
             with accelerator.autocast():
                 metrics["eval/scores"], columns = sample_table(
-                    args, accelerator, model, scorer, tokenizer, test_rows, test_prompts
-                )
+                    args, accelerator, model, scorer, tokenizer, test_rows, test_prompts, raw_test_prompts,
+                    trainer_state,
+                )  # fmt: skip
+            logged = mean_over_processes(accelerator, scorer.take_logged())
+            metrics.update({f"eval/{name}": value for name, value in logged.items()})
             tracker.samples(columns, title=f"update {update}: test prompts (greedy)")
         tracker.log(metrics, update)
         del data, rewards, advantages, returns

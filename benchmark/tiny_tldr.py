@@ -94,6 +94,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--per_device_train_batch_size", "32", "--local_rollout_forward_batch_size", "64",
         "--max_steps", "4" if quick else "64", "--learning_rate", "1e-4", "--warmup_ratio", "0.1", "--beta", "0.1",
         "--num_sample_generations", "4", "--output_dir", f"{work}/online_dpo", *logs,
+        "--logprobs_at_temperature", "--drop_ties",  # the committed results' settings (ours, not TRL's defaults)
     ]  # fmt: skip
     # ILQL learns offline from completions of the SFT model scored once by the reward model, then decodes with
     # log pi + beta * (Q - V) (benchmark/evaluate_ilql.py). Two epochs and beta 8 were chosen on the validation
@@ -170,7 +171,16 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
             *rm_length,
             *logs,
         ],
-        "ppo": ["ppo.py", *rl_common, "--output_dir", f"{work}/ppo", "--num_ppo_epochs", "4", *logs],
+        "ppo": [
+            "ppo.py",
+            *rl_common,
+            "--output_dir",
+            f"{work}/ppo",
+            "--num_ppo_epochs",
+            "4",
+            "--whiten_across_processes",
+            *logs,
+        ],
         "rloo": [
             "rloo.py",
             *rl_common,

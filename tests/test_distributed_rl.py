@@ -48,7 +48,7 @@ def script_flags(script, world, out, name, nproc, *extra):
         "--output_dir", str(out / name), "--seed", "3",
     ]  # fmt: skip
     if script == "ppo.py":  # no stop token: every response keeps its 6 tokens
-        flags += ["--stop_token", "None", "--whiten_rewards"]
+        flags += ["--stop_token", "None", "--whiten_rewards", "--whiten_across_processes"]
     else:
         flags += ["--rloo_k", "2", "--normalize_advantage", "--normalize_reward"]
     return flags + list(extra)

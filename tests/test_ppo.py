@@ -68,6 +68,48 @@ def test_advantage_whitening_over_response_tokens_matches_statistics():
     assert kept_mean[mask].tolist() == pytest.approx([(v - mean) / std + mean for v in kept], abs=1e-5)
 
 
+class OneOfTwoProcesses:
+    """Process `index` of two, as ppo.whiten sees its accelerator: gather concatenates both processes' tensors."""
+
+    def __init__(self, index, values, masks):
+        self.process_index, self.values, self.masks = index, values, masks
+
+    def gather(self, tensor):
+        return torch.cat(self.values if tensor.is_floating_point() else [m.long() for m in self.masks])
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whitening_per_process_by_default_or_across_processes(shift_mean):
+    """TRL's PPO whitens each process's advantages with its own statistics (the default); with
+    --whiten_across_processes every process uses the statistics of all of them, which is what one process with
+    the whole batch computes, so N processes update as 1 does."""
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(3, 6, generator=g), 3 * torch.randn(3, 6, generator=g) + 5]  # unlike statistics
+    masks = [utils.lengths_to_mask(torch.tensor(n), 6) for n in ([6, 2, 4], [1, 5, 3])]
+    per_process = [ppo.whiten(v, m, shift_mean) for v, m in zip(values, masks)]
+    across = [
+        ppo.whiten(v, m, shift_mean, accelerator=OneOfTwoProcesses(i, values, masks))
+        for i, (v, m) in enumerate(zip(values, masks))
+    ]
+    for v, m, w in zip(values, masks, per_process):  # each process alone: masked_whiten of its own tokens
+        torch.testing.assert_close(w, utils.masked_whiten(v, m, shift_mean) * m)
+    one_process = ppo.whiten(torch.cat(values), torch.cat(masks), shift_mean)
+    torch.testing.assert_close(torch.cat(across), one_process)
+    assert (torch.cat(per_process) - one_process).abs().max() > 0.5  # the two choices really differ
+
+
+def test_defaults_are_trls_and_ours_are_flags(capsys):
+    """A TRL command gets TRL's PPO: no stop token unless asked (all --response_length tokens are kept and
+    scored), whitening per process; ours (EOS stopping, whitening across processes) are flags in --help."""
+    args = utils.run.parse_args(ppo.Args, [])
+    assert args.stop_token is None and args.stop_token_id is None and not args.whiten_across_processes
+    with pytest.raises(SystemExit):
+        utils.run.parse_args(ppo.Args, ["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--whiten_across_processes" in help_text and "as TRL's PPO" in help_text
+    assert "None (TRL's default): keep all --response_length tokens" in help_text
+
+
 # ---------------------------------------------------------------------------------------------------------- KL
 def test_kl_estimators_match_their_definitions():
     g = torch.Generator().manual_seed(2)
@@ -220,6 +262,24 @@ def test_bad_batch_sizes_name_the_flags():
         ppo.check_args(ppo.Args())
 
 
+def test_fewer_episodes_than_one_update_are_refused():
+    """--total_episodes 2 with a batch of 8 would silently run one update of 8 episodes (TRL rounds up)."""
+    with pytest.raises(ValueError, match=r"--total_episodes 2 is fewer than the 8 episodes of one update"):
+        ppo.compute_sizes(ppo.Args(total_episodes=2, per_device_train_batch_size=8), 1, 100)
+    with pytest.raises(ValueError, match=r"--total_episodes 12 is fewer than the 16 episodes of one update"):
+        ppo.compute_sizes(ppo.Args(total_episodes=12, per_device_train_batch_size=8), 2, 100)
+    with pytest.raises(ValueError, match=r"--num_train_epochs 0.05 \(5 episodes\) is fewer than the 8"):
+        ppo.compute_sizes(ppo.Args(num_train_epochs=0.05, per_device_train_batch_size=8), 1, 100)
+    assert (
+        ppo.compute_sizes(ppo.Args(total_episodes=8, per_device_train_batch_size=8), 1, 100).num_total_batches
+        == 1
+    )
+    assert (
+        ppo.compute_sizes(ppo.Args(total_episodes=9, per_device_train_batch_size=8), 1, 100).num_total_batches
+        == 2
+    )
+
+
 def test_prompt_batches_shard_one_shuffle_across_processes():
     streams = [utils.prompt_batches(20, 4, 2, rank, seed=3) for rank in range(2)]
     seen = []
@@ -237,7 +297,7 @@ def small_flags(world, tmp_path, name, *extra):
         "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft",
         "--dataset_test_split", "validation", "--response_length", "8", "--per_device_train_batch_size", "8",
         "--local_rollout_forward_batch_size", "16", "--logging_dir", str(tmp_path / "runs"),
-        "--output_dir", str(tmp_path / name), "--run_name", name, *extra,
+        "--output_dir", str(tmp_path / name), "--run_name", name, "--stop_token", "eos", *extra,
     ]  # fmt: skip
 
 
@@ -286,6 +346,7 @@ def test_first_update_recomputes_the_sampling_logprobs(world, tmp_path):
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_mini_batches", "2",
         "--local_rollout_forward_batch_size", "6", "--num_ppo_epochs", "2", "--response_length", "8",
         "--missing_eos_penalty", "1.0", "--num_sample_generations", "0", "--kl_estimator", "k3",
+        "--stop_token", "eos",
         "--logging_dir", str(tmp_path / "runs"), "--output_dir", str(tmp_path / "out"), "--run_name", "inv",
     ])  # fmt: skip
     metrics = read_metrics(tmp_path, "inv")
