@@ -54,8 +54,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int | None = None
-    """seed of the experiment (model init is the checkpoint's; this seeds sampling and shuffling); None: 1 (TRL
-    0.19's flags) or 42 (TRL 1.16's)"""
+    """seed of sampling and shuffling (model init is the checkpoint's); None: 1 / 42 (TRL 0.19's / 1.16's flags)"""
     run_name: str | None = None
     """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
     track: bool = False
@@ -75,8 +74,8 @@ class Args:
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int | None = None
-    """write a checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT);
-    None: 0 (TRL 0.19's flags) or 500 (TRL 1.16's)"""
+    """checkpoint to {output_dir}/checkpoint-{update} every this many updates (0: only on SIGTERM/SIGINT); None:
+    0 / 500 (TRL 0.19's / 1.16's flags)"""
     save_total_limit: int | None = None
     """keep only the newest this-many checkpoints (None: keep all)"""
     resume_from_checkpoint: str | None = None
@@ -90,8 +89,7 @@ class Args:
     reward_model_path: str | None = None
     """sequence classifier (one label) giving the score; or use --reward_fn"""
     reward_model_name_or_path: str | None = None
-    """TRL 1.16's name of --reward_model_path; TRL's order: the reward model's score comes first, then the
-    --reward_funcs"""
+    """TRL 1.16's name of --reward_model_path (its score comes first, then the --reward_funcs')"""
     reward_tokenizer_path: str | None = None
     """the reward model's tokenizer (TRL: reward_processing_classes); None: the one in --reward_model_path. When it
     is not the policy's, completions are decoded and encoded again with it"""
@@ -100,8 +98,8 @@ class Args:
     completions) on texts, or, when it takes **kwargs, as TRL calls it (keywords prompts, completions,
     completion_ids, trainer_state, log_metric, log_extra and every dataset column)"""
     reward_funcs: list[str] | None = None
-    """TRL 1.16: reward functions as --reward_fn takes them, scored after the reward model, summed with
-    --reward_weights; a None from one counts as no reward, and a completion without any is left out"""
+    """TRL 1.16: reward functions as --reward_fn takes them, after the reward model, summed with --reward_weights
+    (a None is no reward; a completion without any is left out)"""
     reward_weights: list[float] | None = None
     """TRL 1.16: one weight per reward (the reward model, then the --reward_funcs); None: all 1"""
     dataset_name: str = "trl-lib/tldr"
@@ -124,21 +122,20 @@ class Args:
 
     # Algorithm
     trl_defaults: Literal["auto", "0.19", "1.16"] = "auto"
-    """whose defaults fill the flags not given: auto: TRL 1.16's when any TRL-1.16-only flag is set, else 0.19's"""
+    """whose defaults fill the flags not given (None below: TRL 0.19's / 1.16's); auto: TRL 1.16's when a flag only
+    TRL 1.16 has is set"""
     total_episodes: int | None = None
-    """completions to train on in total (None: every prompt once, rloo_k completions each; with TRL 1.16's flags,
-    --num_train_epochs or --max_steps)"""
+    """completions to train on in total (None: every prompt once; with TRL 1.16's flags, see --max_steps)"""
     num_train_epochs: float | None = None
     """TRL 1.16: passes over the prompts (incomplete last batch dropped), when --max_steps is -1; None: 3"""
     max_steps: int | None = None
     """TRL 1.16: optimizer steps in all, rounded up to whole updates (-1: from --num_train_epochs); None: -1"""
     learning_rate: float | None = None
-    """Adam learning rate; None: 3e-6 (TRL 0.19's flags) or 1e-6 (TRL 1.16's)"""
+    """Adam learning rate; None: 3e-6 / 1e-6 (TRL 0.19's / 1.16's flags)"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
     """'linear' decays the learning rate to 0 over the updates"""
     max_grad_norm: float | None = None
-    """clip the gradient norm at this value (also under DeepSpeed; 0: no clipping). The norm is logged. None: 0
-    (TRL 0.19's flags) or 1.0 (TRL 1.16's)"""
+    """clip the gradient norm (logged) at this value, also under DeepSpeed (0: no clipping); None: 0 / 1.0"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass per process (micro-batch)"""
     gradient_accumulation_steps: int = 1
@@ -150,8 +147,7 @@ class Args:
     generation_batch_size: int | None = None
     """TRL 1.16: completions per rollout over all processes = batch_size"""
     num_ppo_epochs: int | None = None
-    """epochs over each batch of completions; > 1 relies on the clipped objective; None: 4 (TRL 0.19's flags) or
-    1 (TRL 1.16's)"""
+    """epochs over each batch of completions (> 1 relies on the clipped objective); None: 4 / 1"""
     num_iterations: int | None = None
     """TRL 1.16's name of --num_ppo_epochs"""
     rloo_k: int | None = None
@@ -178,23 +174,19 @@ class Args:
     """one value (TRL 0.19): clip range of the normalized scores (with --normalize_reward; None: 10); two values
     (TRL 1.16): clamp the summed reward to [min, max] before the KL penalty"""
     normalize_advantage: bool = False
-    """TRL 0.19: whiten the advantages over the batch, (A - mean) / sqrt(var + 1e-8) (over its tokens with
-    --token_level_kl)"""
+    """TRL 0.19: whiten the advantages over the batch (its tokens with --token_level_kl), / sqrt(var + 1e-8)"""
     normalize_advantages: bool = False
     """TRL 1.16: normalize the advantages over the batch, (A - mean) / (std + 1e-4), unscorable ones left out"""
     mask_truncated_completions: bool = False
     """TRL 1.16: completions without a stop token get no gradient and no KL (they still count in the baselines)"""
     response_length: int | None = None
-    """tokens sampled per completion (then truncated after the stop token); None: 53 (TRL 0.19's flags) or 512
-    (TRL 1.16's)"""
+    """tokens sampled per completion (then truncated after the stop token); None: 53 / 512"""
     max_completion_length: int | None = None
     """TRL 1.16's name of --response_length"""
     temperature: float | None = None
-    """sampling temperature; logprobs of policy and reference are taken at the same temperature; None: 0.7
-    (TRL 0.19's flags) or 1.0 (TRL 1.16's)"""
+    """sampling temperature, also of the logprobs of policy and reference; None: 0.7 / 1.0"""
     stop_token: Literal["eos"] | None = None
-    """'eos' truncates completions after the tokenizer's EOS token; None: no stop token (TRL 0.19's flags) or
-    'eos' (TRL 1.16's, unless --stop_token_id)"""
+    """'eos' truncates completions after the tokenizer's EOS token; None: none / 'eos' (unless --stop_token_id)"""
     stop_token_id: int | None = None
     """truncate completions after this token id"""
     missing_eos_penalty: float | None = None
@@ -276,22 +268,7 @@ def read_trl_flags(args: Args) -> Args:
     two_values = clip is not None and len(clip) == 2  # TRL 1.16's (min, max)
     choice = "1.16" if args.trl_defaults == "auto" and two_values else args.trl_defaults
     version = utils.trl_flags.speaks(args, TRL_RENAMED, TRL1_ONLY, choice, VERSIONS)
-    if args.total_episodes is not None and (args.max_steps is not None or args.num_train_epochs is not None):
-        raise ValueError("--total_episodes (TRL 0.19) and --max_steps / --num_train_epochs (TRL 1.16) both set the "
-                         "length of the run; pass one.")  # fmt: skip
-    sizes = (args.generation_batch_size, args.steps_per_generation, args.num_mini_batches)
-    if sizes[0] is not None and sizes[1:] != (None, None):
-        raise ValueError("--generation_batch_size, --steps_per_generation and --num_mini_batches all set the size of "
-                         "an update; pass one.")  # fmt: skip
-    if args.steps_per_generation is not None:
-        spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
-        if spg < 1 or spg % ga:
-            raise ValueError(f"--steps_per_generation {spg} must be a positive multiple of "
-                             f"--gradient_accumulation_steps {ga}.")  # fmt: skip
-        if args.num_mini_batches not in (None, spg // ga):
-            raise ValueError(f"--steps_per_generation {spg} with --gradient_accumulation_steps {ga} means "
-                             f"--num_mini_batches {spg // ga}, not {args.num_mini_batches}; pass one.")  # fmt: skip
-        args.num_mini_batches = spg // ga
+    utils.trl_flags.read_sizes(args)
     if args.normalize_advantage and args.normalize_advantages:
         raise ValueError("--normalize_advantage (TRL 0.19) and --normalize_advantages (TRL 1.16) normalize the "
                          "advantages two ways (sqrt(var + 1e-8) against std + 1e-4); pass one.")  # fmt: skip
@@ -323,8 +300,9 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     value."""
     read_trl_flags(args)
     if args.rloo_k < 2:
+        k = flag(args, "rloo_k")
         raise ValueError(
-            f"{flag(args, 'rloo_k')} must be at least 2 (the baseline is the mean of the other k-1), got {args.rloo_k}."
+            f"{k} must be at least 2 (the baseline is the mean of the other k-1), got {args.rloo_k}."
         )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size"):  # fmt: skip
@@ -346,19 +324,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError("pass the policy to train with --sft_model_path or --model_name_or_path.")
     if args.stop_token is not None and args.stop_token_id is not None:
         raise ValueError("pass only one of --stop_token and --stop_token_id.")
-    if args.max_steps is not None and (args.max_steps == 0 or args.max_steps < -1):
-        raise ValueError(
-            f"--max_steps must be positive, or -1 to use --num_train_epochs, got {args.max_steps}."
-        )
-    if args.max_steps == -1 and args.num_train_epochs <= 0:
-        raise ValueError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
-    args.world_size = world_size
-    if args.generation_batch_size is not None:  # TRL 1.16: completions per rollout over all processes
-        args.num_mini_batches = utils.run.exact_div(
-            args.generation_batch_size,
-            args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
-            "--generation_batch_size / (per_device_train_batch_size * gradient_accumulation_steps * processes)",
-        )
+    args.world_size, args.num_mini_batches = world_size, utils.trl_flags.mini_batches(args, world_size)
     args.local_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     )
@@ -380,12 +346,11 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
                 f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_update} of one update; "
                 "lower the batch flags or use a larger split."
             )
-        if args.max_steps is not None:  # TRL 1.16: optimizer steps, or epochs of whole updates
-            steps_per_update = args.num_ppo_epochs * args.num_mini_batches
-            steps, updates_per_epoch = args.max_steps, num_prompts // prompts_per_update
-            if steps == -1:
-                steps = math.ceil(args.num_train_epochs * updates_per_epoch * steps_per_update)
-            args.num_total_batches = math.ceil(steps / steps_per_update)
+        if args.max_steps is not None:  # TRL 1.16: optimizer steps, or epochs, of whole updates
+            args.num_total_batches = utils.trl_flags.num_updates(
+                args.max_steps, args.num_train_epochs, num_prompts // prompts_per_update,
+                args.num_ppo_epochs * args.num_mini_batches,
+            )  # fmt: skip
             return args
         if args.total_episodes is None:
             args.total_episodes = num_prompts * args.rloo_k
