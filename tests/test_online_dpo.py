@@ -279,6 +279,37 @@ def test_trl_style_reward_function_gets_its_rows_columns(world, lab, tmp_path):
     assert check_trl_style_calls(tmp_path / "calls.jsonl", conversational=False) == 2 * 2 * 4
 
 
+SHAPED_REWARD = """
+import json, os
+
+PROMPTS = {json.loads(line)["prompt"] for line in open(os.environ["PROMPTS"])}
+
+
+def shaped(prompts, completions, trainer_state, log_metric, **kwargs):
+    log_metric("custom/step", float(trainer_state.global_step))
+    log_metric("custom/known_prompts", float(all(p in PROMPTS for p in prompts)))
+    return [None if len(c) % 2 else 1.0 + len(c) for c in completions]
+"""
+
+
+def test_none_rewards_count_zero_and_the_reward_sees_the_run(world, lab, tmp_path):
+    """A TRL-style reward function gets trainer_state (the update about to be made, of --max_steps) and its
+    log_metric values reach the logs; its None rewards count 0 as in TRL (nansum), where a NaN score would stop
+    the run."""
+    (tmp_path / "shaped.py").write_text(SHAPED_REWARD)
+    flags = common_flags(tmp_path, "shaped") + [
+        "--model_name_or_path", str(lab / "policy"), "--reward_fn", f"{tmp_path / 'shaped.py'}:shaped",
+        "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "8", "--max_steps", "3",
+        "--local_rollout_forward_batch_size", "16",
+    ]  # fmt: skip
+    run_script(["online_dpo.py", *flags], env={"PROMPTS": str(lab / "prompts.jsonl")})
+    lines = read_metrics(tmp_path / "runs" / "shaped")
+    assert [m["custom/step"] for m in lines] == [0.0, 1.0, 2.0]
+    assert all(m["custom/known_prompts"] == 1.0 for m in lines)  # the dataset's prompts, as TRL passes them
+    assert all(math.isfinite(m["objective/scores"]) and m["objective/scores"] >= 0 for m in lines)
+    assert any(m["objective/scores"] > 0 for m in lines) and "grad_norm" in lines[0]
+
+
 def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path):
     """Learning rate 0, --logprobs_at_temperature: the training forward gives back the logprobs of sampling (gap
     0) and the reference's (KL 0, implicit rewards 0), under left padding, truncation after EOS, a temperature

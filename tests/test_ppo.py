@@ -384,6 +384,34 @@ def test_rule_based_reward_rises(world, tmp_path):
     assert metrics[-1]["objective/kl"] > 0  # the policy moved away from the reference
 
 
+STATEFUL_REWARD = """
+import json, os
+
+PROMPTS = {json.loads(line)["prompt"] for split in ("sft", "validation")
+           for line in open(os.path.join(os.environ["DATASET"], split + ".jsonl"))}
+
+
+def stateful(prompts, completions, trainer_state, log_metric, **kwargs):
+    log_metric("custom/step", float(trainer_state.global_step))
+    log_metric("custom/known_prompts", float(all(p in PROMPTS for p in prompts)))
+    return [float(len(c)) for c in completions]
+"""
+
+
+def test_reward_function_gets_the_dataset_prompts_and_the_run_state(world, tmp_path):
+    """As TRL calls a reward function: the dataset's own prompts, trainer_state (the update about to be made) and
+    log_metric, whose values reach the logs (those of the sample table's scoring as eval/...)."""
+    (tmp_path / "stateful.py").write_text(STATEFUL_REWARD)
+    flags = small_flags(world, tmp_path, "stateful", "--sft_model_path", str(world / "policy"))
+    flags += ["--reward_fn", f"{tmp_path / 'stateful.py'}:stateful", "--total_episodes", "16"]
+    flags += ["--num_ppo_epochs", "1", "--num_sample_generations", "1", "--max_prompt_length", "16"]
+    run_script(["ppo.py", *flags], env={"DATASET": str(world / "dataset")})
+    metrics = read_metrics(tmp_path, "stateful")
+    assert [m["custom/step"] for m in metrics] == [0.0, 1.0]
+    assert all(m["custom/known_prompts"] == 1.0 for m in metrics)  # not the tokens cut to --max_prompt_length
+    assert metrics[-1]["eval/custom/step"] == 1.0 and metrics[-1]["eval/custom/known_prompts"] == 1.0
+
+
 ISSUE_METRICS = (
     "eps objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores "
     "policy/approxkl_avg policy/clipfrac_avg loss/policy_avg loss/value_avg val/clipfrac_avg val/ratio "
