@@ -72,7 +72,7 @@ def reference(world, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trl_trainer(world, reference, tmp_path_factory):
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     config = OnlineDPOConfig(
@@ -83,7 +83,7 @@ def trl_trainer(world, reference, tmp_path_factory):
     return OnlineDPOTrainer(
         model=str(world / "policy"), ref_model=AutoModelForCausalLM.from_pretrained(reference),
         reward_funcs=rewards, args=config, train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}),
-        processing_class=__import__("transformers").AutoTokenizer.from_pretrained(world / "policy"),
+        processing_class=AutoTokenizer.from_pretrained(world / "policy"),
     )  # fmt: skip
 
 
