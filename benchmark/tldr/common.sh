@@ -201,7 +201,6 @@ run_seed() {
             --response_length "$RESPONSE_LENGTH" \
             --temperature "$TEMPERATURE" \
             --stop_token eos \
-            --whiten_across_processes \
             --missing_eos_penalty "$MISSING_EOS_PENALTY" \
             --kl_coef "$PPO_KL_COEF" \
             --adam_epsilon "$ADAM_EPSILON" \
