@@ -109,11 +109,22 @@ def test_latest_with_only_a_damaged_checkpoint_starts_fresh_in_the_same_folder(w
     assert (aside / "checkpoint-2" / "model.safetensors").stat().st_size == 1000
     fresh = weights(out)  # trained from scratch again, to the same weights
     assert all(torch.equal(straight[k], fresh[k]) for k in straight) and (out / "checkpoint-2").is_dir()
-    # Anything besides damaged checkpoints stays where it is, and the non-empty folder is refused as before.
-    (out / "checkpoint-2" / "trainer_state.json").write_text("{")
-    proc = run_script(["sft.py", *flags, "--resume_from_checkpoint", "latest"], check=False)
-    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr.strip().splitlines()[-1]
-    assert (out / "model.safetensors").exists()
+
+
+def test_only_damaged_checkpoints_are_set_aside(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from utils.checkpoint import set_aside_damaged
+
+    alone = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    (tmp_path / "out" / "checkpoint-4").mkdir(parents=True)
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"")  # a finished run's model: left where it is
+    set_aside_damaged(alone, str(tmp_path / "out"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-4", "model.safetensors"]
+    (tmp_path / "out" / "model.safetensors").unlink()
+    (tmp_path / "out" / "tmp-checkpoint-6").mkdir()
+    set_aside_damaged(alone, str(tmp_path / "out"))
+    assert not list((tmp_path / "out").iterdir()) and "no usable checkpoint: moved" in capsys.readouterr().out
 
 
 # ---- 3. bad inputs: one sentence, before anything trains ---------------------------------------------------------
@@ -202,7 +213,13 @@ def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_p
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last == (f"sft.py: error: this run's sequences reach 2000 tokens, more than the 256 positions of "
                     f"--model_name_or_path {world / 'policy'}; lower --max_length so that they fit.")  # fmt: skip
-    # GRPO: the longest prompt (under --max_prompt_length 2000) plus --max_completion_length.
+    assert not out.exists()
+
+
+@pytest.mark.slow  # the same helper as sft.py's (utils.loading.check_context_length)
+def test_grpo_prompts_longer_than_the_model_are_refused_before_loading(world, tmp_path):
+    out = tmp_path / "out"
+    # The longest prompt (under --max_prompt_length 2000) plus --max_completion_length.
     prompts = tmp_path / "long.jsonl"
     prompts.write_text(json.dumps({"prompt": "the landlord kept my deposit " * 60}) + "\n")
     proc = run_script(["grpo.py", "--model_name_or_path", str(world / "policy"), "--dataset_name", str(prompts),
