@@ -313,12 +313,10 @@ def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], 
     return [p for p, _ in pairs], [c for _, c in pairs]
 
 
-def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
-    """{prompt, chosen, rejected} texts of a preference dataset, explicit or implicit prompt, standard or
-    conversational. Each chosen/rejected text is the continuation of its prompt text."""
-    kind, conversational = _prepare(dataset, tokenizer, where, ["preference", "implicit_preference"])
-    out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+def _raw_preference_rows(dataset, kind: str, where: str) -> list[tuple]:
+    """(prompt, chosen, rejected) values of each row, an implicit prompt split off by `shared_prefix`."""
     prompts = column(dataset, "prompt") if kind == "preference" else [None] * len(dataset)
+    rows = []
     for i, (prompt, chosen, rejected) in enumerate(
         zip(prompts, column(dataset, "chosen"), column(dataset, "rejected"))
     ):
@@ -327,6 +325,16 @@ def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
                 prompt, chosen, rejected = shared_prefix(chosen, rejected)
             except ValueError as error:
                 raise ValueError(f"{where} row {i}: {error}") from None
+        rows.append((prompt, chosen, rejected))
+    return rows
+
+
+def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
+    """{prompt, chosen, rejected} texts of a preference dataset, explicit or implicit prompt, standard or
+    conversational. Each chosen/rejected text is the continuation of its prompt text."""
+    kind, conversational = _prepare(dataset, tokenizer, where, ["preference", "implicit_preference"])
+    out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+    for prompt, chosen, rejected in _raw_preference_rows(dataset, kind, where):
         if conversational:
             prompt_text, chosen = split_rendering(tokenizer, prompt, chosen)
             rejected = split_rendering(tokenizer, prompt, rejected)[1]
@@ -335,6 +343,48 @@ def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
         out["chosen"].append(chosen)
         out["rejected"].append(rejected)
     return out
+
+
+def reward_ids(dataset, tokenizer, where: str, names: Sequence[str]) -> dict[str, list[list[int]]]:
+    """{prompt, *names} token ids a reward model trains on; prompt + completion is one sequence, read at its
+    last token. `names`: ["chosen", "rejected"] (preference, explicit or implicit prompt) or ["completion"].
+
+    Standard: the prompt encoded as a leading piece (`encode`), each completion with an EOS unless it ends with
+    one. Conversational, as TRL's RewardTrainer and RewardScorer: prompt + completion rendered whole and encoded
+    at once, nothing added or dropped (the template's newline after the end of turn stays); the prompt is the
+    ids that every rendering of the row shares with the prompt's own rendering."""
+    if list(names) == ["completion"]:
+        kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_completion"])
+        rows = list(zip(column(dataset, "prompt"), column(dataset, "completion")))
+    else:
+        kind, conversational = _prepare(dataset, tokenizer, where, ["preference", "implicit_preference"])
+        rows = _raw_preference_rows(dataset, kind, where)
+    out: dict[str, list[list[int]]] = {"prompt": [], **{name: [] for name in names}}
+    if not conversational:
+        eos = tokenizer.eos_token_id
+        out["prompt"] = encode(tokenizer, [row[0] for row in rows], leading=True)
+        for j, name in enumerate(names, start=1):
+            ids = encode(tokenizer, [row[j] for row in rows], leading=False)
+            out[name] = [row if row and row[-1] == eos else row + [eos] for row in ids]
+        return out
+    for prompt, *completions in rows:
+        prompt_text = render(tokenizer, prompt, generation_prompt=completions[0][0]["role"] == "assistant")
+        texts = [prompt_text] + [render(tokenizer, prompt + completion) for completion in completions]
+        prompt_ids, *wholes = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # the prompt's own rendering can end differently (a merge across the cut): keep what all share
+        shared = min(common_prefix_length(prompt_ids, whole) for whole in wholes)
+        out["prompt"].append(prompt_ids[:shared])
+        for name, whole in zip(names, wholes):
+            out[name].append(whole[shared:])
+    return out
+
+
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def sft_examples(
