@@ -168,9 +168,9 @@ def test_concatenated_forward_equals_two_forwards(world, tokenizer):
     ):  # one right-padded batch of prompt + completion rows, as in the paper's two passes
         rows = [p + c for p, c in zip(prompts, completions)]
         masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)]
-        batch = {"input_ids": dpo.utils.pad(rows, tokenizer.pad_token_id),
-                 "attention_mask": dpo.utils.pad([[1] * len(r) for r in rows], 0),
-                 "completion_mask": dpo.utils.pad(masks, 0).bool()}  # fmt: skip
+        batch = {"input_ids": dpo.utils.generation.pad(rows, tokenizer.pad_token_id),
+                 "attention_mask": dpo.utils.generation.pad([[1] * len(r) for r in rows], 0),
+                 "completion_mask": dpo.utils.generation.pad(masks, 0).bool()}  # fmt: skip
         return dpo.completion_logps(model, batch)
 
     with torch.no_grad():

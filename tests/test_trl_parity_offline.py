@@ -77,7 +77,7 @@ def causal_lm(world, state_dict=None):
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
     if state_dict is not None:
         model.load_state_dict(state_dict)
-    dpo.utils.disable_dropout(model)
+    dpo.utils.loading.disable_dropout(model)
     return model.train()
 
 
@@ -314,7 +314,7 @@ def test_reward_batch_loss_accuracy_and_gradients_are_trls(
         with torch.no_grad():  # a head away from the world's, so that the scores differ pair to pair
             head = model.score.weight
             head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(1)) * head.std())
-        dpo.utils.disable_dropout(model)
+        dpo.utils.loading.disable_dropout(model)
         return model.train()
 
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
