@@ -1,15 +1,14 @@
-# Reward modelling: Stiennon et al., "Learning to summarize from human feedback" (2020), Sec. 3.4
-"""Train a reward model on pairwise preferences with the Bradley-Terry loss, then normalise its scores.
+"""Reward modelling: fit a reward model to pairwise preferences (Bradley-Terry loss), then normalise it.
 
-https://arxiv.org/abs/2009.01325. A language model with a scalar head reads a prompt x and a completion y and
-returns a score r(x, y). For a pair where y_c was preferred over y_r, the model maximises
+Stiennon et al. 2020, "Learning to summarize from human feedback", Sec. 3.4
+(https://arxiv.org/abs/2009.01325). A language model with a scalar head reads a prompt x and a completion y
+and returns a score r(x, y). For a pair where y_c was preferred over y_r, the model maximises
 P(y_c > y_r) = sigmoid(r(x, y_c) - r(x, y_r) - margin), i.e. minimises -log sigmoid(r_c - r_r - margin).
-The score is read at the last real token of prompt + completion + EOS with `utils.get_score`, the function
-ppo.py and rloo.py use, so training and use agree. After training, the score head is shifted (and optionally
-scaled) so that the reference completions of the SFT data score 0 on average, as in the paper; the result is
-stored in the saved model, so every later user sees normalised scores.
+The score is read at the last real token of prompt + completion + EOS with `utils.scoring.get_score`, the
+function the RL scripts use, so training and use agree. After training, the score head is shifted (and
+optionally scaled) so that the reference completions of the SFT data score 0 on average, as in the paper;
+the saved model holds the normalised head.
 
-Offline example on the tiny world (CPU, under a minute):
     python benchmark/tiny_world.py --output_dir tiny_world
     python reward.py --model_name_or_path tiny_world/policy --dataset_name tiny_world/dataset \
         --dataset_train_split preference --dataset_test_split preference_validation \
@@ -21,85 +20,89 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
-import utils
+import utils.chat
+import utils.checkpoint
 import utils.data
+import utils.generation
+import utils.loading
+import utils.run
+import utils.saving
+import utils.scoring
+import utils.tracking
 
 PROMPT, CHOSEN, REJECTED, MARGIN, COMPLETION = "prompt", "chosen", "rejected", "margin", "completion"
 
 
 @dataclass
 class Args:
-    # --- run ---
+    # Run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run name starts with it)"""
     seed: int = 1
-    """seed of the experiment; two CPU runs with the same seed give the same weights"""
+    """seed of the run; two CPU runs with the same seed give the same weights"""
     run_name: str | None = None
-    """name of the TensorBoard directory and W&B run; None uses {exp_name}__{seed}__{unix time}"""
+    """TensorBoard/W&B run name; None: {exp_name}__{seed}__{unix time}"""
     track: bool = False
-    """also log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    """also log to Weights & Biases (WANDB_MODE=offline logs without network)"""
     wandb_project_name: str = "rlhf-reference"
     """W&B project name"""
     wandb_entity: str | None = None
-    """W&B entity (team); None uses the default one"""
+    """W&B entity (team); None: the default one"""
     logging_dir: str = "runs"
     """TensorBoard logs go to {logging_dir}/{run_name}"""
     output_dir: str = "models/reward"
-    """where the reward model, its tokenizer, a model card (README.md) and metrics.json are written"""
+    """where the reward model, its tokenizer, a model card and metrics.json are written"""
     overwrite_output_dir: bool = False
-    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
+    """start over in a non-empty --output_dir, moving its contents to <output_dir>.replaced-<time>"""
     push_to_hub: bool = False
-    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    """push --output_dir (without checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
-    """write a checkpoint ({output_dir}/checkpoint-{step}) every this many optimizer steps (0: only on SIGTERM)"""
+    """write {output_dir}/checkpoint-{step} every this many steps (0: only on SIGTERM)"""
     save_total_limit: int | None = None
     """keep only the newest this many checkpoints (None: all)"""
     resume_from_checkpoint: str | None = None
-    """a checkpoint-{step} folder, or `latest` (the newest in --output_dir), to continue exactly from"""
+    """a checkpoint-{step} folder, or `latest` in --output_dir, to continue exactly from"""
 
-    # --- model and data ---
+    # Models and data
     model_name_or_path: str = "models/sft"
-    """model to start from: a causal LM (the SFT model: it gets a new score head) or a one-label classifier"""
+    """model to start from: a causal LM (the SFT model, given a new score head) or a one-label classifier"""
     dataset_name: str = "data/tldr/preference"
-    """pairs (prompt, chosen, rejected, optional margin; or chosen, rejected with an implicit prompt), standard
-    or conversational: hub id, save_to_disk dir, or json/jsonl/parquet"""
+    """preference pairs (optional margin column) in any of TRL's formats: hub id, save_to_disk dir or files"""
     dataset_config: str | None = None
-    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
+    """the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str | None = "test"
-    """split evaluated every --eval_steps and at the end; None skips evaluation"""
+    """split evaluated every --eval_steps and at the end; None: no evaluation"""
     chat_template_path: str | None = None
-    """Jinja file (or tokenizer directory) whose chat template renders conversational data"""
+    """Jinja file (or tokenizer directory) with the chat template for conversational data"""
     eval_group_by: str | None = None
     """a column of the test split: accuracy is also reported for each of its values"""
     max_length: int = 1024
-    """longest prompt + completion + EOS in tokens: the prompt is cut from the left, a pair whose longer
-    completion alone does not fit is dropped (both counted)"""
+    """longest prompt + completion + EOS: prompts are cut from the left, rows still too long dropped"""
     normalize: bool = True
     """after training, shift the score so that the reference completions of --normalize_split average 0"""
     normalize_dataset: str | None = None
-    """prompt-completion data holding the reference completions; None uses --dataset_name"""
+    """prompt-completion data holding the reference completions; None: --dataset_name"""
     normalize_split: str | None = None
-    """split of --normalize_dataset to normalise on; None: `sft`, and no normalization when neither this nor
-    --normalize_dataset is given and --dataset_name has no `sft` split (as in TRL's datasets)"""
+    """split of --normalize_dataset; None: `sft` (when neither flag is given and it is missing: none)"""
     normalize_std: bool = False
     """also scale the score so that the reference completions' scores have standard deviation 1"""
 
-    # --- training ---
+    # Algorithm
     learning_rate: float = 3e-6
     """learning rate of AdamW"""
     per_device_train_batch_size: int = 8
-    """pairs per forward pass and process (chosen and rejected go through together: twice as many rows)"""
+    """pairs per forward pass and process (chosen and rejected together: twice as many rows)"""
     per_device_eval_batch_size: int = 8
     """pairs (or reference completions) per evaluation forward pass and process"""
     gradient_accumulation_steps: int = 1
@@ -107,47 +110,47 @@ class Args:
     num_train_epochs: int = 1
     """passes over the training pairs (unless --total_steps is set)"""
     total_steps: Annotated[int | None, tyro.conf.arg(aliases=("--max_steps",))] = None
-    """optimizer steps to train (alias --max_steps); None trains for --num_train_epochs"""
+    """optimizer steps (alias --max_steps); None: from --num_train_epochs"""
     lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup"] = "cosine"
     """learning-rate schedule after the warmup"""
     warmup_ratio: float = 0.0
-    """fraction of the optimizer steps spent warming the learning rate up from 0"""
+    """fraction of the steps warming the learning rate up from 0"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     adam_epsilon: float = 1e-8
     """AdamW epsilon"""
     max_grad_norm: float = 1.0
-    """gradients are clipped to this global norm (0 turns clipping off)"""
+    """clip the gradient to this global norm (0: no clipping)"""
     center_rewards_coefficient: float | None = None
-    """adds coefficient * mean((r_c + r_r)^2) to the loss, pulling scores toward 0 (Eisenstein et al.: 0.01)"""
+    """add coefficient * mean((r_c + r_r)^2) to the loss, pulling scores to 0 (Eisenstein et al.: 0.01)"""
     disable_dropout: bool = True
     """turn every dropout of the model off"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
-    """bf16 mixed precision (without it: the accelerate config's choice, fp32 when launched plainly)"""
+    """bfloat16 mixed precision (without it: the accelerate config's choice)"""
 
-    # --- logging ---
+    # Logging
     logging_steps: int = 10
     """log training metrics every this many optimizer steps"""
     eval_strategy: Literal["no", "steps"] = "steps"
     """steps: evaluate on --dataset_test_split every --eval_steps and at the end; no: never"""
     eval_steps: int = 100
-    """evaluate every this many optimizer steps (0: only at the end)"""
+    """evaluate every this many steps (0: only at the end)"""
 
-    # --- filled in at runtime ---
+    # Filled in at runtime
     world_size: int = 0
-    """number of processes (filled in at runtime)"""
+    """number of processes"""
     batch_size: int = 0
-    """pairs per optimizer step over all processes (filled in at runtime)"""
+    """pairs per optimizer step, over all processes"""
     num_training_steps: int = 0
-    """optimizer steps of the run (filled in at runtime)"""
+    """optimizer steps of the run"""
 
 
-# --- the loss: pure functions on tensors --------------------------------------------------------------------
+# ---- the math ----------------------------------------------------------------------------------------------
 def reward_loss(chosen, rejected, margin=None, center_rewards_coefficient=None) -> torch.Tensor:
-    """Bradley-Terry loss of a batch of pairs (scores [B] each): mean of -log sigmoid(r_c - r_r - margin),
-    plus center_rewards_coefficient * mean((r_c + r_r)^2) when set (Eisenstein et al. 2023)."""
+    """Bradley-Terry loss of pairs (scores [B] each): mean of -log sigmoid(r_c - r_r - margin), plus
+    center_rewards_coefficient * mean((r_c + r_r)^2) when set (Eisenstein et al. 2023)."""
     diff = chosen - rejected if margin is None else chosen - rejected - margin
     loss = -F.logsigmoid(diff).mean()
     if center_rewards_coefficient:
@@ -155,93 +158,39 @@ def reward_loss(chosen, rejected, margin=None, center_rewards_coefficient=None) 
     return loss
 
 
-# --- data: token ids, truncation, batches -------------------------------------------------------------------
-def completion_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each completion ending with EOS (added unless the text already ends with it): the score is
-    read at that EOS, as in ppo.py / rloo.py where responses are cut after their EOS."""
-    eos = tokenizer.eos_token_id
-    rows = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    return [row if row and row[-1] == eos else row + [eos] for row in rows]
-
-
-def fit_to_max_length(prompt: list[int], completions: list[list[int]], max_length: int):
-    """prompt + completion for each completion, the prompt cut from the left so that the longest one fits.
-
-    Completions are never cut (a cut completion would lose the EOS where the score is read), and all of them
-    keep the same prompt tokens. Returns (sequences, prompt_was_cut), or (None, False) when the longest
-    completion leaves no room for a single prompt token: the row is dropped."""
-    room = max_length - max(len(c) for c in completions)
-    if room < 1:
-        return None, False
-    kept = prompt[-room:]
-    return [kept + c for c in completions], len(kept) < len(prompt)
-
-
-def tokenize_rows(
-    tokenizer,
-    dataset,
-    columns: list[str],
-    max_length: int,
-    group_by: str | None = None,
-    where: str = "the dataset",
-):
-    """Rows {index, sequences (one per completion column), margin, group}, counts of rows / cut / dropped, and
-    the sorted names of the groups (values of column `group_by`) that `group` indexes. The columns are
-    [chosen, rejected] of preference pairs or [completion] of prompt-completion data, in any of TRL's formats
-    (utils.data: standard or conversational, explicit or implicit prompt)."""
-    if columns == [COMPLETION]:
-        prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
-        texts = {PROMPT: prompt_texts, COMPLETION: completion_texts}
-    else:
-        texts = utils.data.preference_texts(dataset, tokenizer, where)
-    prompts = utils.tokenize_prompts(tokenizer, texts[PROMPT])
-    completions = [completion_ids(tokenizer, texts[c]) for c in columns]
-    margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
-    values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)
-    group_names = sorted(set(values))
-    group_index = {name: g for g, name in enumerate(group_names)}
-    rows, cut, dropped = [], 0, 0
-    for i, prompt in enumerate(prompts):
-        sequences, was_cut = fit_to_max_length(prompt, [c[i] for c in completions], max_length)
-        cut, dropped = cut + was_cut, dropped + (sequences is None)
-        if sequences is not None:
-            group, margin = group_index[values[i]], float(margins[i])
-            rows.append({"index": i, "sequences": sequences, "margin": margin, "group": group})
-    return rows, {"rows": len(dataset), "prompt_cut": cut, "dropped": dropped}, group_names
-
-
-def collate(rows: list[dict], pad_token_id: int) -> dict:
-    """Right-padded batch of the k completions of B rows, completion-major: with pairs, input_ids [2B, T]
-    holds the B chosen sequences and then the B rejected ones, so that one forward pass scores both."""
-    sequences = [row["sequences"][j] for j in range(len(rows[0]["sequences"])) for row in rows]
-    input_ids = utils.pad(sequences, pad_token_id, "right")
-    lengths = torch.tensor([len(s) for s in sequences])
-    return {
-        "input_ids": input_ids,
-        "attention_mask": utils.lengths_to_mask(lengths, input_ids.size(1)).long(),
-        "margin": torch.tensor([row["margin"] for row in rows], dtype=torch.float32),
-        "group": torch.tensor([row["group"] for row in rows]),
+def eval_metrics(scores, margins, groups, group_names: list[str], center_rewards_coefficient=None) -> dict:
+    """Accuracy (r_c > r_r), loss and score statistics of scored pairs (scores [N, 2]: chosen, rejected)."""
+    chosen, rejected = scores[:, 0], scores[:, 1]
+    correct = (chosen > rejected).float()
+    metrics = {
+        "eval/accuracy": correct.mean().item(),
+        "eval/loss": reward_loss(chosen, rejected, margins, center_rewards_coefficient).item(),
+        "eval/mean_reward": scores.mean().item(),
+        "eval/std_reward": scores.std().item(),
+        "eval/num_pairs": len(scores),
     }
+    for g, name in enumerate(group_names if len(group_names) > 1 else []):
+        if (groups == g).any():
+            metrics[f"eval/accuracy/{name}"] = correct[groups == g].mean().item()
+    return metrics
 
 
-# --- the model: scoring wrapper, loading and saving, normalisation ------------------------------------------
+# ---- the reward model --------------------------------------------------------------------------------------
 class ScoreModel(nn.Module):
-    """A sequence classifier whose forward is `utils.get_score`. get_score calls the backbone and the head
-    directly; preparing this wrapper (not the classifier) with accelerate puts that call inside DDP's or
-    DeepSpeed's forward, so gradients are synchronised."""
+    """A sequence classifier whose forward is `utils.scoring.get_score`."""
 
+    # get_score calls the backbone and head directly: preparing this wrapper puts them inside DDP's forward.
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return utils.get_score(self.model, input_ids, attention_mask)
+        return utils.scoring.get_score(self.model, input_ids, attention_mask)
 
 
 def biased_head(model: nn.Module) -> nn.Linear:
-    """The score head. Many classes (Llama's, GPT-NeoX's) make it without bias and load none: such a head is
-    replaced by an equal nn.Linear whose bias, `config.score_bias` (0 at first), is kept in the config."""
-    _, head = utils.score_head(model)
+    """The score head, given a bias (`config.score_bias`, 0 at first) where its class has none (Llama)."""
+    _, head = utils.scoring.score_head(model)
     if head.bias is None:
         biased = nn.Linear(head.in_features, 1, device=head.weight.device, dtype=head.weight.dtype)
         with torch.no_grad():
@@ -263,8 +212,8 @@ def normalize_score_head(model: nn.Module, mean: float, std: float = 1.0) -> Non
 
 
 def save_reward_model(model: nn.Module, output_dir: str, state_dict: dict | None = None, **kwargs) -> None:
-    """`save_pretrained`; a bias the head's class lacks goes to `config.score_bias`, not to the weights, so
-    that a plain from_pretrained loads them cleanly."""
+    """`save_pretrained`; a head bias the class lacks goes to `config.score_bias`, not to the weights."""
+    # So that a plain from_pretrained loads the weights cleanly.
     state_dict = model.state_dict() if state_dict is None else state_dict
     if getattr(model.config, "score_bias", None) is not None:
         key = ("score" if hasattr(model, "score") else "classifier") + ".bias"
@@ -274,12 +223,11 @@ def save_reward_model(model: nn.Module, output_dir: str, state_dict: dict | None
 
 
 def load_reward_model(path: str, flag: str = "--model_name_or_path", **kwargs) -> nn.Module:
-    """AutoModelForSequenceClassification from `path`, with the head bias of `config.score_bias` put back.
-    A plain from_pretrained loads a head without bias; utils.get_score then adds `config.score_bias` itself, so
-    ppo.py and rloo.py see the normalized scores either way."""
+    """AutoModelForSequenceClassification from `path`, the head bias of `config.score_bias` put back."""
+    # A plain from_pretrained loads no bias; get_score then adds config.score_bias itself: the same scores.
     from transformers import AutoModelForSequenceClassification
 
-    model = utils.from_pretrained(AutoModelForSequenceClassification, path, flag, **kwargs)
+    model = utils.loading.from_pretrained(AutoModelForSequenceClassification, path, flag, **kwargs)
     if getattr(model.config, "score_bias", None) is not None:
         biased_head(model)
     return model
@@ -287,8 +235,8 @@ def load_reward_model(path: str, flag: str = "--model_name_or_path", **kwargs) -
 
 @torch.no_grad()
 def gather_scores(score_model: nn.Module, loader, accelerator):
-    """Scores [N, k] of the k completions of every row of a prepared loader, gathered over the processes (each
-    row once, in dataset order), with the margins [N] and group indices [N]."""
+    """Scores [N, k] of the k completions of every row of a prepared loader, in dataset order over all
+    processes, with the margins [N] and group indices [N]."""
     out = []
     for batch in loader:
         with accelerator.autocast():
@@ -300,37 +248,83 @@ def gather_scores(score_model: nn.Module, loader, accelerator):
     return out[:, :-2], out[:, -2], out[:, -1].long()
 
 
-def eval_metrics(scores, margins, groups, group_names: list[str], center_rewards_coefficient=None) -> dict:
-    """Accuracy (r_c > r_r), loss and reward statistics of scored pairs (scores [N, 2]: chosen, rejected)."""
-    chosen, rejected = scores[:, 0], scores[:, 1]
-    correct = (chosen > rejected).float()
-    metrics = {
-        "eval/accuracy": correct.mean().item(),
-        "eval/loss": reward_loss(chosen, rejected, margins, center_rewards_coefficient).item(),
-        "eval/mean_reward": scores.mean().item(),
-        "eval/std_reward": scores.std().item(),
-        "eval/num_pairs": len(scores),
+# ---- data --------------------------------------------------------------------------------------------------
+def completion_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each completion ending with EOS (added unless already there), where the score is read."""
+    eos = tokenizer.eos_token_id
+    rows = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    return [row if row and row[-1] == eos else row + [eos] for row in rows]
+
+
+def fit_to_max_length(prompt: list[int], completions: list[list[int]], max_length: int):
+    """(prompt + completion for each completion, prompt_was_cut), the prompt cut from the left so that the
+    longest fits; (None, False) when no prompt token fits. Completions keep their EOS: they are never cut."""
+    room = max_length - max(len(c) for c in completions)
+    if room < 1:
+        return None, False
+    kept = prompt[-room:]
+    return [kept + c for c in completions], len(kept) < len(prompt)
+
+
+def tokenize_rows(
+    tokenizer,
+    dataset,
+    columns: list[str],
+    max_length: int,
+    group_by: str | None = None,
+    where: str = "the dataset",
+):
+    """Rows {index, sequences (one per column), margin, group}, counts of rows / cut / dropped, and the sorted
+    group names (values of column `group_by`). Columns: [chosen, rejected] of pairs or [completion]."""
+    if columns == [COMPLETION]:
+        prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
+        texts = {PROMPT: prompt_texts, COMPLETION: completion_texts}
+    else:
+        texts = utils.data.preference_texts(dataset, tokenizer, where)
+    prompts = utils.chat.tokenize_prompts(tokenizer, texts[PROMPT])
+    completions = [completion_ids(tokenizer, texts[c]) for c in columns]
+    margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
+    values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)
+    group_names = sorted(set(values))
+    group_index = {name: g for g, name in enumerate(group_names)}
+    rows, cut, dropped = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        sequences, was_cut = fit_to_max_length(prompt, [c[i] for c in completions], max_length)
+        cut, dropped = cut + was_cut, dropped + (sequences is None)
+        if sequences is not None:
+            group, margin = group_index[values[i]], float(margins[i])
+            rows.append({"index": i, "sequences": sequences, "margin": margin, "group": group})
+    return rows, {"rows": len(dataset), "prompt_cut": cut, "dropped": dropped}, group_names
+
+
+def collate(rows: list[dict], pad_token_id: int) -> dict:
+    """Right-padded batch of the k completions of B rows, completion-major: input_ids [k * B, T] holds the B
+    chosen sequences, then the B rejected ones, so that one forward pass scores both."""
+    sequences = [row["sequences"][j] for j in range(len(rows[0]["sequences"])) for row in rows]
+    input_ids = utils.generation.pad(sequences, pad_token_id, "right")
+    lengths = torch.tensor([len(s) for s in sequences])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": utils.generation.lengths_to_mask(lengths, input_ids.size(1)).long(),
+        "margin": torch.tensor([row["margin"] for row in rows], dtype=torch.float32),
+        "group": torch.tensor([row["group"] for row in rows]),
     }
-    for g, name in enumerate(group_names if len(group_names) > 1 else []):
-        if (groups == g).any():
-            metrics[f"eval/accuracy/{name}"] = correct[groups == g].mean().item()
-    return metrics
 
 
-# --- the run ------------------------------------------------------------------------------------------------
-def check_args(args: Args) -> None:
-    """One clear error for an impossible flag value."""
-    if args.max_length < 2:
-        raise ValueError(f"--max_length must be at least 2 (a prompt token and EOS), got {args.max_length}.")
-    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size) < 1:
-        raise ValueError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1.")
-    total_steps = 1 if args.total_steps is None else args.total_steps
-    if min(args.num_train_epochs, args.gradient_accumulation_steps, total_steps) < 1:
-        raise ValueError("--num_train_epochs, --total_steps and --gradient_accumulation_steps must be >= 1.")
-    if args.logging_steps < 1 or args.eval_steps < 0:
-        raise ValueError("--logging_steps must be at least 1 and --eval_steps at least 0.")
-    if args.eval_group_by and not args.dataset_test_split:
-        raise ValueError("--eval_group_by needs a --dataset_test_split to evaluate on.")
+def loader(rows: list[dict], batch_size: int, pad_token_id: int):
+    """An evaluation DataLoader of rows, in order."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(rows, batch_size, collate_fn=lambda batch: collate(batch, pad_token_id))
+
+
+def micro_batch(args: Args, run: "Run", m: int) -> dict:
+    """This process's m-th micro-batch, found again exactly on resume (utils.data.shuffled_micro_batch)."""
+    accelerator, micro = run.accelerator, args.per_device_train_batch_size
+    rank, world = accelerator.process_index, accelerator.num_processes
+    rows = utils.data.shuffled_micro_batch(len(run.train_rows), m, micro, world, rank, args.seed)
+    batch = collate([run.train_rows[j] for j in rows], run.tokenizer.pad_token_id)
+    return {key: value.to(accelerator.device) for key, value in batch.items()}
 
 
 def load_data(args: Args, tokenizer) -> dict:
@@ -358,7 +352,7 @@ def load_data(args: Args, tokenizer) -> dict:
             continue
         where = f"{flag} {dataset_name} split {split!r}"
         if group_by:
-            utils.check_columns(dataset, [group_by], where)
+            utils.data.check_columns(dataset, [group_by], where)
         data[key] = tokenize_rows(tokenizer, dataset, columns, args.max_length, group_by, where)
         if not data[key][0]:
             raise ValueError(f"{where}: every row is longer than --max_length {args.max_length}; raise it.")
@@ -367,75 +361,104 @@ def load_data(args: Args, tokenizer) -> dict:
     return data
 
 
-def main(args: Args) -> None:
+# ---- checks and sizes --------------------------------------------------------------------------------------
+def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
+    """Check the flags and fill in the batch size; with the number of training pairs, the steps too."""
+    if args.max_length < 2:
+        raise ValueError(f"--max_length must be at least 2 (a prompt token and EOS), got {args.max_length}.")
+    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size) < 1:
+        raise ValueError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1.")
+    total_steps = 1 if args.total_steps is None else args.total_steps
+    if min(args.num_train_epochs, args.gradient_accumulation_steps, total_steps) < 1:
+        raise ValueError("--num_train_epochs, --total_steps and --gradient_accumulation_steps must be >= 1.")
+    if args.logging_steps < 1 or args.eval_steps < 0:
+        raise ValueError("--logging_steps must be at least 1 and --eval_steps at least 0.")
+    if args.eval_group_by and not args.dataset_test_split:
+        raise ValueError("--eval_group_by needs a --dataset_test_split to evaluate on.")
+    args.world_size = world_size
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    if num_rows is not None:
+        if num_rows // (args.per_device_train_batch_size * world_size) < args.gradient_accumulation_steps:
+            raise ValueError(
+                f"the training split has {num_rows} pairs, fewer than one batch of {args.batch_size} "
+                "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
+            )
+        args.num_training_steps = args.total_steps or num_rows // args.batch_size * args.num_train_epochs
+    return args
 
+
+# ---- training ----------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """The fixed state of a run, built by setup()."""
+
+    accelerator: Any
+    tokenizer: Any
+    model: Any  # the prepared ScoreModel
+    optimizer: Any
+    scheduler: Any
+    checkpointer: Any
+    tracker: Any
+    train_rows: list[dict]
+    eval_loader: Any  # None without a test split
+    data: dict  # split -> (rows, counts, group names)
+    start_step: int
+
+
+def setup(args: Args) -> Run:
+    """Everything before the first step; flags and data are checked before the model is loaded."""
     from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
     from transformers import AutoConfig, get_scheduler
 
-    # 1. Checks and data, before any model is loaded.
-    check_args(args)
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
-    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
+    fill_sizes(args, 1)
+    utils.checkpoint.check_output_dir(
+        args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint)
+    )
+    tokenizer = utils.loading.load_tokenizer(
+        args.model_name_or_path, "--model_name_or_path", args.chat_template_path
+    )
     if tokenizer.eos_token is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
     data = load_data(args, tokenizer)
-    config = utils.from_pretrained(AutoConfig, args.model_name_or_path, "--model_name_or_path")
+    config = utils.loading.from_pretrained(AutoConfig, args.model_name_or_path, "--model_name_or_path")
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if is_classifier and config.num_labels != 1:
         raise ValueError(
-            f"--model_name_or_path {args.model_name_or_path} is a classifier with {config.num_labels} labels; "
-            "a reward model has exactly one (num_labels=1)."
+            f"--model_name_or_path {args.model_name_or_path} is a classifier with {config.num_labels} "
+            "labels; a reward model has exactly one (num_labels=1)."
         )
 
     ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
     accelerator = utils.run.make_accelerator(args, ga, micro)
     set_seed(args.seed)
-    device, is_main, rank = accelerator.device, accelerator.is_main_process, accelerator.process_index
-    args.world_size = world = accelerator.num_processes
-    args.batch_size = micro * ga * world
+    fill_sizes(args, accelerator.num_processes)  # before the checkpointer, which records the batch size
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     for key, (rows, counts, _) in data.items():
         accelerator.print(
-            f"{key}: kept {len(rows)} of {counts['rows']} rows ({counts['prompt_cut']} with the prompt cut from "
-            f"the left), dropped {counts['dropped']} whose completion does not fit in --max_length"
+            f"{key}: kept {len(rows)} of {counts['rows']} rows ({counts['prompt_cut']} with the prompt cut "
+            f"from the left), dropped {counts['dropped']} whose completion does not fit in --max_length"
         )
-
-    def loader(rows, batch_size):
-        collate_fn = lambda batch: collate(batch, tokenizer.pad_token_id)  # noqa: E731
-        return DataLoader(rows, batch_size, collate_fn=collate_fn)
-
     train_rows = data["train"][0]
-    micro_per_epoch = len(train_rows) // (micro * world)
-    if micro_per_epoch < ga:
-        raise ValueError(
-            f"the training split has {len(train_rows)} pairs, fewer than one batch of {args.batch_size} "
-            "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
-        )
+    fill_sizes(args, accelerator.num_processes, len(train_rows))
 
-    def micro_batch(m: int) -> dict:
-        """This process's m-th micro-batch (utils.shuffled_micro_batch: found again exactly on resume)."""
-        rows = utils.shuffled_micro_batch(len(train_rows), m, micro, world, rank, args.seed)
-        batch = collate([train_rows[j] for j in rows], tokenizer.pad_token_id)
-        return {key: value.to(device) for key, value in batch.items()}
-
-    # 2. Model: a sequence classifier with one label (a causal LM gets a newly initialised score head).
+    # A sequence classifier with one label: a causal LM gets a newly initialised score head.
     model = load_reward_model(args.model_name_or_path, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     if args.disable_dropout:
-        utils.disable_dropout(model)
+        utils.loading.disable_dropout(model)
     if args.gradient_checkpointing:
-        utils.enable_gradient_checkpointing(model)
-    optimizer = utils.run.adamw(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
-                                  weight_decay=args.weight_decay)  # fmt: skip
+        utils.loading.enable_gradient_checkpointing(model)
+    optimizer = utils.run.adamw(
+        model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay
+    )
     score_model, optimizer = accelerator.prepare(ScoreModel(model), optimizer)
+    eval_loader = None
     if "test" in data:
-        eval_loader = accelerator.prepare(loader(data["test"][0], args.per_device_eval_batch_size))
-    steps_per_epoch = micro_per_epoch // ga
-    args.num_training_steps = args.total_steps or steps_per_epoch * args.num_train_epochs
-    # stepped once per optimizer step, not prepared (accelerate would step it once per process)
+        eval_loader = accelerator.prepare(
+            loader(data["test"][0], args.per_device_eval_batch_size, tokenizer.pad_token_id)
+        )
+    # Stepped by hand once per optimizer step (a prepared scheduler would step once per process).
     warmup_steps = int(args.warmup_ratio * args.num_training_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.num_training_steps)
     print(utils.run.describe_sharding(score_model, accelerator), flush=True)
@@ -443,34 +466,85 @@ def main(args: Args) -> None:
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
     tracker = utils.tracking.Tracker(args, accelerator, start_step=resumed["step"])
-    log = tracker.log
+    return Run(
+        accelerator,
+        tokenizer,
+        score_model,
+        optimizer,
+        scheduler,
+        checkpointer,
+        tracker,
+        train_rows,
+        eval_loader,
+        data,
+        resumed["step"],
+    )
 
-    def evaluate(scorer: nn.Module, step: int) -> dict:
-        scorer.eval()
-        scores, margins, groups = gather_scores(scorer, eval_loader, accelerator)
-        scorer.train()
-        metrics = eval_metrics(scores, margins, groups, data["test"][2], args.center_rewards_coefficient)
-        log(metrics, step)
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
 
-    # 3. Training: one forward pass per batch scores the chosen and the rejected completions.
-    global_step, final_metrics, start = resumed["step"], {}, time.time()
-    # sums over the logging window: loss * pairs, correct pairs, r_c - r_r, pairs
-    sums = torch.zeros(4, device=device)
+def evaluate(args: Args, run: Run, step: int) -> dict:
+    """Accuracy, loss and score statistics over the whole test split, gathered from every process."""
+    run.model.eval()
+    scores, margins, groups = gather_scores(run.model, run.eval_loader, run.accelerator)
+    run.model.train()
+    metrics = eval_metrics(scores, margins, groups, run.data["test"][2], args.center_rewards_coefficient)
+    run.tracker.log(metrics, step)
+    run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def normalize(args: Args, run: Run, step: int) -> dict:
+    """Shift (with --normalize_std also scale) the saved score head so that the reference completions score 0
+    on average (std 1); their scores are measured again after reloading."""
+    accelerator, device = run.accelerator, run.accelerator.device
+    rows = run.data["normalize"][0]
+    norm_loader = accelerator.prepare(
+        loader(rows, args.per_device_eval_batch_size, run.tokenizer.pad_token_id)
+    )
+    # Every process loads the whole saved model (outside ZeRO-3's sharded init) and scores its share.
+    with utils.run.unsharded_loading(accelerator):
+        trained = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
+    before = gather_scores(ScoreModel(trained), norm_loader, accelerator)[0][:, 0]
+    mean, std = before.mean().item(), before.std().item()
+    if args.normalize_std and not std > 0:
+        raise ValueError("the reference completions all score the same: --normalize_std cannot scale.")
+    normalize_score_head(trained, mean, std if args.normalize_std else 1.0)
+    if accelerator.is_main_process:
+        save_reward_model(trained, args.output_dir)
+    accelerator.wait_for_everyone()
+    with utils.run.unsharded_loading(accelerator):
+        reloaded = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
+    after = gather_scores(ScoreModel(reloaded), norm_loader, accelerator)[0][:, 0]
+    stats = {"normalize/mean_before": mean, "normalize/std_before": std}
+    stats |= {"normalize/mean_after": after.mean().item(), "normalize/std_after": after.std().item()}
+    run.tracker.log(stats, step)
+    accelerator.print(", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+    return stats
+
+
+def main(args: Args) -> None:
+    from tqdm.auto import tqdm
+
+    run = setup(args)
+    accelerator, model, optimizer, scheduler = run.accelerator, run.model, run.optimizer, run.scheduler
+    ga, device, is_main = args.gradient_accumulation_steps, accelerator.device, accelerator.is_main_process
+    global_step, final_metrics, start = run.start_step, {}, time.time()
+    sums = torch.zeros(4, device=device)  # since the last log: loss * pairs, correct pairs, r_c - r_r, pairs
     progress = tqdm(
         total=args.num_training_steps, initial=global_step, desc="reward model", disable=not is_main
     )
-    score_model.train()
+    model.train()
     while global_step < args.num_training_steps:
         for m in range(global_step * ga, (global_step + 1) * ga):
-            batch = micro_batch(m)
-            with accelerator.accumulate(score_model):
-                scores = score_model(batch["input_ids"], batch["attention_mask"]).float()
-                chosen, rejected = scores.view(2, -1)  # the batch is [chosen rows; rejected rows]
+            # 1. Batch: this process's m-th micro-batch, chosen rows then rejected rows.
+            batch = micro_batch(args, run, m)
+            with accelerator.accumulate(model):
+                # 2. Loss: ALGO LOGIC: one forward pass scores the chosen and the rejected completions.
+                scores = model(batch["input_ids"], batch["attention_mask"]).float()
+                chosen, rejected = scores.view(2, -1)
                 loss = reward_loss(chosen, rejected, batch["margin"], args.center_rewards_coefficient)
+                # 3. Update: accumulate() steps the optimizer on the last micro-batch only.
                 accelerator.backward(loss)
-                grad_norm = utils.run.clip_grad_norm(accelerator, score_model, args.max_grad_norm)
+                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             with torch.no_grad():
@@ -481,8 +555,10 @@ def main(args: Args) -> None:
         scheduler.step()
         global_step += 1
         progress.update()
-        grad_norm = utils.run.grad_norm_after_step(score_model, grad_norm)
+        grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
         utils.tracking.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
+
+        # 4. Metrics: over every pair since the last log, on all processes.
         if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
             loss_sum, correct, margin_sum, count = accelerator.reduce(sums, reduction="sum").tolist()
             sums.zero_()
@@ -490,67 +566,56 @@ def main(args: Args) -> None:
             train |= {"train/margin": margin_sum / count, "train/lr": scheduler.get_last_lr()[0]}
             if grad_norm is not None:
                 train["train/grad_norm"] = grad_norm
-            log(train | {"train/epoch": global_step / steps_per_epoch}, global_step)
+            epoch = global_step / (len(run.train_rows) // args.batch_size)
+            run.tracker.log(train | {"train/epoch": epoch}, global_step)
             progress.set_postfix(loss=train["train/loss"], accuracy=train["train/accuracy"])
             final_metrics.update(train)
-        if "test" in data and args.eval_steps and global_step % args.eval_steps == 0:
-            if global_step < args.num_training_steps:  # the last evaluation follows the loop
-                evaluate(score_model, global_step)
-        checkpointer.maybe_save(global_step, {"model": score_model}, {"model": optimizer},
-                                state={"scheduler": scheduler.state_dict()})  # fmt: skip
+
+        # 5. Evaluate (the last evaluation follows the loop)
+        if "test" in run.data and args.eval_steps and global_step % args.eval_steps == 0:
+            if global_step < args.num_training_steps:
+                evaluate(args, run, global_step)
+
+        # 6. Checkpoint
+        state = {"scheduler": scheduler.state_dict()}
+        run.checkpointer.maybe_save(global_step, {"model": model}, {"model": optimizer}, state=state)
     progress.close()
     final_metrics["train/seconds"] = time.time() - start
-    if "test" in data:
-        final_metrics.update(evaluate(score_model, global_step))
+    if "test" in run.data:
+        final_metrics.update(evaluate(args, run, global_step))
 
-    # 4. Save: every process takes part (ZeRO-3 gathers the weights); the tokenizer goes beside.
+    # 7. Save: every process takes part (ZeRO-3 gathers the weights), then the score is normalised.
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(score_model)
+    state_dict = accelerator.get_state_dict(model)
     if is_main:
         state_dict = {key.removeprefix("model."): value for key, value in state_dict.items()}
-        save_reward_model(accelerator.unwrap_model(score_model).model, args.output_dir, state_dict,
-                          save_function=accelerator.save)  # fmt: skip
-        tokenizer.save_pretrained(args.output_dir)
+        classifier = accelerator.unwrap_model(model).model
+        save_reward_model(classifier, args.output_dir, state_dict, save_function=accelerator.save)
+        run.tokenizer.save_pretrained(args.output_dir)
     accelerator.wait_for_everyone()
-    del score_model, optimizer, model, state_dict
+    del model, optimizer, state_dict
+    run.model = run.optimizer = None  # the training state is freed before the saved model is loaded again
     accelerator.free_memory()
-
-    # 5. Normalisation: reference completions' mean score -> 0 (std -> 1), measured again after reloading.
-    # Every process loads the whole saved model (outside ZeRO-3's sharded init) and scores its share.
     if args.normalize:
-        norm_loader = accelerator.prepare(loader(data["normalize"][0], args.per_device_eval_batch_size))
-        with utils.run.unsharded_loading(accelerator):
-            trained = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
-        before = gather_scores(ScoreModel(trained), norm_loader, accelerator)[0][:, 0]
-        mean, std = before.mean().item(), before.std().item()
-        if args.normalize_std and not std > 0:
-            raise ValueError("the reference completions all score the same: --normalize_std cannot scale.")
-        normalize_score_head(trained, mean, std if args.normalize_std else 1.0)
-        if is_main:
-            save_reward_model(trained, args.output_dir)
-        accelerator.wait_for_everyone()
-        with utils.run.unsharded_loading(accelerator):
-            reloaded = load_reward_model(args.output_dir, "--output_dir").to(device).eval()
-        after = gather_scores(ScoreModel(reloaded), norm_loader, accelerator)[0][:, 0]
-        stats = {"normalize/mean_before": mean, "normalize/std_before": std}
-        stats |= {"normalize/mean_after": after.mean().item(), "normalize/std_after": after.std().item()}
-        log(stats, global_step)
-        final_metrics.update(stats)
-        accelerator.print(", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
-
+        final_metrics.update(normalize(args, run, global_step))
     if is_main:
-        for key, (rows, counts, _) in data.items():
-            final_metrics |= {f"data/{key}_rows": len(rows), f"data/{key}_prompt_cut": counts["prompt_cut"],
-                              f"data/{key}_dropped": counts["dropped"]}  # fmt: skip
+        for key, (rows, counts, _) in run.data.items():
+            final_metrics |= {
+                f"data/{key}_rows": len(rows),
+                f"data/{key}_prompt_cut": counts["prompt_cut"],
+                f"data/{key}_dropped": counts["dropped"],
+            }
         dataset = f"{args.dataset_name} ({args.dataset_train_split})"
         algorithm = "reward model (Bradley-Terry)"
-        utils.write_model_card(args.output_dir, algorithm, args.model_name_or_path, dataset, final_metrics)
+        utils.saving.write_model_card(
+            args.output_dir, algorithm, args.model_name_or_path, dataset, final_metrics
+        )
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(final_metrics, f, indent=2)
         if args.push_to_hub:
             utils.saving.push_to_hub(args)
         print(f"reward model written to {args.output_dir}")
-    tracker.close()
+    run.tracker.close()
     utils.run.end_run(accelerator)
 
 
