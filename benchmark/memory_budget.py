@@ -33,7 +33,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.logprobs import LOGIT_TILE_ELEMENTS as TILE  # noqa: E402
+from utils.lm_head import LOGIT_TILE_ELEMENTS as TILE  # noqa: E402
 
 GIB = 1024**3
 

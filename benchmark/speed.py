@@ -209,7 +209,7 @@ class Args:
     """torch.profiler over the timed updates of every run: kernel launches, host syncs (.item(), nonzero, ...),
     GPU kernel time and the top ops per update go into the results (diagnosis only: the profiler slows the runs)"""
     ours_logit_tile_elements: int | None = None
-    """our side only: utils.logprobs.LOGIT_TILE_ELEMENTS (logits one tile of the LM head holds; 2**22 in the code)
+    """our side only: utils.lm_head.LOGIT_TILE_ELEMENTS (logits one tile of the LM head holds; 2**22 in the code)
     for this run, to measure what the tile count costs (docs/speed_gpu.md). None: the code's value"""
 
     # Model and workload (None: the --preset's value, see PRESETS)
@@ -397,9 +397,9 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
             sys.argv = list(spec["ours_command"])
             sys.path.insert(0, ROOT)
             if spec.get("logit_tile_elements"):  # the script imports this same module object
-                import utils.logprobs
+                import utils.lm_head
 
-                utils.logprobs.LOGIT_TILE_ELEMENTS = int(spec["logit_tile_elements"])
+                utils.lm_head.LOGIT_TILE_ELEMENTS = int(spec["logit_tile_elements"])
             runpy.run_path(os.path.join(ROOT, sys.argv[0]), run_name="__main__")
         elif side == "trl":
             run_trl(spec)

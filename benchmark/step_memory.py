@@ -36,10 +36,10 @@ def one(
 
     sys.path.insert(0, ROOT)
     import utils
-    from utils import logprobs
+    from utils import lm_head
 
     torch.set_num_threads(1)
-    logprobs.LOGIT_TILE_ELEMENTS = tile
+    lm_head.LOGIT_TILE_ELEMENTS = tile
     model = AutoModelForCausalLM.from_pretrained(model_path).train()
     adamw = utils.run.adamw if optimizer == "fused" else torch.optim.AdamW
     opt = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-4)

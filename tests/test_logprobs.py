@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import utils
 import utils.generation as generation
-import utils.logprobs as tiled  # the tile sizes live here
+import utils.lm_head as tiled  # the tile sizes live here
 
 
 def tiny_llama(vocab_size=97, tie=False, seed=0, cls=None):

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.logprobs import inner_model, position_ids_from_mask
+from utils.logprobs import position_ids_from_mask
+from utils.run import inner_model
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,15 +1,15 @@
-"""Forward passes and log-probabilities of given tokens: the plain computation from logits, and the tiled one that
-never builds the [B, T, V] logits, which every script uses to score responses and completions. Shape names: B
-batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
+"""Forward passes and log-probabilities of given tokens, the algorithm's side: logprobs of responses and
+completions, entropies. The tiled LM head behind token_logprobs is plumbing, in utils/lm_head.py.
+Shapes: B batch, T sequence length, R response length, V vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
-from utils.run import bare
+from utils import lm_head
+from utils.lm_head import chunked_token_logprobs  # noqa: F401 - utils/__init__ still re-exports it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -32,8 +32,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] for each position: logits [B, T, V], tokens [B, T] -> [B, T]. The plain
-    computation, for small tensors and as the reference of the chunked one below."""
+    """log softmax(logits)[token] at each position: logits [B, T, V], tokens [B, T] -> [B, T]."""
     return torch.gather(logits.float().log_softmax(-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -44,216 +43,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Log-probabilities without the [B, T, V] logits
-#
-# Scoring B rows of T tokens the plain way builds float32 logits [B, T, V], a copy for the temperature and a
-# log_softmax that backward keeps: at a 152k vocabulary and 4 x 565 tokens that is 1.3 GiB per copy, most of it
-# for prompt positions nobody scores. Here the LM head runs only on the scored positions, a tile at a time; each
-# tile's logits live only inside the tile (backward recomputes them), so the memory is one tile, whatever the
-# vocabulary, batch or length. A plain linear head is tiled over tokens and vocabulary (up to TILE_TOKENS tokens
-# a tile, so that its weight is read once per pass, not once per few tokens); any other head (LoRA-wrapped, say)
-# over tokens only, through autograd checkpointing. The head runs inside the model's own forward (its forward is
-# swapped for the duration of the call), so DDP, DeepSpeed ZeRO-3 (which gathers the head's weight around its
-# call, in forward and backward), autocast, tied embeddings and a LoRA-wrapped head work unchanged.
-# ----------------------------------------------------------------------------------------------------------------
-LOGIT_TILE_ELEMENTS = 2**22
-"""float32 logits one tile holds at most (16 MiB; 2**24 cost 70 MiB more peak memory at the GRPO shape for no
-speed on CPU: benchmark/step_memory.py)"""
-TILE_TOKENS = 4096
-"""tokens of a tile of a linear head (its vocabulary slice is LOGIT_TILE_ELEMENTS / tokens wide)"""
-
-
-class _LinearHeadLogprobs(torch.autograd.Function):
-    """log softmax((hidden @ weight.T + bias) / temperature)[targets] for a linear head, tiled over tokens and
-    vocabulary with a running log-sum-exp; backward recomputes each tile's logits. hidden [N, H], weight [V, H],
-    bias [V] or None, targets [N] -> logprobs [N], and (without gradient, zeros unless `with_stats`) the entropy
-    and mean logit [N]. Matmuls run in `compute_dtype` (autocast's or the weight's), everything after them in
-    float32, as the plain path."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temperature, compute_dtype, with_stats):
-        count, vocab = hidden.size(0), weight.size(0)
-        logprobs, entropy, mean_logit = (hidden.new_zeros(count, dtype=torch.float32) for _ in range(3))
-        log_normalizer = torch.empty_like(logprobs)
-        logits_buffer, exp_buffer = (_tile_buffer(hidden, count, vocab) for _ in range(2))
-        for rows, cols in _tiles(count, vocab):
-            if cols.start == 0:  # a new row of tiles: its tokens' hidden states, cast once
-                h = hidden[rows].to(compute_dtype)
-                running_max = torch.full_like(logprobs[rows], float("-inf"))
-                sum_exp, sum_exp_logit = torch.zeros_like(running_max), torch.zeros_like(running_max)
-            logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
-            new_max = torch.maximum(running_max, logits.max(-1).values)
-            rescale = (running_max - new_max).exp()
-            exp = torch.sub(logits, new_max[:, None], out=_tile_view(exp_buffer, *logits.shape)).exp_()
-            sum_exp = sum_exp * rescale + exp.sum(-1)
-            if with_stats:  # two more passes over the tile, for metrics only
-                sum_exp_logit = sum_exp_logit * rescale + exp.mul_(logits).sum(-1)
-                mean_logit[rows] += logits.sum(-1) / vocab
-            running_max = new_max
-            in_tile = (targets[rows] >= cols.start) & (targets[rows] < cols.stop)
-            local = (targets[rows] - cols.start).clamp(0, logits.size(1) - 1)
-            logprobs[rows] += torch.where(in_tile, logits.gather(1, local[:, None]).squeeze(1), 0.0)
-            if cols.stop == vocab:
-                log_normalizer[rows] = running_max + sum_exp.log()
-                if with_stats:
-                    entropy[rows] = log_normalizer[rows] - sum_exp_logit / sum_exp
-        logprobs -= log_normalizer
-        ctx.save_for_backward(hidden, weight, bias, targets, log_normalizer)
-        ctx.inv_temperature, ctx.compute_dtype = inv_temperature, compute_dtype
-        ctx.mark_non_differentiable(entropy, mean_logit)
-        return logprobs, entropy, mean_logit
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy, _grad_mean_logit):
-        hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
-        inv_temperature, compute_dtype = ctx.inv_temperature, ctx.compute_dtype
-        # d logprob_n / d raw logit_nv = (onehot(target_n)_v - p_nv) / temperature. With q = p - onehot and the
-        # per-token scale s = -grad_n / temperature: grad_hidden = s * (q @ W), grad_weight = q.T @ (s * h),
-        # grad_bias = q.T @ s. The scale goes on the [N, H] side, so a tile costs two passes besides its matmuls.
-        scale = grad_logprobs.float() * -inv_temperature
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = (
-            None if bias is None else torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device)
-        )
-        logits_buffer = _tile_buffer(hidden, hidden.size(0), weight.size(0))
-        for rows, cols in _tiles(hidden.size(0), weight.size(0)):
-            if cols.start == 0:  # a new row of tiles: its tokens' hidden states, cast (and scaled) once
-                h = hidden[rows].to(compute_dtype)
-                scaled_h = (hidden[rows].float() * scale[rows, None]).to(compute_dtype)
-            logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
-            q = logits.sub_(log_normalizer[rows, None]).exp_()
-            local = targets[rows] - cols.start
-            in_tile = (local >= 0) & (local < q.size(1))  # subtract the one-hot without a host sync
-            q.scatter_add_(1, local.clamp(0, q.size(1) - 1)[:, None], -in_tile[:, None].float())
-            q_compute = q.to(compute_dtype)
-            grad_hidden[rows] += (q_compute @ weight[cols].to(compute_dtype)).float()
-            grad_weight[cols] += (q_compute.T @ scaled_h).float()
-            if grad_bias is not None:
-                grad_bias[cols] += q.T @ scale[rows]
-        grad_hidden *= scale[:, None]
-        return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
-                None if bias is None else grad_bias.to(bias.dtype), None, None, None, None)  # fmt: skip
-
-
-def _tiles(count: int, vocab: int):
-    """(token slice, vocabulary slice) of every tile, vocabulary innermost."""
-    tokens = max(1, min(count, TILE_TOKENS))
-    width = max(1, LOGIT_TILE_ELEMENTS // tokens)
-    for start in range(0, count, tokens):
-        for col in range(0, vocab, width):
-            yield slice(start, start + tokens), slice(col, min(col + width, vocab))
-
-
-def _tile_buffer(hidden: torch.Tensor, count: int, vocab: int) -> torch.Tensor:
-    """float32 room for the largest tile of `count` tokens over `vocab` entries, reused by every tile of a pass, so
-    that a pass allocates its tile memory once, not a few times per tile (fewer allocations, and on a CPU fewer
-    freed blocks of that size for glibc to keep)."""
-    rows, cols = next(_tiles(count, vocab), (slice(0, 0), slice(0, 0)))
-    return hidden.new_empty(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.float32)
-
-
-def _tile_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The top-left [rows, cols] of `buffer`: a tile's room."""
-    return buffer[:rows, :cols]
-
-
-def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, buffer):
-    """float32 logits / temperature [n, width] of one tile, in `buffer` (a _tile_buffer)."""
-    out = _tile_view(buffer, h.size(0), cols.stop - cols.start)
-    if compute_dtype == torch.float32:  # bias and temperature inside the matmul, no pass of their own
-        shift, beta = (out, 0.0) if bias is None else (bias[cols], inv_temperature)
-        return torch.addmm(shift, h, weight[cols].T, beta=beta, alpha=inv_temperature, out=out)
-    logits = out.copy_(h @ weight[cols].to(compute_dtype).T)
-    if bias is not None:
-        logits.add_(bias[cols].float())
-    return logits.mul_(inv_temperature) if inv_temperature != 1.0 else logits
-
-
-def _tile_logprobs(head, hidden, targets, inv_temperature: float, with_stats: bool):
-    """log softmax(head(hidden) / temperature)[target] [n] of one tile, and (without gradient) the entropy and
-    the mean logit [n] when `with_stats`."""
-    logits = head(hidden).float() * inv_temperature
-    log_normalizer = logits.logsumexp(-1)
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
-    if not with_stats:
-        return logprobs
-    with torch.no_grad():
-        probs = (logits - log_normalizer.unsqueeze(-1)).exp()
-        entropy = log_normalizer - (probs * logits).sum(-1)
-        return logprobs, entropy, logits.mean(-1)
-
-
-def chunked_token_logprobs(
-    head,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    with_stats: bool = False,
-    vocab_size: int | None = None,
-):
-    """log softmax(head(hidden) / temperature)[targets], tile by tile: hidden [N, H], targets [N] -> [N].
-
-    `head` maps [n, H] to logits [n, V]. A plain nn.Linear is tiled over tokens and vocabulary by
-    _LinearHeadLogprobs; any other head (a LoRA wrapper, or a module's forward) over tokens only, max(1,
-    LOGIT_TILE_ELEMENTS // V) tokens a tile, each checkpointed under autograd. Either way a tile's logits are
-    freed after the forward and recomputed in backward: the gradients equal those of the plain computation. With
-    `with_stats` also returns the entropy of softmax(logits / temperature) and the mean of logits / temperature
-    [N], without gradient (metrics only). Temperature 0 (greedy sampling) scores the plain logits.
-    """
-    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
-    if (
-        type(head) is nn.Linear
-    ):  # not a subclass (a quantized layer) nor a wrapper (LoRA): its weight is the head
-        device = hidden.device.type
-        autocast = torch.is_autocast_enabled(device) and hidden.is_floating_point()
-        compute_dtype = torch.get_autocast_dtype(device) if autocast else head.weight.dtype
-        out = _LinearHeadLogprobs.apply(
-            hidden, head.weight, head.bias, targets, inv_temperature, compute_dtype, with_stats
-        )
-        return out if with_stats else out[0]
-    if vocab_size is None:
-        with torch.no_grad():
-            vocab_size = head(hidden[:1]).size(-1) if hidden.size(0) else 1
-    tile = max(1, LOGIT_TILE_ELEMENTS // vocab_size)
-    pieces = []
-    for start in range(0, hidden.size(0), tile):
-        rows = slice(start, start + tile)
-        args = (head, hidden[rows], targets[rows], inv_temperature, with_stats)
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_tile_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_tile_logprobs(*args))
-    if not pieces:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return (empty, empty, empty) if with_stats else empty
-    if with_stats:
-        return tuple(torch.cat(p) for p in zip(*pieces))
-    return torch.cat(pieces)
-
-
-# Config fields of models whose forward changes the head's output (a scale, soft-capping): scored the plain way.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def inner_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / DeepSpeed wrappers (`utils.run.bare`) and a PEFT wrapper."""
-    model = bare(model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _head_of(model: nn.Module) -> nn.Module | None:
-    """The LM head to swap, or None when this model must be scored the plain way."""
-    inner = inner_model(model)
-    config = getattr(inner, "config", None)
-    if getattr(inner, "_plain_logprobs", False) or any(getattr(config, a, None) for a in _LOGIT_TRANSFORMS):
-        return None
-    get_head = getattr(inner, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    return head if isinstance(head, nn.Module) else None
-
-
 def token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -262,67 +51,36 @@ def token_logprobs(
     temperature: float = 1.0,
     with_stats: bool = False,
 ):
-    """Logprobs [B, T-1] of tokens 1..T-1 of `input_ids` [B, T] under `model` at `temperature`: entry t is
-    log softmax(logits_t / temperature)[input_ids[:, t + 1]], computed only where `score_mask` [B, T-1] is true
-    (0 elsewhere), without ever building the logits of all positions (chunked_token_logprobs). With
-    `with_stats`, returns (logprobs, entropy, mean logit), each [B, T-1] and 0 where not scored."""
+    """Logprobs [B, T-1] of tokens 1..T-1 of `input_ids` [B, T] at `temperature`: entry t is
+    log softmax(logits_t / temperature)[input_ids[:, t + 1]], where `score_mask` [B, T-1] is true (0 elsewhere).
+    With `with_stats`, (logprobs, entropy, mean logit), each [B, T-1]. The head runs on scored positions only,
+    tile by tile (utils/lm_head.py); the same numbers as `_plain_token_logprobs`."""
     score_mask = score_mask.bool()
     targets = input_ids[:, 1:][score_mask]
-    head = _head_of(model)
-    if head is None:
-        return _plain_token_logprobs(
+    out = lm_head.swapped_head_logprobs(
+        model, lambda: forward(model, input_ids, attention_mask), score_mask, targets, temperature, with_stats
+    )
+    if out is None:
+        out = _plain_token_logprobs(
             model, input_ids, attention_mask, score_mask, targets, temperature, with_stats
         )
-    # A plain linear head is read through its weight; any other through its own (unswapped) forward.
-    original_forward, scored = head.forward, {}
-    scorer = head if type(head) is nn.Linear else original_forward
-    vocab_size = getattr(head, "out_features", None)
-
-    def scoring_forward(hidden):  # hidden [B, K, H] of the last K positions (K = T: no logits_to_keep here)
-        # The per-token logprobs [B, K] are what the head returns, so that the model returns them as its
-        # "logits" and DeepSpeed's hooks, which follow the head's output, gather its weight in backward too.
-        mask = torch.zeros(hidden.shape[:-1], dtype=torch.bool, device=hidden.device)
-        mask[:, :-1] = score_mask[:, score_mask.size(1) - hidden.size(1) + 1 :]
-        values = chunked_token_logprobs(scorer, hidden[mask], targets, temperature, with_stats, vocab_size)
-        if with_stats:
-            values, scored["stats"] = values[0], values[1:]
-        scored["out"] = _scatter(values, mask)
-        return scored["out"]
-
-    head.forward = scoring_forward
-    try:
-        output = forward(model, input_ids, attention_mask)
-    finally:
-        del head.forward  # the class's forward again
-    if "out" not in scored or not torch.equal(output.logits, scored["out"]):
-        # The model transformed its head's output (a scale, soft-capping): score it the plain way from now on.
-        inner_model(model)._plain_logprobs = True
-        return _plain_token_logprobs(
-            model, input_ids, attention_mask, score_mask, targets, temperature, with_stats
-        )
-    logprobs = output.logits[:, :-1]
-    if not with_stats:
-        return logprobs
-    return (logprobs, *(_scatter(v, score_mask) for v in scored["stats"]))
-
-
-def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token values [N] back into a zero-filled tensor of the mask's shape, at the mask's true entries."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+    return out
 
 
 def _plain_token_logprobs(model, input_ids, attention_mask, score_mask, targets, temperature, with_stats):
-    """token_logprobs through the full logits, for models whose forward transforms the head's output."""
+    """token_logprobs through the full logits [N, V]: the reference, and models that transform their head's output."""
     logits = forward(model, input_ids, attention_mask).logits[:, :-1][score_mask].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
-    logprobs = _scatter(logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), score_mask)
+    logprobs = lm_head.scatter(
+        logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), score_mask
+    )
     if not with_stats:
         return logprobs
     with torch.no_grad():
         return (
             logprobs,
-            _scatter(entropy_from_logits(logits), score_mask),
-            _scatter(logits.mean(-1), score_mask),
+            lm_head.scatter(entropy_from_logits(logits), score_mask),
+            lm_head.scatter(logits.mean(-1), score_mask),
         )
 
 

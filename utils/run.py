@@ -442,6 +442,12 @@ def bare(model: nn.Module) -> nn.Module:
     return model
 
 
+def inner_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / DeepSpeed wrappers (`bare`) and a PEFT wrapper."""
+    model = bare(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 @contextmanager
 def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module]:
     """The bare model for the many small forwards of sampling. Under ZeRO-3 its shards are gathered once for
