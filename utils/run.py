@@ -1,13 +1,8 @@
-"""The run skeleton every script shares: command line and error handling, the accelerator (one process, DDP,
-DeepSpeed ZeRO-2/3, on CPU or GPU), frozen models in the trained model's precision, generation under ZeRO-3,
-gradient clipping that DeepSpeed honours, the fused AdamW every script trains with, handing freed host memory
-back between phases, and the end of a run.
-Metrics and the non-finite guard are utils/tracking.py; checkpoints utils/checkpoint.py.
+"""Plumbing every script shares, skippable on a first read: the command line and its one-sentence errors,
+the accelerator (one process, DDP, DeepSpeed ZeRO-2/3), frozen models, gradient clipping, the end of a run.
 
-A script's `__main__` is one line, `utils.run.run_cli(Args, main)`. Bad input raises `ValueError` with one
-sentence; it reaches the user as `script.py: error: <sentence>` (exit 2), never as a traceback. Set
-`RLHF_TRACEBACK=1` to see the traceback anyway.
-"""
+A script's `__main__` is `utils.run.run_cli(Args, main)`: a ValueError raised by our code reaches the user as
+`script.py: error: <sentence>` (exit 2); RLHF_TRACEBACK=1 shows the traceback."""
 
 from __future__ import annotations
 
@@ -25,11 +20,11 @@ TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes"}, {"false", "0", "no"}
 
 
 class NonFiniteError(RuntimeError):
-    """A NaN or an infinity in a loss, a score or a gradient norm: the run stops, nothing more is saved."""
+    """A NaN or an infinity in a loss, a score or a gradient norm: the run stops."""
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGTERM or SIGINT arrived; the run finished its step, wrote a checkpoint (the message names it) and stops."""
+    """SIGTERM or SIGINT: the step finished and a checkpoint was written (the message names it)."""
 
     def __init__(self, message: str, signal_name: str = "SIGTERM"):
         super().__init__(message)
@@ -45,8 +40,8 @@ def _bool_fields(args_class) -> set[str]:
 
 
 def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
-    """Accept booleans written with a value, as TRL's HfArgumentParser does (`--bf16 True`, `--bf16=false`),
-    besides tyro's `--bf16` / `--no_bf16`. Returns the argv tyro understands."""
+    """argv with booleans written with a value (`--bf16 True`, `--bf16=false`, as TRL's parser takes them)
+    turned into tyro's `--bf16` / `--no_bf16`."""
     names, out, i = _bool_fields(args_class), [], 0
     while i < len(argv):
         token = argv[i]
@@ -66,7 +61,7 @@ def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
 
 
 def known_flags(args_class) -> set[str]:
-    """Every flag name the script takes, without dashes: its fields, their `no_` forms and their aliases."""
+    """Every flag name the script takes, without dashes: fields, their `no_` forms, aliases."""
     hints = typing.get_type_hints(args_class, include_extras=True)
     names = {"help"}
     for field in dataclasses.fields(args_class):
@@ -77,8 +72,7 @@ def known_flags(args_class) -> set[str]:
 
 
 def check_flags(args_class, argv: list[str]) -> None:
-    """Refuse, in one sentence naming the closest flag, a flag the script does not take (e.g. one of TRL's that
-    means nothing here), instead of tyro's usage box."""
+    """Refuse an unknown flag in one sentence naming the closest one (or why a TRL flag means nothing here)."""
     import difflib
 
     known = known_flags(args_class)
@@ -92,8 +86,7 @@ def check_flags(args_class, argv: list[str]) -> None:
             raise ValueError(f"unknown flag --{name}; {hint}")
 
 
-# TRL flags that mean nothing here. A harmless one is dropped, with its values, and a one-line note says why;
-# any other is refused in one sentence (check_flags). A flag the script takes itself is never looked up here.
+# TRL flags that mean nothing here: a harmless one is dropped with a note, any other refused (check_flags).
 TRL_HARMLESS = {
     "remove_unused_columns": "a script reads only the columns of its data format and ignores the others anyway",
     "report_to": "metrics always go to TensorBoard (--logging_dir), and to W&B with --track",
@@ -135,9 +128,8 @@ def _flag_name(token: str) -> str:
 
 
 def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = None) -> list[str]:
-    """argv without TRL's harmless flags (each with the values after it, or `--flag=value`), a note for each
-    in `notes`; `--warmup_steps` below 1 (a fraction of training, as transformers reads it) becomes
-    --warmup_ratio where the script has it. Flags the script takes are left alone."""
+    """argv without TRL's harmless flags (and their values), one note each in `notes`; `--warmup_steps`
+    below 1 becomes --warmup_ratio where the script has it."""
     known, out, i = known_flags(args_class), [], 0
     while i < len(argv):
         token, name = argv[i], _flag_name(argv[i])
@@ -170,8 +162,7 @@ def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = N
 
 
 def parse_args(args_class, argv: list[str] | None = None):
-    """The dataclass filled from the command line (tyro, underscores), booleans also written with a value; TRL's
-    flags that mean nothing here dropped with a note (harmless) or refused (see TRL_HARMLESS, TRL_REFUSED)."""
+    """The Args dataclass from the command line (tyro, underscores), TRL's flags translated or refused."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
@@ -186,15 +177,14 @@ def parse_args(args_class, argv: list[str] | None = None):
 
 
 def exact_div(numerator: int, denominator: int, what: str) -> int:
-    """`numerator // denominator`, or a ValueError naming the flags (`what`) when it does not divide exactly."""
+    """`numerator // denominator`, or a ValueError naming the flags `what` when it does not divide."""
     if denominator <= 0 or numerator % denominator != 0:
         raise ValueError(f"{what}: {numerator} is not divisible by {denominator}; change one of these flags.")
     return numerator // denominator
 
 
 def check_flag_values(args) -> None:
-    """Checks every script shares, before its own: learning rates finite and >= 0; --max_prompt_length, when
-    set, at least 1 (0 would mean no truncation at all)."""
+    """Checks every script shares: learning rates finite and >= 0, --max_prompt_length >= 1."""
     import math
 
     for name, value in vars(args).items():
@@ -207,8 +197,8 @@ def check_flag_values(args) -> None:
 
 
 def raised_here(error: BaseException, script: str) -> bool:
-    """Whether `error` was raised by the project's own code (the script or utils/), i.e. is a message for the
-    user; an error raised inside a library is a bug to show with its traceback."""
+    """Whether `error` was raised in the script or utils/ (a message for the user) rather than inside a
+    library (a bug, shown with its traceback)."""
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
@@ -220,9 +210,8 @@ def raised_here(error: BaseException, script: str) -> bool:
 
 
 def run_cli(args_class, main: Callable) -> None:
-    """Parse the flags and run `main(args)`, turning the errors a user can act on into one line on stderr:
-    bad input (ValueError) exits 2, a non-finite value 1, SIGTERM 143 and SIGINT 130 after a checkpoint (on
-    every process; the line is printed by the main process only)."""
+    """Parse the flags and run `main(args)`; bad input exits 2, a non-finite value 1, SIGTERM 143 and SIGINT
+    130 (after a checkpoint), each with one line on stderr from the main process."""
     script = os.path.basename(sys.argv[0])
     show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
     try:
@@ -250,15 +239,14 @@ def run_cli(args_class, main: Callable) -> None:
 
 
 def end_progress_bars() -> None:
-    """Close the open tqdm bars, so that the line printed next starts a line of its own instead of landing on
-    the bar's (a bar ends its line only when closed)."""
+    """Close open tqdm bars, so the next line printed starts a line of its own."""
     module = sys.modules.get("tqdm.std")
     for bar in list(getattr(getattr(module, "tqdm", None), "_instances", ())):
         bar.close()
 
 
 def main_process() -> bool:
-    """Whether this is the first process of the run (RANK 0 under torchrun / accelerate launch, or alone)."""
+    """Whether this is the first process of the run (RANK 0, or alone)."""
     return int(os.environ.get("RANK", "0") or 0) == 0
 
 
@@ -266,10 +254,8 @@ def main_process() -> bool:
 # Accelerator and models
 # ----------------------------------------------------------------------------------------------------------------
 def launch_without_process_group(environ) -> str | None:
-    """Why this process was launched to be one of several but has no process group to join (a sentence), or
-    None. `accelerate launch` without --multi_gpu (or a DeepSpeed/FSDP config) uses its simple launcher, which
-    starts one process and exports MASTER_ADDR/MASTER_PORT (for --num_processes or --num_machines above 1) but
-    no WORLD_SIZE or RANK: each "node" would then train alone and write the same --output_dir."""
+    """Why this process should be one of several but has no process group (a sentence), or None:
+    `accelerate launch` without --multi_gpu exports MASTER_ADDR but no WORLD_SIZE or RANK."""
     mpi_sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # mpirun, which accelerate reads
     if "WORLD_SIZE" in environ or any(int(environ.get(name) or 1) > 1 for name in mpi_sizes):
         return None
@@ -286,11 +272,8 @@ def launch_without_process_group(environ) -> str | None:
 def make_accelerator(
     args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None, mixed_precision=None
 ):
-    """The Accelerator of a run. Precision: bf16 with `--bf16`, else what `accelerate launch` configured.
-    On CPU the process group uses gloo (without it every process believes it is rank 0 of 1), and several
-    processes on a machine without GPUs run as MULTI_CPU, whatever the accelerate config says. Under DeepSpeed
-    the micro-batch size, accumulation and `--max_grad_norm` go into its config: DeepSpeed clips gradients
-    itself and ignores accelerate's clip_grad_norm_ (and would otherwise clip at 1.0 silently)."""
+    """The run's Accelerator: bf16 with `--bf16`, else what `accelerate launch` configured; gloo on CPU;
+    under DeepSpeed the micro-batch, accumulation and `--max_grad_norm` go into its config (it clips itself)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
@@ -300,9 +283,7 @@ def make_accelerator(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set it
     launched, on_cpu = world_size > 1, not torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and on_cpu else []
-    # Several processes on a machine without GPUs, not under DeepSpeed (which ACCELERATE_USE_CPU would turn
-    # off): MULTI_CPU. Otherwise a multi-GPU config there gives distributed type NO, where every process
-    # trains alone and gather/reduce do nothing.
+    # several processes without GPUs run as MULTI_CPU, else each would train alone (not under DeepSpeed)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("true", "1")
     accelerator = Accelerator(
         mixed_precision=mixed_precision or ("bf16" if getattr(args, "bf16", False) else None),
@@ -332,24 +313,13 @@ def make_accelerator(
 
 
 def adamw(params, *args, **kwargs) -> torch.optim.AdamW:
-    """`torch.optim.AdamW(params, *args, **kwargs)` with the fused kernel, as transformers' Trainer (and so TRL) uses by
-    default: it updates each parameter in one pass, where the plain loop builds temporaries as large as the
-    largest parameter (two of the [V, H] embedding: 300 MiB at Qwen's vocabulary and hidden 256)."""
+    """`torch.optim.AdamW` with the fused kernel, as transformers' Trainer uses (docs/memory.md)."""
     return torch.optim.AdamW(params, *args, fused=True, **kwargs)
 
 
 def release_freed_host_memory() -> None:
-    """Hand the host heap's freed pages back to the system (glibc's `malloc_trim`; a no-op where the C library
-    has none, as on macOS or musl). One walk over the heap: milliseconds.
-
-    glibc serves blocks smaller than the largest mapped block freed so far (up to 32 MiB) from its heap and keeps
-    freed heap pages resident. rloo.py calls this between its rollout and its training step: its batched sampling
-    frees many such blocks, and without this the training step's blocks piled up on top of them. On a CPU at the
-    GRPO shape (rloo.py as `benchmark/speed.py --preset grpo` runs it) its peak RSS was 3065-3147 MiB without it
-    (3 runs) and 2400-2681 MiB with it (4 runs), at the same CPU time. The other RL scripts do not call it: at the
-    same place it left the peaks of ppo.py and online_dpo.py within 4% and made grpo.py's higher and erratic
-    (2168-2535 MiB in 3 runs, against 2110-2168), and trimming before rloo.py's rollout as well raised its peak
-    to 2774-2884 MiB. With CUDA tensors the host heap is small and this changes little."""
+    """Hand the host heap's freed pages back to the system (glibc's `malloc_trim`; a no-op elsewhere).
+    rloo.py calls it between rollout and training (docs/speed.md has the measurements)."""
     import ctypes
 
     try:
@@ -361,10 +331,8 @@ def release_freed_host_memory() -> None:
 
 
 def end_run(accelerator) -> None:
-    """Tear the run down together: every process waits for the others (the main one may still be writing the
-    model card) before the process group is destroyed. A process that destroys its group and exits while a
-    peer still holds the connection can abort at exit ("terminate called without an active exception", seen
-    under DeepSpeed on CPU), and the launcher then fails a run that finished."""
+    """Tear the run down together: every process waits for the others before the process group goes, so no
+    process aborts at exit while a peer still holds the connection."""
     import gc
 
     accelerator.wait_for_everyone()
@@ -379,8 +347,7 @@ def zero_stage(accelerator) -> int:
 
 
 def training_dtype(accelerator) -> torch.dtype:
-    """The dtype the trained model's weights have: bf16/fp16 under DeepSpeed mixed precision, else float32
-    (plain accelerate keeps float32 weights and autocasts the forward)."""
+    """The trained weights' dtype: bf16/fp16 under DeepSpeed mixed precision, else float32."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return torch.float32
@@ -393,11 +360,8 @@ def training_dtype(accelerator) -> torch.dtype:
 
 
 def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
-    """A frozen model (reference, reward) ready to run beside the trained one: eval mode, no gradients, on the
-    device, in the trained model's precision. Without DeepSpeed its forwards must run inside
-    `accelerator.autocast()`, as the trained model's do; under DeepSpeed (where autocast is off) its weights
-    take the trained model's dtype, so a reference equal to the policy gives KL 0 at the start. Under ZeRO-3 it
-    becomes a sharded DeepSpeed inference engine (every process must then run its forwards together)."""
+    """A frozen model (reference, reward) beside the trained one: eval, no gradients, on the device, in the
+    trained model's precision (so a reference equal to the policy gives KL 0); under ZeRO-3 a sharded engine."""
     model.eval().requires_grad_(False)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -420,8 +384,7 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
 
 @contextmanager
 def unsharded_loading(accelerator) -> Iterator[None]:
-    """Inside this block `from_pretrained` loads whole weights even under ZeRO-3 with zero3_init_flag (whose
-    sharded init would otherwise leave every process an empty shard of a model that only it uses)."""
+    """Inside this block `from_pretrained` loads whole weights even under ZeRO-3's sharded init."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
         yield
@@ -450,9 +413,8 @@ def inner_model(model: nn.Module) -> nn.Module:
 
 @contextmanager
 def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module]:
-    """The bare model for the many small forwards of sampling. Under ZeRO-3 its shards are gathered once for
-    the whole generation and DeepSpeed's per-layer hooks are removed meanwhile (otherwise every decoding
-    step gathers every layer again); they are restored on exit. Every process must enter together."""
+    """The bare model for sampling; under ZeRO-3 its shards are gathered once for the whole
+    generation (every process must enter together)."""
     if zero_stage(accelerator) != 3:
         yield bare(model)
         return
@@ -469,7 +431,7 @@ def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(parameters of the model, parameters this process holds): equal unless ZeRO-3 sharded the weights."""
+    """(parameters of the model, parameters this process holds): equal unless ZeRO-3 shards them."""
     total = held = 0
     for param in model.parameters():
         full = getattr(param, "ds_numel", None)
@@ -479,22 +441,20 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def local_param_share(model: nn.Module) -> float:
-    """Under ZeRO-3, the share of the model's weights this process holds (1/N when sharded over N)."""
+    """Under ZeRO-3, the share of the model's weights this process holds."""
     params = list(model.parameters())
     return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
 
 
 def describe_sharding(model: nn.Module, accelerator) -> str:
-    """One line for the log: how many of the model's parameters this process holds."""
+    """One log line: how many of the model's parameters this process holds."""
     total, held = parameter_counts(model)
     return f"process {accelerator.process_index}: holds {held} of the model's {total} parameters"
 
 
 def clip_grad_norm(accelerator, model: nn.Module, max_norm: float | None) -> float | None:
-    """Clip the gradients to `max_norm` (when set) and return their norm before clipping; call it after
-    `accelerator.backward` and before `optimizer.step()`. Under DeepSpeed the engine clips by its config
-    (`make_accelerator` put `--max_grad_norm` there) and the norm it measured is read after the step; this
-    returns None there: use `grad_norm_after_step`."""
+    """Clip gradients to `max_norm` (when set) and return their norm before clipping; None under DeepSpeed,
+    which clips by its config: read the norm with `grad_norm_after_step`."""
     if accelerator.state.deepspeed_plugin is not None or not accelerator.sync_gradients:
         return None
     norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
@@ -502,7 +462,7 @@ def clip_grad_norm(accelerator, model: nn.Module, max_norm: float | None) -> flo
 
 
 def grad_norm_after_step(model: nn.Module, measured: float | None) -> float | None:
-    """The gradient norm of the last optimizer step: what `clip_grad_norm` measured, or DeepSpeed's own."""
+    """The gradient norm of the last step: what `clip_grad_norm` measured, or DeepSpeed's own."""
     if measured is not None:
         return measured
     get_norm = getattr(model, "get_global_grad_norm", None)

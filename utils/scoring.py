@@ -1,31 +1,16 @@
-"""Rewards: reward models (a score at every token for a critic, at the last real token for a reward), loading one
-(a trained one-label head, or a one-sentence refusal), reward functions (`path.py:function` or TRL-style with
-**kwargs, called with TRL 1.16's keywords), and scores of sampled completions when the reward model needs other
-ids than the policy's.
-
-The RL scripts build one `RewardScorer` and call it on every batch of truncated query + response rows:
+"""Scoring, what an RL reader needs: a reward model's score at the last real token (or at every token, a
+critic's values), reward functions (`path.py:function` or TRL-style with **kwargs), and `RewardScorer`, which
+scores truncated query + response rows:
 
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
-    scores = scorer(query_responses, attention_mask, context_length, chunk_size,
-                    prompts=raw_prompts, columns=of_rows, trainer_state=state)    # [B]
-    scorer.take_logged(), scorer.take_extra()    # what a reward function reported through log_metric, log_extra
+    scores = scorer(query_responses, attention_mask, context_length, chunk_size, prompts=raw_prompts)  # [B]
 
-A reward model scores by one of three paths:
-- conversational prompts (message lists) and a reward tokenizer with a chat template: as TRL does, the prompt
-  and the decoded completion (the assistant's turn) go through that template and the text is encoded with the
-  reward model's tokenizer (no special tokens added; the template closes the turn, no EOS is added), whichever
-  tokenizer the policy has;
-- otherwise, when the reward model's tokenizer is the policy's (same vocabulary, same EOS/BOS/UNK;
-  `same_tokenizer`): the policy's token ids go to the reward model as they are and the score is read at the
-  last real token, the policy's EOS when it finished (as reward.py trains);
-- otherwise (a Llama or Qwen reward model behind a Pythia policy; TRL's `reward_processing_classes`): each
-  prompt and truncated completion is decoded with the policy's tokenizer and encoded again with the reward
-  model's, following reward.py's convention (prompt tokens, completion tokens, then the reward tokenizer's EOS
-  when the policy ended the completion with its own; no other special tokens).
-Re-encoded rows longer than the reward model accepts are cut from the left and counted (`take_num_truncated`).
-Policy ids are never fed to a model whose vocabulary does not hold them, so a smaller vocabulary cannot raise an
-IndexError.
-"""
+A reward model reads, in this order of preference:
+- conversational prompts with a reward tokenizer that has a chat template: prompt + completion rendered by that
+  template and encoded whole, nothing added (as TRL, and as utils.data.reward_ids trains);
+- the same tokenizer as the policy's: the policy's ids as they are, the score at the last real token;
+- another tokenizer: decoded with the policy's, encoded with the reward model's (prompt, completion, then EOS
+  when the policy finished), cut from the left to the model's length (`take_num_truncated`)."""
 
 from __future__ import annotations
 
@@ -53,7 +38,7 @@ from utils.logprobs import position_ids_from_mask
 # Reward models: a score at every token, at the last token, in batches
 # ----------------------------------------------------------------------------------------------------------------
 def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(backbone, head) of a sequence-classification model, so a score can be read at every token."""
+    """(backbone, head) of a one-label sequence classifier, so a score can be read at every token."""
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if backbone is None or head is None:
@@ -68,10 +53,8 @@ def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def per_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score head applied to the last hidden state at every position: [B, T] (a critic's values).
-
-    A head made without bias (Llama's, GPT-NeoX's) gets `config.score_bias`, the shift reward.py stores when it
-    normalizes a reward model, so every script that scores through here sees normalized scores."""
+    """Score head on the last hidden state at every position: [B, T]. A head without bias adds
+    `config.score_bias` (reward.py's normalisation)."""
     backbone, head = score_head(model)
     hidden = backbone(
         input_ids=input_ids,
@@ -86,13 +69,13 @@ def per_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 
 def last_token_indices(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last position where `attention_mask` [B, T] is set (the EOS of a truncated response)."""
+    """Index [B] of the last position where `attention_mask` [B, T] is set."""
     positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
     return (positions * attention_mask.long()).argmax(1)
 
 
 def get_score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """A reward model's score [B], read at the last real token of each row (left or right padding alike)."""
+    """A reward model's score [B], read at the last real token of each row (left or right padding)."""
     scores = per_token_scores(model, input_ids, attention_mask)
     return scores.gather(1, last_token_indices(attention_mask)[:, None]).squeeze(1)
 
@@ -109,9 +92,8 @@ def batched_score(model, input_ids, attention_mask, chunk_size: int) -> torch.Te
 
 
 def decoded_rows(query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, tokenizer):
-    """(prompts, completions, completion_ids) of truncated query+response rows: the texts of each row's real
-    prompt and response tokens (special tokens dropped) and the response's real ids, its stop token included and
-    no padding (what TRL hands a reward function as `completion_ids`)."""
+    """(prompts, completions, completion_ids) of truncated query+response rows: the texts of the real
+    tokens (special tokens dropped) and each response's ids, stop token included."""
     mask = attention_mask.bool()
     prompts = [
         tokenizer.decode(q[m], skip_special_tokens=True)
@@ -135,10 +117,8 @@ def compute_scores(
     columns: dict[str, list] | None = None,
     **reward_kwargs,
 ) -> torch.Tensor:
-    """Scores [B] of truncated query+response rows, from a reward model (read at the last real token) or from a
-    reward function called on the decoded prompts and completions (the completion stops at its stop token) and,
-    for a TRL-style function, the dataset `columns` of each row and `reward_kwargs` (trainer_state, log_extra,
-    log_metric; see call_reward_fn)."""
+    """Scores [B] of truncated query+response rows: the reward model's at the last real token, or the
+    reward function's on the decoded texts (and, for a TRL-style one, `columns` and `reward_kwargs`)."""
     if reward_fn is None:
         return batched_score(reward_model, query_responses, attention_mask, chunk_size)
     prompts, completions, completion_ids = decoded_rows(
@@ -163,8 +143,7 @@ TRL_BUILTIN_REWARDS = (
 
 @dataclass
 class TrainerState:
-    """The training progress a TRL-style reward function gets as `trainer_state`: the fields of transformers'
-    TrainerState that reward shaping reads (e.g. a weight that grows with global_step / max_steps)."""
+    """The progress a TRL-style reward function gets as `trainer_state` (transformers' TrainerState fields)."""
 
     global_step: int = 0
     """updates done so far"""
@@ -175,9 +154,8 @@ class TrainerState:
 
 
 def import_failure(spec: str, error: BaseException) -> str | None:
-    """One sentence naming the file, the line and the error of a reward-function module that failed while
-    being imported (a SyntaxError, or any exception its top level raised); None when no file of the user's was
-    reached (the module itself was not found)."""
+    """One sentence naming the file, line and error of a reward-function module that failed on import;
+    None when none of the user's files was reached."""
     if isinstance(error, SyntaxError):
         return f"--reward_fn {spec}: {error.filename} line {error.lineno} has a SyntaxError ({error.msg})."
     internal = (os.path.dirname(importlib.__file__), os.path.abspath(__file__))
@@ -194,10 +172,8 @@ def import_failure(spec: str, error: BaseException) -> str | None:
 
 
 def load_reward_fn(spec: str) -> Callable:
-    """Load a reward function (prompts: list[str], completions: list[str]) -> floats, or one TRL-style with
-    **kwargs (see call_reward_fn), from `path/to/file.py:function` or, as TRL takes it, a dotted import path
-    `module.function` (imported from the working directory). A file that fails to import (a syntax error, an
-    exception at its top level) is named in one sentence with its line."""
+    """A reward function from `path/to/file.py:function` or `module.function` (imported from the working
+    directory): (prompts, completions) -> floats, or TRL-style with **kwargs (call_reward_fn)."""
     path, sep, name = spec.rpartition(":")
     if not sep and spec in TRL_BUILTIN_REWARDS:
         raise ValueError(
@@ -244,7 +220,7 @@ def load_reward_fn(spec: str) -> Callable:
 
 
 def discard(*_args) -> None:
-    """A log_extra / log_metric for a caller that keeps nothing."""
+    """A log_extra / log_metric that keeps nothing."""
 
 
 def takes_kwargs(fn: Callable) -> bool:
@@ -263,17 +239,11 @@ def call_reward_fn(
     log_extra: Callable[[str, list], None] = discard,
     log_metric: Callable[[str, float], None] = discard,
 ) -> torch.Tensor:
-    """Call a reward function and check its answer: one value per completion. Returns [B] float32.
+    """Call a reward function and check it returns one value per completion: [B] float32.
 
-    A function with a `**kwargs` parameter is called as TRL 1.16 calls its reward functions, with the keywords
-    `prompts` (the dataset's `prompt` column when given), `completions`, `completion_ids` (each completion's
-    token ids, stop token included, no padding), every other column of the rows' dataset examples (`columns`,
-    e.g. `solution`), `trainer_state`, `log_extra(column, values)` (a column of the sample table) and
-    `log_metric(name, value)` (a scalar, averaged until the next log); when the prompts are conversations
-    (message lists), each completion is one assistant message, [{"role": "assistant", "content": text}]. Any
-    other function is called as fn(prompts, completions) on the texts. A None (no reward for that sample)
-    becomes NaN, as in TRL; a NaN or an infinity is returned as it is: the training scripts stop on it with
-    `utils.tracking.check_finite`, naming the update and the last good checkpoint."""
+    A TRL-style one (**kwargs) gets TRL 1.16's keywords: prompts (the dataset's), completions (assistant messages
+    when the prompts are conversations), completion_ids, the other dataset `columns`, trainer_state, log_extra and
+    log_metric; any other gets fn(prompts, completions). None becomes NaN, as in TRL; the scripts stop on it."""
     if takes_kwargs(fn):
         extra = {
             k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion", "completion_ids")
@@ -298,9 +268,8 @@ def call_reward_fn(
 # Loading a reward model
 # ----------------------------------------------------------------------------------------------------------------
 def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
-    """A reward model: a sequence classifier with exactly one label and a trained score head, dropout off.
-    Anything else is refused in one sentence: a causal LM would load with a freshly initialised head (of two
-    labels, or of one when its config says num_labels=1) and score at random."""
+    """A one-label sequence classifier with a trained score head, dropout off; a causal LM (whose head
+    would be initialised at random) is refused in one sentence."""
     from transformers import AutoModelForSequenceClassification
 
     model, info = from_pretrained(
@@ -328,14 +297,13 @@ UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report model_max_leng
 
 
 def first_id(*ids: int | None) -> int:
-    """The first of `ids` that is set (0 when none is): a filler token for padding or an empty text."""
+    """The first of `ids` that is set (0 when none is)."""
     return next((i for i in ids if i is not None), 0)
 
 
 def same_tokenizer(a, b) -> bool:
-    """True when tokenizers `a` and `b` map text to the same ids: the same vocabulary (added tokens included)
-    and the same EOS, BOS and UNK tokens. The pad token is left out: the scripts never read it (masks come from
-    lengths) and set it to EOS when a tokenizer has none."""
+    """True when `a` and `b` map text to the same ids: same vocabulary and EOS, BOS, UNK (pad is never
+    read by the scripts)."""
     if a is b:
         return True
     specials = [(t.eos_token_id, t.bos_token_id, t.unk_token_id) for t in (a, b)]
@@ -343,8 +311,7 @@ def same_tokenizer(a, b) -> bool:
 
 
 def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: str | None):
-    """The reward model's tokenizer: from `--reward_tokenizer_path`, else from the reward model's own directory;
-    None without a reward model."""
+    """The reward model's tokenizer (`--reward_tokenizer_path`, else its own folder); None without one."""
     from transformers import AutoTokenizer
 
     if reward_model_path is None:
@@ -355,8 +322,7 @@ def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: 
 
 
 def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
-    """The longest sequence the reward model accepts: the smaller of its position limit and the tokenizer's
-    model_max_length (None when neither says)."""
+    """The longest sequence the reward model takes (position limit, tokenizer limit), or None."""
     config = getattr(getattr(reward_model, "module", reward_model), "config", None)
     limits = [
         getattr(config, "max_position_embeddings", None),
@@ -369,13 +335,10 @@ def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
 def encode_for_reward(
     reward_tokenizer, prompt, completion: str, max_length: int | None, finished: bool = True
 ) -> tuple[list[int], bool]:
-    """Reward-model ids of one prompt + completion and whether they were cut from the left to `max_length`.
+    """Reward-model ids of one prompt + completion, and whether they were cut from the left to `max_length`.
 
-    prompt: text, or a list of {role, content} messages (conversational data). With messages and a chat template,
-    the whole conversation (the completion as the assistant's turn) goes through the template. Otherwise, as in
-    reward.py: ids(prompt) + ids(completion) + [EOS], the EOS added unless the completion already ends with it or
-    is not `finished` (the policy did not end it with its own EOS: the reward model sees it unfinished too, as
-    on the fast path)."""
+    Messages with a chat template: the whole conversation rendered and encoded. Otherwise ids(prompt) +
+    ids(completion) + [EOS], the EOS only when the policy `finished` the completion and it is not there yet."""
     if not isinstance(prompt, str) and getattr(reward_tokenizer, "chat_template", None):
         messages = [*prompt, {"role": "assistant", "content": completion}]
         text = reward_tokenizer.apply_chat_template(messages, tokenize=False)
@@ -396,8 +359,7 @@ def encode_for_reward(
 
 
 class RewardScorer:
-    """Scores [B] of truncated query + response rows from a reward model (with its own tokenizer or the policy's)
-    or from a reward function; see the module docstring for the two paths."""
+    """Scores [B] of truncated query + response rows from a reward model or a reward function (module docstring)."""
 
     def __init__(
         self,
@@ -443,31 +405,30 @@ class RewardScorer:
         )
 
     def take_num_truncated(self) -> int:
-        """Rows cut from the left to the reward model's length since the last call (a metric), reset to 0."""
+        """Rows cut to the reward model's length since the last call; reset."""
         count, self.num_truncated = self.num_truncated, 0
         return count
 
     def log_metric(self, name: str, value: float) -> None:
-        """The `log_metric` a TRL-style reward function calls: one scalar for this batch."""
+        """The `log_metric` a TRL-style reward function calls."""
         self.logged_metrics[name].append(float(value))
 
     def log_extra(self, column: str, values: list) -> None:
-        """The `log_extra` a TRL-style reward function calls: a column of the sample table, one value per row."""
+        """The `log_extra` a TRL-style reward function calls: one sample-table column."""
         self.logged_extra[column].extend(values)
 
     def take_logged(self) -> dict[str, float]:
-        """The mean of each scalar the reward function reported through log_metric since the last call; reset."""
+        """The mean of each log_metric scalar since the last call; reset."""
         logged, self.logged_metrics = self.logged_metrics, defaultdict(list)
         return {name: sum(values) / len(values) for name, values in logged.items() if values}
 
     def take_extra(self) -> dict[str, list]:
-        """The columns the reward function reported through log_extra since the last call; reset."""
+        """The log_extra columns since the last call; reset."""
         extra, self.logged_extra = self.logged_extra, defaultdict(list)
         return dict(extra)
 
     def renders_conversations(self, prompts: Sequence | None) -> bool:
-        """True when a reward model scores through its tokenizer's chat template, as TRL does: the prompts are
-        message lists and that tokenizer has a template."""
+        """True when prompts are message lists and the reward tokenizer has a chat template."""
         return (
             self.reward_model is not None
             and bool(prompts)
@@ -476,9 +437,8 @@ class RewardScorer:
         )
 
     def texts(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int):
-        """(prompts, completions, finished) decoded with the policy's tokenizer from the real tokens of each row
-        (special tokens such as EOS and padding dropped; ids the policy's tokenizer does not hold are skipped);
-        finished[b]: the completion's last real token is the policy's EOS."""
+        """(prompts, completions, finished) decoded with the policy's tokenizer from each row's real tokens
+        (special tokens dropped); finished: the last real token is the policy's EOS."""
         last = last_token_indices(attention_mask)
         eos = self.policy_tokenizer.eos_token_id
         finished = (query_responses.gather(1, last[:, None]).squeeze(1) == eos) & (last >= context_length)
@@ -500,8 +460,7 @@ class RewardScorer:
         context_length: int,
         prompts: Sequence | None = None,
     ) -> list[list[int]]:
-        """The reward model's ids of every row (decode with the policy's tokenizer, encode with the reward
-        model's); `prompts` (text or message lists, one per row) replaces the decoded prompts when given."""
+        """The reward model's ids of every row; `prompts` (text or messages) replaces the decoded prompts."""
         decoded_prompts, completions, finished = self.texts(query_responses, attention_mask, context_length)
         prompts = decoded_prompts if prompts is None else list(prompts)
         if len(prompts) != len(completions):
@@ -523,15 +482,10 @@ class RewardScorer:
         columns: dict[str, list] | None = None,
         trainer_state: TrainerState | None = None,
     ) -> torch.Tensor:
-        """Scores [B] of rows [B, T] (left-padded prompt, then the response truncated after its stop token; the
-        mask marks the real tokens).
+        """Scores [B] of rows [B, T]: left-padded prompt, then the response truncated after its stop token.
 
-        prompts: the dataset's raw prompt of each row (text or a list of messages; else `columns["prompt"]`).
-        With a reward model, message lists go through the reward tokenizer's chat template with the completion
-        as the assistant's turn (TRL's way), whichever tokenizer the policy has; text prompts replace the decoded
-        ones on the path of a reward model with its own tokenizer. With a reward function, they are its
-        `prompts`. columns: the dataset columns of each row and trainer_state, for a TRL-style reward function
-        (call_reward_fn); what it reports through log_metric / log_extra waits in take_logged / take_extra."""
+        prompts: each row's dataset prompt (text or messages; else `columns["prompt"]`). columns, trainer_state: for a
+        TRL-style reward function, whose log_metric / log_extra reports wait in take_logged / take_extra."""
         if self.reward_fn is not None:
             columns = dict(columns or {})
             if prompts is not None:
