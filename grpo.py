@@ -36,12 +36,16 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-import utils
+import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.generation
+import utils.loading
+import utils.logprobs
 import utils.run
 import utils.saving
 import utils.scoring
+import utils.tracking
 import utils.vllm
 
 
@@ -571,37 +575,41 @@ def main(args: Args) -> None:
     fill_sizes(args, accelerator.num_processes)
     utils.vllm.check_args(args)
     if not args.resume_from_checkpoint:
-        utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    reward_fns = [utils.load_reward_fn(spec) for spec in args.reward_funcs or []]
+        utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    reward_fns = [utils.scoring.load_reward_fn(spec) for spec in args.reward_funcs or []]
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
-    utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device, rank, G = accelerator.device, accelerator.process_index, args.num_generations
 
     # 1. Models: the policy; the frozen reference only when beta > 0; the reward model if any. Dropout off, so
     # the logprobs of the training forward pass equal those of sampling.
-    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
+    tokenizer = utils.loading.load_tokenizer(
+        args.model_name_or_path, "--model_name_or_path", args.chat_template_path
+    )
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
-    prompt_ids = utils.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     longest = max(map(len, prompt_ids)) + args.max_completion_length  # the longest sequence sampled
     utils.loading.check_context_length(
         args.model_name_or_path, longest, "--max_prompt_length or --max_completion_length"
     )
-    policy = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
-    utils.disable_dropout(policy)
+    policy = utils.loading.from_pretrained(
+        AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
+    )
+    utils.loading.disable_dropout(policy)
     ref_policy = reward_model = None
     if args.beta > 0:
-        ref_policy = utils.from_pretrained(
+        ref_policy = utils.loading.from_pretrained(
             AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
         )
-        utils.disable_dropout(ref_policy)
+        utils.loading.disable_dropout(ref_policy)
     if args.reward_model_path:
-        reward_model = utils.load_reward_model(args.reward_model_path)
+        reward_model = utils.scoring.load_reward_model(args.reward_model_path)
     if args.gradient_checkpointing:
-        utils.enable_gradient_checkpointing(policy)
+        utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     engine = None  # with --use_vllm, a vLLM engine samples the completions
@@ -610,7 +618,9 @@ def main(args: Args) -> None:
         engine = utils.vllm.Engine(args, accelerator, args.model_name_or_path, max_model_len)
     # vLLM's own logprobs of its samples: the importance weights compare them with the training forward's.
     generate = (
-        functools.partial(engine.generate, engine_logprobs=True) if engine is not None else utils.generate
+        functools.partial(engine.generate, engine_logprobs=True)
+        if engine is not None
+        else utils.generation.generate
     )
     if ref_policy is not None:
         ref_policy = utils.run.bare(utils.run.prepare_frozen(ref_policy, accelerator))
@@ -632,7 +642,7 @@ def main(args: Args) -> None:
 
     # Resume: the weights, optimizer and random generators; the prompt iterator is replayed to its place.
     P, B = args.local_prompts_per_generation, args.local_generation_batch_size
-    batches = utils.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
+    batches = utils.data.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
     sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
     shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
     generators = {"sampling": sampling_generator, "shuffle": shuffle_generator}
@@ -658,7 +668,7 @@ def main(args: Args) -> None:
         # 2. Generation: P prompts stored once [P, Q], G * P completions in completion-major order (row i <-
         # prompt i % P), sampled with their logprobs and truncated after EOS. The groups stay on this process.
         examples = next(batches)  # dataset indices of this process's P prompts
-        queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
+        queries, query_mask = utils.generation.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         generation += 1
         context_length = queries.size(1)
         completion_rows = torch.arange(B, device=device)
@@ -679,10 +689,12 @@ def main(args: Args) -> None:
                 responses.append(query_responses[:, context_length:])
                 sampled_logprobs.append(logprobs)
         sampled_logprobs = torch.cat(sampled_logprobs)
-        responses, lengths = utils.truncate_response(torch.cat(responses), eos_id, pad_id)
-        response_mask = utils.lengths_to_mask(lengths, R)
+        responses, lengths = utils.generation.truncate_response(torch.cat(responses), eos_id, pad_id)
+        response_mask = utils.generation.lengths_to_mask(lengths, R)
         has_eos = ((responses == eos_id) & response_mask).any(1)
-        rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
+        rows_at = functools.partial(
+            utils.generation.query_response_rows, queries, query_mask, responses, response_mask
+        )
 
         # 3. Old logprobs (unless on-policy), rewards of every reward function / model, their weighted sum (NaN
         # where no reward scored a completion), and the group-relative advantages.
@@ -696,7 +708,7 @@ def main(args: Args) -> None:
             for idx in completion_rows.split(chunk):
                 rows, mask = rows_at(idx)
                 if recomputes_old_logprobs(args):
-                    old_logprobs.append(utils.batched_response_logprobs(policy, rows, mask, context_length, T,
+                    old_logprobs.append(utils.logprobs.batched_response_logprobs(policy, rows, mask, context_length, T,
                                                                         chunk))  # fmt: skip
                 of_rows = utils.data.columns_of_rows(columns, examples, idx)
                 of_prompts = [raw_prompts[examples[r % P]] for r in idx.tolist()]
@@ -704,7 +716,7 @@ def main(args: Args) -> None:
                                  trainer_state=trainer_state) for scorer in scorers]  # fmt: skip
                 rewards_per_func.append(torch.stack(scores, 1).float())
                 if ref_policy is not None:
-                    ref_logprobs.append(utils.batched_response_logprobs(ref_policy, rows, mask, context_length,
+                    ref_logprobs.append(utils.logprobs.batched_response_logprobs(ref_policy, rows, mask, context_length,
                                                                         T, chunk))  # fmt: skip
         old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
         ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else None
@@ -765,7 +777,7 @@ def main(args: Args) -> None:
             for idx in step_batches:
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
-                    logprobs, entropy, _ = utils.response_logprobs(
+                    logprobs, entropy, _ = utils.logprobs.response_logprobs(
                         policy, query_responses, attention_mask, context_length, T, with_stats=True
                     )
                     mask = loss_mask[idx]

@@ -38,12 +38,17 @@ from typing import Literal
 
 import torch
 
-import utils
+import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.generation
+import utils.loading
+import utils.logprobs
 import utils.run
 import utils.saving
 import utils.scoring
+import utils.stats
+import utils.tracking
 import utils.trl_flags
 import utils.vllm
 
@@ -400,7 +405,7 @@ def sequence_level_rewards(scores, kl, mask, kl_coef):
 def token_level_rewards(scores, kl, lengths, kl_coef):
     """Per-token rewards [B, R]: -kl_coef * kl_t on every response token, plus the score on the last kept token
     (the EOS when there is one; index lengths - 1, never the token after it). Zero on padding."""
-    mask = utils.lengths_to_mask(lengths, kl.size(1))
+    mask = utils.generation.lengths_to_mask(lengths, kl.size(1))
     rewards = -kl_coef * kl * mask
     return rewards.scatter_add(1, (lengths - 1)[:, None], scores[:, None].to(rewards.dtype))
 
@@ -440,10 +445,10 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange, clipran
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + (cliprange_high or cliprange))
     per_action = torch.max(unclipped, clipped)
-    loss = utils.masked_mean(per_action, weights)
+    loss = utils.stats.masked_mean(per_action, weights)
     with torch.no_grad():
-        clipfrac = utils.masked_mean((clipped > unclipped).float(), weights)
-        approxkl = utils.masked_mean(0.5 * log_ratio**2, weights)
+        clipfrac = utils.stats.masked_mean((clipped > unclipped).float(), weights)
+        approxkl = utils.stats.masked_mean(0.5 * log_ratio**2, weights)
     return loss, ratio.detach()[weights.bool()], clipfrac, approxkl
 
 
@@ -461,7 +466,7 @@ def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: valu
     def whiten(values, action_mask, shift_mean=True):
         missing = values.isnan()
         kept = gather((action_mask & ~missing).long())
-        whitened = utils.masked_whiten(gather(values.masked_fill(missing, 0)), kept, shift_mean)
+        whitened = utils.stats.masked_whiten(gather(values.masked_fill(missing, 0)), kept, shift_mean)
         return (local(whitened) * action_mask).masked_fill(missing, math.nan)
 
     if len(args.reward_clip_range or ()) == 2:
@@ -507,13 +512,15 @@ def sample(args, accelerator, policy, queries, query_mask, num_completions, key,
     responses, logprobs = [], []  # per call: [num_completions, prompts of the call, R]
     if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
         engine.sync_weights(policy, accelerator)
-    generate = engine.generate if engine is not None else utils.generate
+    generate = engine.generate if engine is not None else utils.generation.generate
     policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
     with utils.run.gathered_for_generation(policy, accelerator) as sampler:
         for start in range(0, P, prompts_per_call):
             prompt = torch.arange(start, min(start + prompts_per_call, P), device=queries.device)
             rows = prompt.repeat(num_completions)  # completion-major within the call
-            noise = utils.sampling_generator(args.seed, *key, first_prompt + start, device=queries.device)
+            noise = utils.generation.sampling_generator(
+                args.seed, *key, first_prompt + start, device=queries.device
+            )
             query_responses, call_logprobs = generate(
                 sampler, queries[rows], query_mask[rows], args.response_length, args.temperature, rows.numel(),
                 noise,
@@ -522,8 +529,8 @@ def sample(args, accelerator, policy, queries, query_mask, num_completions, key,
             logprobs.append(call_logprobs.unflatten(0, (num_completions, -1)))
     responses = torch.cat(responses, 1).flatten(0, 1)
     logprobs = torch.cat(logprobs, 1).flatten(0, 1)
-    responses, lengths = utils.truncate_response(responses, stop_token_id, pad_id)
-    return responses, lengths, utils.lengths_to_mask(lengths, args.response_length), logprobs
+    responses, lengths = utils.generation.truncate_response(responses, stop_token_id, pad_id)
+    return responses, lengths, utils.generation.lengths_to_mask(lengths, args.response_length), logprobs
 
 
 def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
@@ -547,14 +554,20 @@ def rollout(args, accelerator, policy, ref_policy, scorers, queries, query_mask,
         pad_id, engine,
     )  # fmt: skip
     chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
-    rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
+    rows_at = functools.partial(
+        utils.generation.query_response_rows, queries, query_mask, responses, response_mask
+    )
     ref_logprobs, rewards, recomputed, P = [], [], [], queries.size(0)
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         query_responses, mask = rows_at(idx)
-        ref_logprobs.append(utils.batched_response_logprobs(ref_policy, query_responses, mask, Q, T, chunk))
+        ref_logprobs.append(
+            utils.logprobs.batched_response_logprobs(ref_policy, query_responses, mask, Q, T, chunk)
+        )
         if recompute_old_logprobs:  # the bare policy: the same forward as training, without DDP's hooks
             bare = utils.run.bare(policy)
-            recomputed.append(utils.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk))
+            recomputed.append(
+                utils.logprobs.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk)
+            )
         of_rows = utils.data.columns_of_rows(columns or {}, examples, idx)
         prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()] if len(raw_prompts) else None
         rewards.append(score_rows(scorers, query_responses, mask, Q, chunk, prompts=prompts, columns=of_rows,
@@ -592,9 +605,9 @@ def main(args: Args) -> dict:
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
-    reward_fns = [utils.load_reward_fn(spec) for spec in args.reward_funcs or []]
+    reward_fns = [utils.scoring.load_reward_fn(spec) for spec in args.reward_funcs or []]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
-    utils.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
     raw_prompts = list(dataset["prompt"])  # what reward models and functions read: the text or the messages
@@ -605,7 +618,9 @@ def main(args: Args) -> dict:
         sample_prompts = utils.data.load_split(
             args.dataset_name, args.dataset_test_split, args.dataset_config
         )
-        utils.check_columns(sample_prompts, ["prompt"], f"--dataset_test_split {args.dataset_test_split}")
+        utils.data.check_columns(
+            sample_prompts, ["prompt"], f"--dataset_test_split {args.dataset_test_split}"
+        )
         sample_prompts = sample_prompts.select(
             range(min(4, len(sample_prompts)))
         )  # rendered with the tokenizer
@@ -617,7 +632,9 @@ def main(args: Args) -> dict:
     elif args.eval_steps:
         args.num_sample_generations = max(1, args.num_total_batches // args.eval_steps)
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    utils.check_output_dir(args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint))
+    utils.checkpoint.check_output_dir(
+        args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint)
+    )
     ckpt = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path; takes its run name
     recompute_old_logprobs = args.recompute_old_logprobs == "true" or (
         args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
@@ -633,24 +650,24 @@ def main(args: Args) -> dict:
     tokenizer_path, tokenizer_flag = (
         (args.model_name_or_path, "--model_name_or_path") if args.model_name_or_path else (policy_path, policy_flag)
     )  # fmt: skip
-    tokenizer = utils.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
+    tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
-    prompt_ids = utils.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     if sample_prompts is not None:
         sample_texts = utils.data.prompt_texts(sample_prompts, tokenizer, "--dataset_test_split")
-        sample_prompts = utils.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
+        sample_prompts = utils.chat.tokenize_prompts(tokenizer, sample_texts, args.max_prompt_length)
 
     # 3. Models: the policy, its frozen copy as reference, the reward model; dropout off in all of them, so the
     # logprobs of the training forward pass equal those of sampling. Frozen models run in the policy's precision.
-    policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    ref_policy = utils.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    reward_model = utils.load_reward_model(args.reward_model_path) if args.reward_model_path else None
+    policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     for model in (policy, ref_policy):
-        utils.disable_dropout(model)
+        utils.loading.disable_dropout(model)
     if args.gradient_checkpointing:
-        utils.enable_gradient_checkpointing(policy)
+        utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
@@ -675,7 +692,7 @@ def main(args: Args) -> dict:
                         generators={"shuffle": shuffle_generator})  # fmt: skip
     state = ckpt.resume(**checkpointed) or {"step": 0}
     start = state["step"]
-    batches = utils.prompt_batches(
+    batches = utils.data.prompt_batches(
         len(prompt_ids), args.local_dataloader_batch_size, args.world_size, rank, args.seed
     )
     for _ in range(state.get("prompt_batches", 0)):  # the data order continues where the checkpoint left it
@@ -703,7 +720,7 @@ def main(args: Args) -> dict:
         # 5. Rollout: P prompts stored once [P, Q], k * P completions in completion-major order (row i <- prompt
         # i % P); reference logprobs and scores of the truncated rows, in the policy's precision.
         examples = next(batches)  # dataset indices of this process's P prompts
-        queries, query_mask = utils.left_pad([prompt_ids[i] for i in examples], pad_id, device)
+        queries, query_mask = utils.generation.left_pad([prompt_ids[i] for i in examples], pad_id, device)
         context_length = queries.size(1)
         # Reward functions see TRL's trainer state: optimizer steps done and planned, passes over the prompts.
         trainer_state = utils.scoring.TrainerState(
@@ -721,7 +738,9 @@ def main(args: Args) -> dict:
         # TRL 1.16 leaves a completion no reward scored (NaN) out; under TRL 0.19's flags a NaN stops the run.
         checked = scores.nan_to_num(0.0) if args.dialect == "1.16" else scores
         utils.tracking.check_finite(update, accelerator, scores=checked)
-        rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
+        rows_at = functools.partial(
+            utils.generation.query_response_rows, queries, query_mask, responses, response_mask
+        )
         has_eos = ((responses == eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
@@ -749,7 +768,7 @@ def main(args: Args) -> dict:
             for idx in order.split(args.per_device_train_batch_size):
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
-                    new_logprobs, entropy, _ = utils.response_logprobs(
+                    new_logprobs, entropy, _ = utils.logprobs.response_logprobs(
                         policy, query_responses, attention_mask, context_length, T, with_stats=True
                     )
                     loss, ratio, clipfrac, approxkl = policy_loss(
@@ -767,7 +786,7 @@ def main(args: Args) -> dict:
                     if accelerator.sync_gradients:
                         grad_norms.append(utils.run.grad_norm_after_step(policy, measured))
                 with torch.no_grad():
-                    entropy = utils.masked_mean(entropy, response_mask[idx])
+                    entropy = utils.stats.masked_mean(entropy, response_mask[idx])
                     stats += torch.stack([loss.detach(), approxkl, clipfrac, entropy])
                     shift = ratio - 1
                     ratio_sums += torch.stack([shift.sum(), (shift**2).sum(), shift.new_tensor(len(shift))])
@@ -818,13 +837,13 @@ def main(args: Args) -> dict:
         if args.num_sample_generations and (update % sample_every == 0 or update == 1):
             shown, table_scores = torch.arange(min(P, 4), device=device), scores
             if sample_prompts is not None:
-                queries, query_mask = utils.left_pad(sample_prompts, pad_id, device)
+                queries, query_mask = utils.generation.left_pad(sample_prompts, pad_id, device)
                 shown = torch.arange(queries.size(0), device=device)
                 with accelerator.autocast():
                     responses, _, response_mask, _ = sample(
                         args, accelerator, policy, queries, query_mask, 1, (0,), 0, stop_token_id, pad_id
                     )
-                    query_responses, mask = utils.query_response_rows(
+                    query_responses, mask = utils.generation.query_response_rows(
                         queries, query_mask, responses, response_mask, shown
                     )
                     table_rewards = score_rows(

@@ -81,7 +81,7 @@ def test_token_level_rewards_put_the_score_on_the_eos_token():
     )
     torch.testing.assert_close(out, expected)
     # summed over the tokens it is the sequence-level reward
-    mask = rloo.utils.lengths_to_mask(lengths, 4)
+    mask = rloo.utils.generation.lengths_to_mask(lengths, 4)
     torch.testing.assert_close(out.sum(1), rloo.sequence_level_rewards(scores, kl, mask, 0.1))
 
 
@@ -89,7 +89,7 @@ def test_token_level_advantages_match_loop():
     k, num_prompts, width = 3, 2, 5
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([5, 1, 3, 4, 2, 5])
-    mask = rloo.utils.lengths_to_mask(lengths, width)
+    mask = rloo.utils.generation.lengths_to_mask(lengths, width)
     rewards = torch.randn(k * num_prompts, width, generator=g) * mask
     out = rloo.token_level_advantages(rewards, mask, k)
     totals = [sum(rewards[i, : lengths[i]].tolist()) for i in range(k * num_prompts)]
@@ -120,7 +120,7 @@ def test_normalize_scores_and_clip():
 def test_normalize_advantage_uses_the_whitening_of_utils():
     advantages = torch.tensor([[1.0, 3.0, 100.0], [5.0, 7.0, 100.0]])  # the 100s are padding
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
-    out = rloo.utils.masked_whiten(advantages, mask) * mask
+    out = rloo.utils.stats.masked_whiten(advantages, mask) * mask
     kept = out[mask]
     assert kept.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert kept.std().item() == pytest.approx(1.0, abs=1e-4)
@@ -156,7 +156,7 @@ def test_policy_loss_token_level_matches_loop():
     g = torch.Generator().manual_seed(1)
     new, old = torch.randn(3, 4, generator=g) * 0.3, torch.randn(3, 4, generator=g) * 0.3
     advantages = torch.randn(3, 4, generator=g)
-    mask = rloo.utils.lengths_to_mask(torch.tensor([4, 2, 3]), 4)
+    mask = rloo.utils.generation.lengths_to_mask(torch.tensor([4, 2, 3]), 4)
     loss, ratio, clipfrac, approxkl = rloo.policy_loss(new, old, advantages, mask, 0.1)
     losses, clipped, kls, ratios = [], [], [], []
     for i in range(3):
