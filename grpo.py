@@ -1,28 +1,26 @@
 """Group Relative Policy Optimization (GRPO) for language models, in one file, with the variants that matter.
 
 Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models" (2024),
-https://arxiv.org/abs/2402.03300. Variants: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476: clip-higher
-and the token-level loss), Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783: no std scaling, loss
-summed over tokens and divided by a constant), two-sided clipping `--delta` (INTELLECT-2, 2025).
+https://arxiv.org/abs/2402.03300. Variants: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476:
+clip-higher and the token-level loss), Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783: no std
+scaling, loss summed over tokens and divided by a constant), two-sided clipping `--delta` (INTELLECT-2, 2025).
 
 For each prompt the policy samples a group of `--num_generations` completions. A completion's reward is the
-weighted sum of one or more reward functions and/or a reward model; its advantage is its reward minus the
-mean of its group, divided by the group's std (`--scale_rewards group`), the batch's std (`batch`) or nothing
-(`none`, Dr. GRPO). Every token of the completion gets that advantage, and the loss is PPO's clipped surrogate
-per token, `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` with r the ratio to the sampling policy, plus
-`beta` times the k3 estimate of the KL to the reference model, times r (`--use_bias_correction_kl`; beta = 0 by
-default: no reference model is loaded). `--loss_type` decides how the per-token losses are averaged (see
-`aggregate_loss`). There is no critic and, unlike PPO/RLOO, no KL in the reward. The flags mean what TRL 1.16's
-GRPOConfig means by them (the reward model comes first among the rewards, as in TRL's script); with `--use_vllm`
-the loss is weighted by importance weights between the training forward and vLLM's sampler.
+weighted sum of reward functions and/or a reward model; its advantage is its reward minus the mean of its
+group, divided by the group's std (`--scale_rewards group`), the batch's (`batch`) or nothing (`none`).
+Every token of the completion gets that advantage; the loss is PPO's clipped surrogate per token plus `beta`
+times the k3 estimate of the KL to the reference model (beta = 0 by default: no reference model is loaded).
+`--loss_type` decides how the per-token losses are averaged (see `aggregate_loss`). There is no critic and,
+unlike PPO/RLOO, no KL in the reward. The flags mean what TRL 1.16's GRPOConfig means by them.
 
 Batch layout, completion-major: the G*P completions of one generation are rows `g * P + p` (completion g of
 prompt p), i.e. `rewards.view(G, P)`. Prompts are stored once ([P, Q]); the rows are built at forward time.
 Each process samples whole groups for its own prompts, so a group is never split across processes.
 
-    python grpo.py --model_name_or_path models/sft --dataset_name data/prompts --reward_funcs rewards.py:exact \
-        --num_generations 8 --per_device_train_batch_size 32 --max_completion_length 16 --learning_rate 1e-5 \
-        --loss_type dapo --epsilon_high 0.28 --max_steps 200 --output_dir models/grpo
+    python grpo.py --model_name_or_path models/sft --dataset_name data/prompts \
+        --reward_funcs rewards.py:exact --num_generations 8 --per_device_train_batch_size 32 \
+        --max_completion_length 16 --learning_rate 1e-5 --loss_type dapo --epsilon_high 0.28 --max_steps 200 \
+        --output_dir models/grpo
 """
 
 import functools
@@ -55,7 +53,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment (model init is the checkpoint's; this seeds sampling and shuffling)"""
+    """seed of sampling and shuffling (model init is the checkpoint's)"""
     run_name: str | None = None
     """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
     track: bool = False
@@ -75,7 +73,7 @@ class Args:
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
-    """save a checkpoint every this many optimizer steps (0: only when stopped by a signal)"""
+    """checkpoint every this many optimizer steps (0: only on SIGTERM/SIGINT)"""
     save_total_limit: int | None = None
     """keep only the newest this-many checkpoints (None: keep all)"""
     resume_from_checkpoint: str | None = None
@@ -83,21 +81,17 @@ class Args:
 
     # Models and data
     model_name_or_path: str | None = None
-    """the policy to start from (hub id or local dir) and its tokenizer; also the reference model when beta > 0"""
-    reward_funcs: Annotated[list[str] | None, tyro.conf.arg(aliases=("--reward_fn",))] = None
-    """reward functions, each path/to/file.py:function or module.function, returning one float per completion: called as
-    function(prompts, completions) on texts, or, when it takes **kwargs, as TRL calls it (keywords prompts,
-    completions and every dataset column, e.g. solution; messages for conversational prompts)"""
+    """the policy to start from and its tokenizer (hub id or local dir); also the reference when beta > 0"""
     reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
-    """a sequence classifier (one label) as one more reward, before the --reward_funcs (TRL's order)"""
+    """a sequence classifier (one label) as a reward, before the --reward_funcs (TRL's order)"""
     reward_tokenizer_path: str | None = None
-    """the reward model's tokenizer when it differs from the policy's (None: the one in --reward_model_path)"""
+    """the reward model's tokenizer if not the policy's (None: the one in --reward_model_path)"""
+    reward_funcs: Annotated[list[str] | None, tyro.conf.arg(aliases=("--reward_fn",))] = None
+    """reward functions, path/to/file.py:function or module.function, one float (or None) per completion"""
     reward_weights: list[float] | None = None
-    """one weight per reward (the reward model first, then the --reward_funcs in order, as TRL's script); None:
-    all 1"""
+    """one weight per reward (the reward model first, then the --reward_funcs); None: all 1"""
     dataset_name: str = "trl-lib/tldr"
-    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file; needs a `prompt` column (text,
-    or conversations rendered with the chat template and its generation prompt); other columns are ignored"""
+    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file, with a `prompt` column"""
     dataset_config: str | None = None
     """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
@@ -117,14 +111,11 @@ class Args:
     max_completion_length: int = 256
     """tokens sampled per completion (then truncated after EOS); also Dr. GRPO's loss constant"""
     temperature: float = 1.0
-    """sampling temperature; the logprobs of the loss are taken at the same temperature"""
-    mask_truncated_completions: bool = False
-    """leave completions that reached max_completion_length without EOS out of the loss (DAPO)"""
+    """sampling temperature, also of the logprobs of the loss"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / reference / reward-model forward pass"""
     use_vllm: bool = False
-    """sample the rollouts with vLLM (pip install -r requirements-vllm.txt); the old logprobs then come from a
-    training forward pass after sampling, and vLLM's own ones weight the loss (--vllm_importance_sampling_*)"""
+    """sample with vLLM (pip install -r requirements-vllm.txt); its logprobs weight the loss (see below)"""
     vllm_mode: Literal["colocate"] = "colocate"
     """colocate: a vLLM engine in each training process, on its device (TRL's server mode is not provided)"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -132,13 +123,11 @@ class Args:
     vllm_tensor_parallel_size: int = 1
     """processes that share one vLLM engine, tensor-parallel (must divide the number of processes)"""
     vllm_importance_sampling_correction: bool = True
-    """with --use_vllm, weight each token's policy loss by p_train / p_vllm of its sampled tokens, truncated or
-    masked (see vllm_importance_weights): vLLM's kernels sample from a slightly different distribution"""
+    """with --use_vllm, weight each token's loss by p_train / p_vllm (see vllm_importance_weights)"""
     vllm_importance_sampling_mode: Literal[
         "sequence_mask", "sequence_truncate", "token_mask", "token_truncate"
     ] = "sequence_mask"
-    """one weight per sequence (product of its tokens' ratios) or per token; out-of-range weights set to 0
-    (mask) or clamped into [clip_min, clip_max] (truncate)"""
+    """one weight per sequence or per token; out-of-range weights set to 0 (mask) or clamped (truncate)"""
     vllm_importance_sampling_clip_max: float | None = 3.0
     """upper bound C_max of the importance weights (None: none)"""
     vllm_importance_sampling_clip_min: float | None = None
@@ -158,13 +147,11 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     generation_batch_size: int | None = None
-    """completions per generation over all processes; a multiple of per_device_train_batch_size * processes, it
-    sets --steps_per_generation (give one of the two; None: filled in from --steps_per_generation)"""
+    """completions per generation over all processes (give it or --steps_per_generation; filled in)"""
     steps_per_generation: int | None = None
-    """micro-batches per process made from one generation, a multiple of --gradient_accumulation_steps (None:
-    from --generation_batch_size, else gradient_accumulation_steps; filled in)"""
+    """micro-batches per process per generation, a multiple of --gradient_accumulation_steps (filled in)"""
     num_iterations: int = 1
-    """passes over each generation (mu in the paper); > 1 relies on the clipped ratio to the sampling policy"""
+    """passes over each generation (mu in the paper); > 1 relies on the clipped ratio"""
     max_steps: int = -1
     """optimizer steps in total (-1: from --num_train_epochs)"""
     num_train_epochs: float = 3.0
@@ -172,21 +159,19 @@ class Args:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the group-centred rewards by the group's std, the whole batch's std, or nothing (Dr. GRPO)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
-    """how per-token losses are averaged: per-sequence means (grpo), token mean of the micro-batch (bnpo), sum
-    over a constant (dr_grpo), token mean of the whole optimizer step over all processes (dapo); cispo (MiniMax-M1:
-    clipped, detached ratio times logprob, averaged as dapo) and sapo (a sigmoid gate instead of the clip, averaged
-    as grpo) change the per-token loss too (see policy_token_loss)"""
+    """how the per-token losses are averaged (see aggregate_loss); cispo and sapo also change the loss"""
     epsilon: float = 0.2
     """lower clip range of the ratio: 1 - epsilon"""
     epsilon_high: float | None = None
     """upper clip range of the ratio: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    mask_truncated_completions: bool = False
+    """leave completions that reached max_completion_length without EOS out of the loss (DAPO)"""
     delta: float | None = None
-    """two-sided clipping: cap the ratio at delta also where the advantage is negative (None: off; > 1 + eps)"""
+    """two-sided clipping: cap the ratio at delta also where the advantage is negative (None: off)"""
     beta: float = 0.0
     """weight of the KL to the reference model (k3 estimator) in the loss; 0 loads no reference model"""
     use_bias_correction_kl: bool = True
-    """multiply the per-token KL by the ratio to the old policy (with its gradient; DeepSeek-V3.2), which makes its
-    gradient the unbiased reverse-KL gradient"""
+    """multiply the per-token KL by the ratio to the old policy (DeepSeek-V3.2): an unbiased KL gradient"""
     sapo_temperature_pos: float = 1.0
     """sapo: temperature of the gate for tokens with a positive advantage"""
     sapo_temperature_neg: float = 1.05
@@ -202,138 +187,16 @@ class Args:
     world_size: int = 0
     """number of processes (filled in at runtime)"""
     local_generation_batch_size: int = 0
-    """completions per process per generation = per_device_train_batch_size * steps_per_generation (filled in)"""
+    """completions per process per generation (filled in at runtime)"""
     local_prompts_per_generation: int = 0
     """prompts per process per generation = local_generation_batch_size / num_generations (filled in)"""
     steps_per_generation_round: int = 0
-    """optimizer steps made from one generation = steps_per_generation / gradient_accumulation_steps *
-    num_iterations (filled in at runtime)"""
+    """optimizer steps made from one generation (filled in at runtime)"""
     total_steps: int = 0
     """optimizer steps of the run: --max_steps, or from --num_train_epochs (filled in at runtime)"""
 
 
-def check_importance_sampling_flags(args: Args) -> None:
-    """TRL's checks of the --vllm_importance_sampling_* flags (made with or without --use_vllm, as TRL does);
-    the deprecated --vllm_importance_sampling_cap becomes --vllm_importance_sampling_clip_max."""
-    if args.vllm_importance_sampling_cap is not None:
-        warnings.warn(
-            "--vllm_importance_sampling_cap is deprecated; use --vllm_importance_sampling_clip_max.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_cap = (
-            args.vllm_importance_sampling_cap,
-            None,
-        )
-    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    if low is not None and high is not None and low >= high:
-        raise ValueError(
-            f"--vllm_importance_sampling_clip_min {low} must be below --vllm_importance_sampling_clip_max {high}."
-        )
-    truncating = args.vllm_importance_sampling_mode.endswith("_truncate")
-    if args.vllm_importance_sampling_correction and truncating and low is None and high is None:
-        raise ValueError(
-            f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} needs "
-            "--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max."
-        )
-
-
-def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags and compute the derived batch sizes; ValueError with one sentence on a bad value."""
-    if args.num_generations < 2:
-        raise ValueError(
-            f"--num_generations must be at least 2 (a group needs a mean), got {args.num_generations}."
-        )
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                 "max_completion_length", "local_rollout_forward_batch_size", "logging_steps"):  # fmt: skip
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
-    if args.temperature <= 0:
-        raise ValueError(
-            f"--temperature must be positive (GRPO needs sampled completions), got {args.temperature}."
-        )
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
-    if not 0 < args.epsilon < 1 or args.epsilon_high <= 0:
-        raise ValueError("--epsilon must lie in (0, 1) and --epsilon_high must be positive.")
-    if args.delta is not None and args.delta <= 1 + args.epsilon_high:
-        raise ValueError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
-    if args.beta < 0:
-        raise ValueError(f"--beta must be at least 0, got {args.beta}.")
-    if args.loss_type == "sapo" and min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
-        raise ValueError("--sapo_temperature_pos and --sapo_temperature_neg must be positive.")
-    check_importance_sampling_flags(args)
-    if args.model_name_or_path is None:
-        raise ValueError("pass the policy to train with --model_name_or_path.")
-    num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
-    if num_rewards == 0:
-        raise ValueError(
-            "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
-        )
-    if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
-        raise ValueError(
-            f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the reward model, "
-            "then the --reward_funcs)."
-        )
-    if args.max_steps == 0 or args.max_steps < -1 or (args.max_steps == -1 and args.num_train_epochs <= 0):
-        raise ValueError("set --max_steps to a positive number, or -1 with a positive --num_train_epochs.")
-    if not args.world_size:  # the first call sees the flags as given; a later one the sizes it filled in
-        given = (args.generation_batch_size, args.steps_per_generation)
-        global_micro_batch = args.per_device_train_batch_size * world_size
-        if None not in given:
-            raise ValueError(
-                "give --generation_batch_size or --steps_per_generation, not both (each sets the other)."
-            )
-        if args.generation_batch_size is not None:
-            if args.generation_batch_size < 1 or args.generation_batch_size % global_micro_batch:
-                raise ValueError(
-                    f"--generation_batch_size {args.generation_batch_size} must be a positive multiple of "
-                    f"per_device_train_batch_size * processes = {global_micro_batch}."
-                )
-            args.steps_per_generation = args.generation_batch_size // global_micro_batch
-        elif args.steps_per_generation is None:
-            args.steps_per_generation = args.gradient_accumulation_steps
-        args.generation_batch_size = args.steps_per_generation * global_micro_batch
-    if args.steps_per_generation < 1 or args.steps_per_generation % args.gradient_accumulation_steps:
-        raise ValueError(
-            f"--steps_per_generation {args.steps_per_generation} (micro-batches per process per generation) must "
-            f"be a positive multiple of --gradient_accumulation_steps {args.gradient_accumulation_steps}."
-        )
-    args.world_size = world_size
-    args.local_generation_batch_size = args.per_device_train_batch_size * args.steps_per_generation
-    if args.local_generation_batch_size % args.num_generations:
-        raise ValueError(
-            f"--num_generations {args.num_generations} must divide the completions per process per generation, "
-            f"per_device_train_batch_size * steps_per_generation = {args.local_generation_batch_size}, so that "
-            "groups stay whole on one process; change one of these flags."
-        )
-    args.local_prompts_per_generation = args.local_generation_batch_size // args.num_generations
-    args.steps_per_generation_round = (
-        args.steps_per_generation // args.gradient_accumulation_steps * args.num_iterations
-    )
-    if args.save_steps % args.steps_per_generation_round:
-        raise ValueError(
-            f"--save_steps {args.save_steps} must be a multiple of the {args.steps_per_generation_round} optimizer "
-            "steps made from one generation (checkpoints fall between generations)."
-        )
-    if num_prompts is not None:
-        prompts_per_generation = args.local_prompts_per_generation * world_size
-        if num_prompts < prompts_per_generation:
-            raise ValueError(
-                f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_generation} of one generation; "
-                "lower the batch flags or use a larger split."
-            )
-        if args.max_steps > 0:
-            args.total_steps = args.max_steps
-        else:
-            generations = math.ceil(args.num_train_epochs * (num_prompts // prompts_per_generation))
-            args.total_steps = generations * args.steps_per_generation_round
-    return args
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The math (pure functions; B = G * P completions in completion-major order, R completion tokens)
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the math ----------------------------------------------------------------------------------------------
 ADVANTAGE_EPS = 1e-4  # added to the std before dividing (TRL's value); a group of equal rewards gets A = 0
 
 
@@ -348,8 +211,12 @@ def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) 
     return std if keepdim else std.squeeze(dim)
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
-                     batch_std: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def group_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    batch_std: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A_i = (r_i - mean of r's group) / (std + eps). rewards [B] completion-major (row g * P + p) -> [B].
 
     scale_rewards: 'group' divides by the std of the group (unbiased, as torch.std), 'batch' by the std of the
@@ -369,14 +236,14 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The reward of each completion: sum_f weights[f] * rewards_per_func[:, f] over the rewards that scored it
-    (a reward function returns None, here NaN, for a completion it does not judge). [B, F], [F] -> [B]; NaN where
-    no reward scored the completion, with a warning, as TRL."""
+    """Reward [B] = sum_f weights[f] * rewards_per_func[:, f] over the rewards that scored the completion (a
+    function's None is NaN). [B, F], [F] -> [B]; NaN, with a warning, where no reward scored it (as TRL)."""
     unscored = rewards_per_func.isnan().all(1)
     if unscored.any():
         warnings.warn(
             f"every reward returned None for {int(unscored.sum())} completion(s) (e.g. row "
-            f"{int(unscored.nonzero()[0])}); they get advantage 0: make at least one reward score every completion.",
+            f"{int(unscored.nonzero()[0])}); they get advantage 0: make at least one reward score every "
+            "completion.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -384,22 +251,22 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman 2020): exp(d) - d - 1 with d = ref - logprob; >= 0."""
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman 2020): exp(d) - d - 1, d = ref - logprob; >= 0."""
     diff = ref_logprobs - logprobs
     return diff.exp() - diff - 1
 
 
 def kl_penalty(logprobs, old_logprobs, ref_logprobs, use_bias_correction_kl: bool = True) -> torch.Tensor:
-    """The per-token KL term [B, R] the loss adds (times beta): k3_kl(logprobs, ref_logprobs), multiplied, with
-    `use_bias_correction_kl`, by the ratio r = exp(logprobs - old_logprobs), not detached and not clipped
-    (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556; TRL's placement): the samples come from the old policy, and
-    r * grad k3 is then the unbiased gradient of KL(pi || pi_ref). On-policy r = 1, but its gradient is not 0."""
+    """Per-token KL term [B, R] (times beta in the loss): k3_kl(logprobs, ref_logprobs), times, with
+    `use_bias_correction_kl`, the ratio r = exp(logprobs - old_logprobs), not detached nor clipped
+    (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556): the samples come from the old policy, so r * grad k3 is
+    the unbiased gradient of KL(pi || pi_ref). On-policy r = 1, but its gradient is not 0."""
     kl = k3_kl(logprobs, ref_logprobs)
     return kl * (logprobs - old_logprobs).exp() if use_bias_correction_kl else kl
 
 
 def clipped_token_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high, delta=None):
-    """Per-token loss [B, R] = -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A), r = exp(logp - logp_old).
+    """Per-token loss [B, R] = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - logp_old).
 
     advantages [B] (one per completion, the same for all its tokens). With `delta` the unclipped ratio is also
     capped at delta, so a token with A < 0 whose ratio has run away cannot give an unbounded loss (two-sided
@@ -413,8 +280,8 @@ def clipped_token_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_
 
 
 def cispo_token_loss(logprobs, old_logprobs, advantages, epsilon_high):
-    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): -sg(min(r, epsilon_high)) A logprob per token [B, R];
-    the clip bounds the ratio's weight but, unlike PPO's, never removes a token's gradient. advantages [B]."""
+    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): -sg(min(r, epsilon_high)) A logprob per token
+    [B, R]; the cap bounds the ratio's weight but never removes a token's gradient. advantages [B]."""
     weight = (logprobs - old_logprobs).exp().clamp(max=epsilon_high).detach()
     return -weight * advantages[:, None] * logprobs
 
@@ -430,8 +297,8 @@ def sapo_token_loss(logprobs, old_logprobs, advantages, temperature_pos, tempera
 
 
 def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance_weights=None):
-    """The per-token policy loss [B, R] of `args.loss_type` (clipped_token_loss, cispo_token_loss or
-    sapo_token_loss) times the vLLM importance weights ([B, R] or [B, 1], see vllm_importance_weights) if any."""
+    """The per-token policy loss [B, R] of `args.loss_type` (clipped, cispo or sapo), times the vLLM
+    importance weights ([B, R] or [B, 1], see vllm_importance_weights) if any."""
     if args.loss_type == "cispo":
         loss = cispo_token_loss(logprobs, old_logprobs, advantages, args.epsilon_high)
     elif args.loss_type == "sapo":
@@ -445,11 +312,12 @@ def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance
     return loss if importance_weights is None else loss * importance_weights
 
 
-def vllm_importance_weights(old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None,
-                            clip_max=3.0) -> torch.Tensor:  # fmt: skip
+def vllm_importance_weights(
+    old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0
+) -> torch.Tensor:
     """Importance weights correcting for completions sampled by vLLM, whose kernels (and bf16) give another
-    distribution than the training forward's. old_logprobs (training forward), sampling_logprobs (vLLM's), mask
-    [B, R]; a NaN vLLM logprob counts as agreement. With d_t = (old_t - sampling_t) m_t:
+    distribution than the training forward's. old_logprobs (training forward), sampling_logprobs (vLLM's),
+    mask [B, R]; a NaN vLLM logprob counts as agreement. With d_t = (old_t - sampling_t) m_t:
 
     token_*     w_t = exp(d_t)              [B, R]
     sequence_*  w = exp(sum_t d_t)          [B, 1]  the whole completion's probability ratio
@@ -477,8 +345,8 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def clip_fractions(ratio, advantages, mask, epsilon_low, epsilon_high):
-    """Fractions of the masked tokens whose gradient the clip removed: (low, high, region). Low: r < 1 - eps_low
-    with A < 0; high: r > 1 + eps_high with A > 0; region: either. ratio, mask [B, R]; advantages [B]."""
+    """Fractions of the masked tokens whose gradient the clip removed: (low, high, region). Low: r < 1 -
+    eps_low with A < 0; high: r > 1 + eps_high with A > 0; region: either. ratio, mask [B, R]; A [B]."""
     advantages = advantages[:, None]
     low = (ratio < 1 - epsilon_low) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
@@ -486,7 +354,7 @@ def clip_fractions(ratio, advantages, mask, epsilon_low, epsilon_high):
 
 
 def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_items=None):
-    """One number from the per-token losses [B, R] of the kept tokens (mask [B, R]), L = max_completion_length:
+    """One number from the per-token losses [B, R] of the kept tokens (mask), L = max_completion_length:
 
     grpo    (1/B) sum_i (1/|o_i|) sum_t l_it       each completion weighs the same (Shao et al. 2024);
                                                     long completions' tokens weigh less (a length bias)
@@ -509,23 +377,85 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
     raise ValueError(f"unknown loss_type {loss_type!r}.")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------------------------
-def recomputes_old_logprobs(args: Args) -> bool:
-    """Whether the old logprobs come from a forward pass of the policy after sampling, as in TRL: when the
-    update is off-policy (several passes, or several optimizer steps per generation) or corrects for vLLM's
-    sampler. Otherwise each micro-batch's own logprobs, detached, are the old ones: the ratio is exactly 1 even
-    where sampling's logprobs differ from the training forward's (bf16, another kernel)."""
-    on_policy = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
-    return not on_policy or (args.use_vllm and args.vllm_importance_sampling_correction)
+# ---- rollout -----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sample(args, run, queries, query_mask):
+    """num_generations completions of each prompt [P, Q], completion-major, truncated after EOS: (responses,
+    lengths, response_mask [G * P, R], logprobs of sampling). Calls of `chunk` rows draw their noise from
+    run.sampling_generator in turn. With --use_vllm, vLLM samples them and its logprobs are returned."""
+    chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
+    R, T = args.max_completion_length, args.temperature
+    responses, logprobs = [], []
+    run.policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
+    if run.engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+        run.engine.sync_weights(run.policy, run.accelerator)
+    # vLLM's own logprobs of its samples: the importance weights compare them with the training forward's.
+    generate = (
+        functools.partial(run.engine.generate, engine_logprobs=True)
+        if run.engine is not None
+        else utils.generation.generate
+    )
+    with utils.run.gathered_for_generation(run.policy, run.accelerator) as model:
+        for rows in torch.arange(args.local_generation_batch_size, device=queries.device).split(chunk):
+            prompt = rows % P  # prompts repeated chunk by chunk, not G times at once
+            query_responses, call_logprobs = generate(
+                model, queries[prompt], query_mask[prompt], R, T, chunk, run.sampling_generator
+            )
+            responses.append(query_responses[:, queries.size(1) :])
+            logprobs.append(call_logprobs)
+    logprobs = torch.cat(logprobs)
+    responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_id, run.pad_id)
+    return responses, lengths, utils.generation.lengths_to_mask(lengths, R), logprobs
+
+
+def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
+    """Rewards [B, F] of the rows from each reward model / function, the reward model first (TRL's order);
+    kwargs: the RewardScorer's prompts, columns and trainer_state."""
+    return torch.stack(
+        [score(query_responses, mask, context_length, chunk, **kwargs) for score in scorers], 1
+    )
+
+
+@torch.no_grad()
+def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
+    """The rewards [B, F] of the sampled rows, the policy's logprobs from a forward pass when off-policy (else
+    None) and the reference's (None when beta = 0); `examples`: the P prompts' dataset rows."""
+    chunk, Q, T, P = args.local_rollout_forward_batch_size, queries.size(1), args.temperature, queries.size(0)
+    rows_at = functools.partial(
+        utils.generation.query_response_rows, queries, query_mask, responses, response_mask
+    )
+    ref_logprobs, rewards_per_func, old_logprobs = [], [], []
+    for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
+        query_responses, mask = rows_at(idx)
+        if recomputes_old_logprobs(args):
+            old = utils.logprobs.batched_response_logprobs(run.policy, query_responses, mask, Q, T, chunk)
+            old_logprobs.append(old)
+        columns = utils.data.columns_of_rows(run.columns, examples, idx)
+        prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()]
+        rewards = score_rows(
+            run.scorers,
+            query_responses,
+            mask,
+            Q,
+            chunk,
+            prompts=prompts,
+            columns=columns,
+            trainer_state=trainer_state,
+        )
+        rewards_per_func.append(rewards.float())
+        if run.ref_policy is not None:
+            ref_logprobs.append(
+                utils.logprobs.batched_response_logprobs(run.ref_policy, query_responses, mask, Q, T, chunk)
+            )
+    old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
+    ref_logprobs = torch.cat(ref_logprobs) if run.ref_policy is not None else None
+    return old_logprobs, ref_logprobs, torch.cat(rewards_per_func)
 
 
 def reward_metrics(rewards_per_func, rewards, num_generations, names, num_processes=1) -> dict[str, float]:
-    """TRL's reward metrics of one generation: rewards_per_func [W * B, F] and rewards [W * B] of all W processes
-    (each process's B rows completion-major), NaN where a reward did not score. reward, reward_std: nan-mean and
-    nan-std of the batch; rewards/<name>/mean and /std per reward; frac_reward_zero_std: the fraction of groups
-    whose rewards are all equal (TRL counts the batch's std instead under scale_rewards 'batch')."""
+    """TRL's reward metrics of one generation from rewards_per_func [W * B, F] and rewards [W * B] of all W
+    processes (NaN: not scored): nan-mean and nan-std of the batch and of each reward; frac_reward_zero_std,
+    the fraction of groups whose rewards are all equal."""
     group_std = nanstd(rewards.view(num_processes, num_generations, -1), 1)
     per_reward = {
         f"rewards/{name}/{stat}": fn(rewards_per_func[:, f]).item()
@@ -558,17 +488,182 @@ def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, 
     }
 
 
+# ---- checks and sizes --------------------------------------------------------------------------------------
+def check_importance_sampling_flags(args: Args) -> None:
+    """TRL's checks of the --vllm_importance_sampling_* flags (made with or without --use_vllm, as TRL does);
+    the deprecated --vllm_importance_sampling_cap becomes --vllm_importance_sampling_clip_max."""
+    if args.vllm_importance_sampling_cap is not None:
+        warnings.warn(
+            "--vllm_importance_sampling_cap is deprecated; use --vllm_importance_sampling_clip_max.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_cap = (
+            args.vllm_importance_sampling_cap,
+            None,
+        )
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"--vllm_importance_sampling_clip_min {low} must be below --vllm_importance_sampling_clip_max "
+            f"{high}."
+        )
+    truncating = args.vllm_importance_sampling_mode.endswith("_truncate")
+    if args.vllm_importance_sampling_correction and truncating and low is None and high is None:
+        raise ValueError(
+            f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} needs "
+            "--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max."
+        )
+
+
+def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
+    """Check the flags and compute the derived batch sizes; ValueError with one sentence on a bad value."""
+    if args.num_generations < 2:
+        raise ValueError(
+            f"--num_generations must be at least 2 (a group needs a mean), got {args.num_generations}."
+        )
+    positive = "per_device_train_batch_size gradient_accumulation_steps num_iterations max_completion_length"
+    for flag in f"{positive} local_rollout_forward_batch_size logging_steps".split():
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    if args.temperature <= 0:
+        raise ValueError(
+            f"--temperature must be positive (GRPO needs sampled completions), got {args.temperature}."
+        )
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
+    if not 0 < args.epsilon < 1 or args.epsilon_high <= 0:
+        raise ValueError("--epsilon must lie in (0, 1) and --epsilon_high must be positive.")
+    if args.delta is not None and args.delta <= 1 + args.epsilon_high:
+        raise ValueError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
+    if args.beta < 0:
+        raise ValueError(f"--beta must be at least 0, got {args.beta}.")
+    if args.loss_type == "sapo" and min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
+        raise ValueError("--sapo_temperature_pos and --sapo_temperature_neg must be positive.")
+    check_importance_sampling_flags(args)
+    if args.model_name_or_path is None:
+        raise ValueError("pass the policy to train with --model_name_or_path.")
+    num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
+    if num_rewards == 0:
+        raise ValueError(
+            "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
+        )
+    if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
+        raise ValueError(
+            f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the reward "
+            "model, then the --reward_funcs)."
+        )
+    if args.max_steps == 0 or args.max_steps < -1 or (args.max_steps == -1 and args.num_train_epochs <= 0):
+        raise ValueError("set --max_steps to a positive number, or -1 with a positive --num_train_epochs.")
+    if not args.world_size:  # the first call sees the flags as given; a later one the sizes it filled in
+        given = (args.generation_batch_size, args.steps_per_generation)
+        global_micro_batch = args.per_device_train_batch_size * world_size
+        if None not in given:
+            raise ValueError(
+                "give --generation_batch_size or --steps_per_generation, not both (each sets the other)."
+            )
+        if args.generation_batch_size is not None:
+            if args.generation_batch_size < 1 or args.generation_batch_size % global_micro_batch:
+                raise ValueError(
+                    f"--generation_batch_size {args.generation_batch_size} must be a positive multiple of "
+                    f"per_device_train_batch_size * processes = {global_micro_batch}."
+                )
+            args.steps_per_generation = args.generation_batch_size // global_micro_batch
+        elif args.steps_per_generation is None:
+            args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = args.steps_per_generation * global_micro_batch
+    if args.steps_per_generation < 1 or args.steps_per_generation % args.gradient_accumulation_steps:
+        raise ValueError(
+            f"--steps_per_generation {args.steps_per_generation} (micro-batches per process per generation) "
+            "must be a positive multiple of --gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps}."
+        )
+    args.world_size = world_size
+    args.local_generation_batch_size = args.per_device_train_batch_size * args.steps_per_generation
+    if args.local_generation_batch_size % args.num_generations:
+        raise ValueError(
+            f"--num_generations {args.num_generations} must divide the completions per process per "
+            "generation, per_device_train_batch_size * steps_per_generation = "
+            f"{args.local_generation_batch_size}, so that groups stay whole on one process; change one of "
+            "these flags."
+        )
+    args.local_prompts_per_generation = args.local_generation_batch_size // args.num_generations
+    args.steps_per_generation_round = (
+        args.steps_per_generation // args.gradient_accumulation_steps * args.num_iterations
+    )
+    if args.save_steps % args.steps_per_generation_round:
+        raise ValueError(
+            f"--save_steps {args.save_steps} must be a multiple of the {args.steps_per_generation_round} "
+            "optimizer steps made from one generation (checkpoints fall between generations)."
+        )
+    if num_prompts is not None:
+        prompts_per_generation = args.local_prompts_per_generation * world_size
+        if num_prompts < prompts_per_generation:
+            raise ValueError(
+                f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_generation} of one "
+                "generation; "
+                "lower the batch flags or use a larger split."
+            )
+        if args.max_steps > 0:
+            args.total_steps = args.max_steps
+        else:
+            generations = math.ceil(args.num_train_epochs * (num_prompts // prompts_per_generation))
+            args.total_steps = generations * args.steps_per_generation_round
+    return args
+
+
+def recomputes_old_logprobs(args: Args) -> bool:
+    """Whether the old logprobs come from a forward pass after sampling, as in TRL: when the update is
+    off-policy (several passes or optimizer steps per generation) or corrects for vLLM's sampler. Otherwise
+    each micro-batch's own logprobs, detached, are the old ones, so the ratio is exactly 1."""
+    on_policy = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
+    return not on_policy or (args.use_vllm and args.vllm_importance_sampling_correction)
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What a run holds fixed from setup to save."""
+
+    accelerator: object
+    tokenizer: object
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ref_policy: torch.nn.Module | None
+    scorers: list
+    reward_names: list[str]
+    weights: torch.Tensor
+    engine: object
+    pad_id: int
+    eos_id: int
+    prompt_ids: list
+    raw_prompts: list
+    columns: dict
+    batches: object
+    sampling_generator: torch.Generator
+    shuffle_generator: torch.Generator
+    checkpointer: utils.checkpoint.Checkpointer
+    checkpointed: dict
+    tracker: utils.tracking.Tracker
+    start_step: int
+    start_generation: int
+
+
+def gathered_mean(accelerator, values: torch.Tensor) -> float:
+    """Mean over every process's values."""
+    return accelerator.gather(values.float()).mean().item()
+
+
 def reward_name(spec: str) -> str:
     """The name a reward is logged under: the function's name, or the reward model folder's."""
     return spec.rpartition(":")[2] if ":" in spec else os.path.basename(os.path.normpath(spec))
 
 
-def main(args: Args) -> None:
-    from accelerate.utils import gather_object
-    from tqdm import tqdm
+def setup(args: Args) -> Run:
+    """Flags, data, tokenizer, models, optimizer, vLLM engine, scorers, resume and tracker, in that order."""
     from transformers import AutoModelForCausalLM
 
-    # 0. Checks and data: everything that can be checked before loading a model.
+    # Everything that can be checked before a model is loaded.
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size
     )
@@ -582,10 +677,8 @@ def main(args: Args) -> None:
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device, rank, G = accelerator.device, accelerator.process_index, args.num_generations
 
-    # 1. Models: the policy; the frozen reference only when beta > 0; the reward model if any. Dropout off, so
-    # the logprobs of the training forward pass equal those of sampling.
+    # Tokenizer and prompts.
     tokenizer = utils.loading.load_tokenizer(
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
@@ -596,6 +689,8 @@ def main(args: Args) -> None:
     utils.loading.check_context_length(
         args.model_name_or_path, longest, "--max_prompt_length or --max_completion_length"
     )
+
+    # Models: dropout off, so the training forward's logprobs equal sampling's; a reference only if beta > 0
     policy = utils.loading.from_pretrained(
         AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
     )
@@ -612,151 +707,147 @@ def main(args: Args) -> None:
         utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    engine = None  # with --use_vllm, a vLLM engine samples the completions
+    engine = None
     if args.use_vllm:
-        max_model_len = max(map(len, prompt_ids)) + args.max_completion_length
-        engine = utils.vllm.Engine(args, accelerator, args.model_name_or_path, max_model_len)
-    # vLLM's own logprobs of its samples: the importance weights compare them with the training forward's.
-    generate = (
-        functools.partial(engine.generate, engine_logprobs=True)
-        if engine is not None
-        else utils.generation.generate
-    )
+        engine = utils.vllm.Engine(args, accelerator, args.model_name_or_path, longest)
     if ref_policy is not None:
         ref_policy = utils.run.bare(utils.run.prepare_frozen(ref_policy, accelerator))
     if reward_model is not None:
         reward_model = utils.run.bare(utils.run.prepare_frozen(reward_model, accelerator))
-    # The reward model first, then the functions: the order of TRL's script, of --reward_weights and of the logs.
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
-    if reward_model is not None:
+    if reward_model is not None:  # TRL's order: the reward model first
         reward_tokenizer = utils.scoring.load_reward_tokenizer(
             args.reward_tokenizer_path, args.reward_model_path
         )
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
-    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
-    # TRL-style reward functions (with **kwargs) get every dataset column of their rows, e.g. a `solution`; every
-    # scorer gets the raw prompt (text or messages), so a reward model can render it with its own chat template.
+    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=accelerator.device)
+    # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
-    raw_prompts = utils.data.column(dataset, "prompt")
-    correct_vllm = args.use_vllm and args.vllm_importance_sampling_correction
+    raw_prompts = utils.data.column(dataset, "prompt")  # what reward models and functions read
 
-    # Resume: the weights, optimizer and random generators; the prompt iterator is replayed to its place.
-    P, B = args.local_prompts_per_generation, args.local_generation_batch_size
-    batches = utils.data.prompt_batches(len(prompt_ids), P, args.world_size, rank, args.seed)
-    sampling_generator = torch.Generator(device=device).manual_seed(args.seed + rank)
+    # Resume: weights, optimizer and random generators; the prompt order is replayed to where it stopped.
+    rank = accelerator.process_index
+    batches = utils.data.prompt_batches(
+        len(prompt_ids), args.local_prompts_per_generation, args.world_size, rank, args.seed
+    )
+    sampling_generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + rank)
     shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
     generators = {"sampling": sampling_generator, "shuffle": shuffle_generator}
-    ckpt = utils.checkpoint.Checkpointer(accelerator, args)
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
     checkpointed = dict(models={"policy": policy}, optimizers={"policy": optimizer}, generators=generators)
-    state = ckpt.resume(**checkpointed)
-    step, generation = (state["step"], state["generation"]) if state else (0, 0)  # generations made so far
-    for _ in range(generation):
+    state = checkpointer.resume(**checkpointed) or {"step": 0, "generation": 0}
+    for _ in range(state["generation"]):
         next(batches)
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=step)
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=state["step"])
+    return Run(
+        accelerator=accelerator,
+        tokenizer=tokenizer,
+        policy=policy,
+        optimizer=optimizer,
+        ref_policy=ref_policy,
+        scorers=scorers,
+        reward_names=reward_names,
+        weights=weights,
+        engine=engine,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        prompt_ids=prompt_ids,
+        raw_prompts=raw_prompts,
+        columns=columns,
+        batches=batches,
+        sampling_generator=sampling_generator,
+        shuffle_generator=shuffle_generator,
+        checkpointer=checkpointer,
+        checkpointed=checkpointed,
+        tracker=tracker,
+        start_step=state["step"],
+        start_generation=state["generation"],
+    )
 
-    chunk, R, T = args.local_rollout_forward_batch_size, args.max_completion_length, args.temperature
 
-    def gathered_mean(values):
-        return accelerator.gather(values.float()).mean().item()
+def main(args: Args) -> None:
+    from accelerate.utils import gather_object
+    from tqdm import tqdm
 
+    run = setup(args)
+    accelerator, policy, optimizer = run.accelerator, run.policy, run.optimizer
+    device, rank = accelerator.device, accelerator.process_index
+    B, P, T = args.local_generation_batch_size, args.local_prompts_per_generation, args.temperature
+    G, R, ga = args.num_generations, args.max_completion_length, args.gradient_accumulation_steps
+    correct_vllm = args.use_vllm and args.vllm_importance_sampling_correction
     sample_every = max(
         1, args.total_steps // args.steps_per_generation_round // max(1, args.num_sample_generations)
     )
-    start_time, start_generation, metrics = time.time(), generation, {}
+    step, generation = run.start_step, run.start_generation
+    start_generation, start_time, metrics = generation, time.time(), {}
     progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
     while step < args.total_steps:
-        # 2. Generation: P prompts stored once [P, Q], G * P completions in completion-major order (row i <-
-        # prompt i % P), sampled with their logprobs and truncated after EOS. The groups stay on this process.
-        examples = next(batches)  # dataset indices of this process's P prompts
-        queries, query_mask = utils.generation.left_pad([prompt_ids[i] for i in examples], pad_id, device)
+        # 1. Sample: P prompts stored once [P, Q], G * P completions completion-major (row i <- prompt i % P).
+        examples = next(run.batches)  # dataset indices of this process's P prompts
+        queries, query_mask = utils.generation.left_pad(
+            [run.prompt_ids[i] for i in examples], run.pad_id, device
+        )
         generation += 1
         context_length = queries.size(1)
-        completion_rows = torch.arange(B, device=device)
-        policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
-        responses, sampled_logprobs = [], []
-        if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
-            engine.sync_weights(policy, accelerator)
-        with (
-            torch.no_grad(),
-            accelerator.autocast(),
-            utils.run.gathered_for_generation(policy, accelerator) as model,
-        ):
-            for rows in completion_rows.split(chunk):  # prompts repeated chunk by chunk, not G times at once
-                prompt = rows % P
-                query_responses, logprobs = generate(
-                    model, queries[prompt], query_mask[prompt], R, T, chunk, sampling_generator
-                )
-                responses.append(query_responses[:, context_length:])
-                sampled_logprobs.append(logprobs)
-        sampled_logprobs = torch.cat(sampled_logprobs)
-        responses, lengths = utils.generation.truncate_response(torch.cat(responses), eos_id, pad_id)
-        response_mask = utils.generation.lengths_to_mask(lengths, R)
-        has_eos = ((responses == eos_id) & response_mask).any(1)
+        with accelerator.autocast():
+            responses, lengths, response_mask, sampled_logprobs = sample(args, run, queries, query_mask)
+        has_eos = ((responses == run.eos_id) & response_mask).any(1)
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
 
-        # 3. Old logprobs (unless on-policy), rewards of every reward function / model, their weighted sum (NaN
-        # where no reward scored a completion), and the group-relative advantages.
-        rewards_per_func, ref_logprobs, old_logprobs = [], [], []
+        # 2. Score: old logprobs (unless on-policy), rewards (NaN where none scored), reference logprobs.
         trainer_state = utils.scoring.TrainerState(
             global_step=step,
             max_steps=args.total_steps,
-            epoch=(generation - 1) * P * args.world_size / len(dataset),
+            epoch=(generation - 1) * P * args.world_size / len(run.prompt_ids),
         )
-        with torch.no_grad(), accelerator.autocast():
-            for idx in completion_rows.split(chunk):
-                rows, mask = rows_at(idx)
-                if recomputes_old_logprobs(args):
-                    old_logprobs.append(utils.logprobs.batched_response_logprobs(policy, rows, mask, context_length, T,
-                                                                        chunk))  # fmt: skip
-                of_rows = utils.data.columns_of_rows(columns, examples, idx)
-                of_prompts = [raw_prompts[examples[r % P]] for r in idx.tolist()]
-                scores = [scorer(rows, mask, context_length, chunk, prompts=of_prompts, columns=of_rows,
-                                 trainer_state=trainer_state) for scorer in scorers]  # fmt: skip
-                rewards_per_func.append(torch.stack(scores, 1).float())
-                if ref_policy is not None:
-                    ref_logprobs.append(utils.logprobs.batched_response_logprobs(ref_policy, rows, mask, context_length,
-                                                                        T, chunk))  # fmt: skip
-        old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
-        ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else None
-        rewards_per_func = torch.cat(rewards_per_func)
+        with accelerator.autocast():
+            old_logprobs, ref_logprobs, rewards_per_func = score(
+                args, run, queries, query_mask, responses, response_mask, examples, trainer_state
+            )
         all_rewards_per_func = accelerator.gather(rewards_per_func)  # [processes * B, F], for the batch's std
-        all_rewards = combine_rewards(all_rewards_per_func, weights)
+        all_rewards = combine_rewards(all_rewards_per_func, run.weights)
         rewards = all_rewards.view(args.world_size, B)[rank]
+
+        # 3. Advantages
+        # ALGO LOGIC: A = (reward - mean of its group) / (std + eps), the same for every token of a completion
         batch_std = nanstd(all_rewards) if args.scale_rewards == "batch" else None
         advantages = group_advantages(rewards, G, args.scale_rewards, batch_std)
         loss_mask = response_mask & has_eos[:, None] if args.mask_truncated_completions else response_mask
         importance_weights = None
         if correct_vllm:
             importance_weights = vllm_importance_weights(
-                old_logprobs, sampled_logprobs, response_mask, args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
-            )  # fmt: skip
+                old_logprobs,
+                sampled_logprobs,
+                response_mask,
+                args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min,
+                args.vllm_importance_sampling_clip_max,
+            )
         logged = {}  # what TRL-style reward functions reported with log_metric, averaged over processes
-        for scorer in scorers:
+        for scorer in run.scorers:
             logged.update(scorer.take_logged())
         names = sorted(set(gather_object(list(logged)))) if args.world_size > 1 else sorted(logged)
         generation_metrics = {
-            **reward_metrics(all_rewards_per_func, all_rewards, G, reward_names, args.world_size),
-            "completions/mean_length": gathered_mean(lengths),
-            "completions/clipped_ratio": gathered_mean(~has_eos),
-            **{n: accelerator.gather(torch.tensor(logged.get(n, math.nan), device=device)).nanmean().item()
-               for n in names},
-        }  # fmt: skip
+            **reward_metrics(all_rewards_per_func, all_rewards, G, run.reward_names, args.world_size),
+            "completions/mean_length": gathered_mean(accelerator, lengths),
+            "completions/clipped_ratio": gathered_mean(accelerator, ~has_eos),
+        }
+        for name in names:
+            value = torch.tensor(logged.get(name, math.nan), device=device)
+            generation_metrics[name] = accelerator.gather(value).nanmean().item()
         if correct_vllm:
             generation_metrics.update(
                 importance_sampling_metrics(
                     old_logprobs, sampled_logprobs, importance_weights, response_mask, accelerator
-                )  # fmt: skip
+                )
             )
 
-        # 4. Policy update: num_iterations passes over the generation, each freshly shuffled, cut into
-        # micro-batches; gradient_accumulation_steps of them make one optimizer step (accelerate counts them).
+        # 4. Update: num_iterations shuffled passes over the generation; ga micro-batches per optimizer step.
         policy.train()
-        ga = args.gradient_accumulation_steps
         orders = [
-            torch.randperm(B, generator=shuffle_generator).to(device) for _ in range(args.num_iterations)
+            torch.randperm(B, generator=run.shuffle_generator).to(device) for _ in range(args.num_iterations)
         ]
         micro_batches = [idx for order in orders for idx in order.split(args.per_device_train_batch_size)]
         for first in range(0, len(micro_batches), ga):
@@ -768,8 +859,8 @@ def main(args: Args) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             step_batches = micro_batches[first : first + ga]
-            # DAPO divides by the number of tokens of the whole optimizer step on all processes; the backward
-            # averages over micro-batches and processes, so each micro-batch divides by count / (ga * processes).
+            # DAPO divides by the step's tokens on all processes; the backward averages over micro-batches and
+            # processes, so each micro-batch divides by count / (ga * processes).
             step_tokens = accelerator.reduce(sum(loss_mask[idx].sum().float() for idx in step_batches), "sum")
             num_items = step_tokens.item() / (ga * args.world_size)
             stats = torch.zeros(7, device=device)  # loss, kl, entropy, clip low, high, region, ratio
@@ -780,31 +871,38 @@ def main(args: Args) -> None:
                     logprobs, entropy, _ = utils.logprobs.response_logprobs(
                         policy, query_responses, attention_mask, context_length, T, with_stats=True
                     )
-                    mask = loss_mask[idx]
-                    old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    # ALGO LOGIC: the per-token clipped surrogate (+ beta * KL), averaged by --loss_type
+                    mb_mask = loss_mask[idx]
+                    mb_old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    mb_weights = importance_weights[idx] if importance_weights is not None else None
                     per_token_loss = policy_token_loss(
-                        args, logprobs, old, advantages[idx],
-                        importance_weights[idx] if importance_weights is not None else None,
-                    )  # fmt: skip
-                    kl = torch.zeros_like(old)
-                    if ref_policy is not None:
-                        kl = kl_penalty(logprobs, old, ref_logprobs[idx], args.use_bias_correction_kl)
+                        args, logprobs, mb_old_logprobs, advantages[idx], mb_weights
+                    )
+                    kl = torch.zeros_like(mb_old_logprobs)
+                    if run.ref_policy is not None:
+                        kl = kl_penalty(
+                            logprobs, mb_old_logprobs, ref_logprobs[idx], args.use_bias_correction_kl
+                        )
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = aggregate_loss(per_token_loss, mask, args.loss_type, R, num_items)
+                    loss = aggregate_loss(per_token_loss, mb_mask, args.loss_type, R, num_items)
                     accelerator.backward(loss)
                     grad_norm = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm) or grad_norm
                     optimizer.step()
                     optimizer.zero_grad()
                 with torch.no_grad():
-                    ratio = (logprobs - old).exp()
-                    clipped = clip_fractions(ratio, advantages[idx], mask, args.epsilon, args.epsilon_high)
+                    ratio = (logprobs - mb_old_logprobs).exp()
+                    clipped = clip_fractions(ratio, advantages[idx], mb_mask, args.epsilon, args.epsilon_high)
                     if args.loss_type == "cispo":  # the tokens whose weight the cap lowered
-                        clipped = (token_mean(((ratio > args.epsilon_high) & (advantages[idx, None] > 0)).float(),
-                                              mask), 0.0, 0.0)  # fmt: skip
-                    stats += torch.stack([
-                        loss.detach(), token_mean(kl, mask), token_mean(entropy, mask),
-                        *map(torch.as_tensor, clipped), token_mean(ratio, mask),
-                    ]) / len(step_batches)  # fmt: skip
+                        capped = (ratio > args.epsilon_high) & (advantages[idx, None] > 0)
+                        clipped = (token_mean(capped.float(), mb_mask), 0.0, 0.0)
+                    mb_stats = [
+                        token_mean(kl, mb_mask),
+                        token_mean(entropy, mb_mask),
+                        *map(torch.as_tensor, clipped),
+                    ]
+                    stats += torch.stack([loss.detach(), *mb_stats, token_mean(ratio, mb_mask)]) / len(
+                        step_batches
+                    )
             step += 1
             progress.update(1)
             grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
@@ -814,15 +912,18 @@ def main(args: Args) -> None:
             if step % args.logging_steps == 0 or step == args.total_steps:
                 low_high = accelerator.gather(stats[3:5][None]).view(-1, 2)
                 stats = accelerator.reduce(stats, reduction="mean")
-                clip_metrics = {  # TRL's names; sapo has no clip
-                    "clip_ratio/low_mean": stats[3].item(),
-                    "clip_ratio/low_min": low_high[:, 0].min().item(),
-                    "clip_ratio/high_mean": stats[4].item(),
-                    "clip_ratio/high_max": low_high[:, 1].max().item(),
-                    "clip_ratio/region_mean": stats[5].item(),
-                } if args.loss_type not in ("cispo", "sapo") else {}  # fmt: skip
+                clip_metrics = {}  # TRL's names; sapo has no clip
                 if args.loss_type == "cispo":
                     clip_metrics = {"cispo_clip_ratio": stats[3].item()}
+                elif args.loss_type != "sapo":
+                    clip_metrics = {
+                        "clip_ratio/low_mean": stats[3].item(),
+                        "clip_ratio/low_min": low_high[:, 0].min().item(),
+                        "clip_ratio/high_mean": stats[4].item(),
+                        "clip_ratio/high_max": low_high[:, 1].max().item(),
+                        "clip_ratio/region_mean": stats[5].item(),
+                    }
+                seconds = time.time() - start_time
                 metrics = {
                     **generation_metrics,
                     "loss": stats[0].item(),
@@ -833,29 +934,39 @@ def main(args: Args) -> None:
                     **({"grad_norm": grad_norm} if grad_norm is not None else {}),
                     "learning_rate": lr,
                     "episode": generation * args.generation_batch_size,
-                    "eps": int((generation - start_generation) * args.generation_batch_size
-                               / (time.time() - start_time)),
-                }  # fmt: skip
-                tracker.log(metrics, step)
+                    "eps": int((generation - start_generation) * args.generation_batch_size / seconds),
+                }
+                run.tracker.log(metrics, step)
 
-        # Checkpoints at the end of a generation only, so a resumed run starts with the next one.
-        ckpt.maybe_save(step, **checkpointed, state={"generation": generation})
-
+        # 6. Checkpoint and samples: checkpoints fall between generations, so a resumed run starts a new one.
+        run.checkpointer.maybe_save(step, **run.checkpointed, state={"generation": generation})
         if args.num_sample_generations and (generation % sample_every == 0 or generation == 1):
-            shown = torch.arange(min(P, 4), device=device)
-            tracker.samples({
-                "query": tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
-                "completion": [tokenizer.decode(r[m], skip_special_tokens=True)
-                               for r, m in zip(responses[shown], response_mask[shown])],
-                "reward": rewards[shown].tolist(),
-                "advantage": advantages[shown].tolist(),
-            }, title=f"generation {generation}, step {step}")  # fmt: skip
+            sample_table(args, run, generation, step, queries, responses, response_mask, rewards, advantages)
     progress.close()
 
-    # 6. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
-    utils.saving.save_model(accelerator, policy, tokenizer, args, "GRPO", args.model_name_or_path, metrics)
-    tracker.close()
+    # 7. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    utils.saving.save_model(
+        accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, metrics
+    )
+    run.tracker.close()
     utils.run.end_run(accelerator)
+
+
+def sample_table(args, run, generation, step, queries, responses, response_mask, rewards, advantages) -> None:
+    """Print the first completions of this generation with their rewards and advantages."""
+    shown = torch.arange(min(args.local_prompts_per_generation, 4), device=run.accelerator.device)
+    run.tracker.samples(
+        {
+            "query": run.tokenizer.batch_decode(queries[shown], skip_special_tokens=True),
+            "completion": [
+                run.tokenizer.decode(r[m], skip_special_tokens=True)
+                for r, m in zip(responses[shown], response_mask[shown])
+            ],
+            "reward": rewards[shown].tolist(),
+            "advantage": advantages[shown].tolist(),
+        },
+        title=f"generation {generation}, step {step}",
+    )
 
 
 if __name__ == "__main__":
