@@ -1,18 +1,9 @@
-"""Chat templates and tokenizing: conversations rendered to text, and text to token ids with the right EOS and BOS.
+"""Chat templates and tokenizing: conversations rendered to text, text to ids with the right EOS and BOS.
 
-Conversations are rendered with the tokenizer's chat template (or the one given by --chat_template_path): a
-prompt with the generation prompt (the opening of the assistant's turn), its completion as the rest of the
-rendered whole, so prompt + completion is exactly the rendering of the whole conversation (utils/data.py reads
-TRL's formats and calls these).
-
-End of sequence: a completion (and a whole text) ends with the tokenizer's EOS, which the scripts append unless
-it is already there. A chat template usually ends a turn with its own end token and a newline; when that end
-token is the EOS (e.g. <|im_end|> in instruction-tuned tokenizers, or set with sft.py's --eos_token) the
-trailing whitespace after it is dropped, so the model learns to stop exactly where sampling stops.
-
-Beginning of sequence: a BOS is put at the start of a sequence only when the tokenizer adds one itself (its own
-setting, e.g. Llama's), and never twice (a chat template that writes the BOS text keeps its one BOS).
-"""
+A prompt is rendered with the generation prompt and its completion is the rest of the whole rendering. A
+completion ends with the tokenizer's EOS; when a template's end of turn is the EOS, the whitespace after it is
+dropped, so the model learns to stop where sampling stops (reward rows keep it: utils.data.reward_ids). A BOS
+starts a sequence only when the tokenizer adds one itself, never twice."""
 
 from __future__ import annotations
 
@@ -24,8 +15,7 @@ from collections.abc import Sequence
 # Tokenizer settings: chat template, EOS, BOS
 # ----------------------------------------------------------------------------------------------------------------
 def set_chat_template(tokenizer, path: str | None) -> None:
-    """Give the tokenizer the chat template of `path` (--chat_template_path): a Jinja file, or a tokenizer
-    directory whose template is taken. The template is saved with the tokenizer."""
+    """Give the tokenizer the template of `path` (--chat_template_path): a Jinja file or a tokenizer folder."""
     if path is None:
         return
     if os.path.isfile(path):
@@ -55,7 +45,7 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 
 def set_eos_token(tokenizer, token: str) -> None:
-    """Make `token` (sft.py's --eos_token, e.g. <|im_end|>) the tokenizer's EOS; it must be one known token."""
+    """Make `token` (sft.py's --eos_token) the tokenizer's EOS; it must be one known token."""
     ids = tokenizer.convert_tokens_to_ids([token])
     if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id and token != tokenizer.unk_token:
         raise ValueError(f"--eos_token {token!r} is not a token of the tokenizer's vocabulary.")
@@ -63,7 +53,7 @@ def set_eos_token(tokenizer, token: str) -> None:
 
 
 def adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts a BOS at the start of what it encodes (its own setting)."""
+    """Whether the tokenizer puts a BOS at the start of what it encodes."""
     bos = tokenizer.bos_token_id
     if bos is None:
         return False
@@ -75,8 +65,8 @@ def adds_bos(tokenizer) -> bool:
 
 
 def encode(tokenizer, texts: Sequence[str], leading: bool) -> list[list[int]]:
-    """Token ids of each text with no special token added, except a BOS at the start of a `leading` text (the
-    first piece of a sequence) when the tokenizer adds one itself and the text does not already begin with it."""
+    """Ids of each text with no special token, except a BOS at the start of a `leading` text when the tokenizer
+    adds one itself and the text lacks it."""
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
     if leading and adds_bos(tokenizer):
         bos = tokenizer.bos_token_id
@@ -87,7 +77,7 @@ def encode(tokenizer, texts: Sequence[str], leading: bool) -> list[list[int]]:
 def tokenize_prompts(
     tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None
 ) -> list[list[int]]:
-    """Token ids of rendered prompts (see `encode`), keeping the last `max_prompt_length` tokens."""
+    """Ids of rendered prompts (`encode`), keeping the last `max_prompt_length` tokens."""
     ids = encode(tokenizer, prompts, leading=True)
     return [row[-max_prompt_length:] if max_prompt_length else row for row in ids]
 
@@ -99,8 +89,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    """The chat template's text for `messages` (with the assistant's opening when `generation_prompt`). A role
-    other than TRL's (`ROLES`) is refused: most templates drop or mislabel such a message without a word."""
+    """The template's text for `messages` (with the assistant's opening when `generation_prompt`); unknown roles refused."""
     for message in messages:
         if message.get("role") not in ROLES:
             raise ValueError(
@@ -110,14 +99,14 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
 
 
 def end_at_eos(text: str, eos_token: str | None) -> str:
-    """Drop whitespace after a final EOS (a template's newline after its end-of-turn token)."""
+    """Drop whitespace after a final EOS (a template's newline after its end of turn)."""
     stripped = text.rstrip()
     return stripped if eos_token and stripped.endswith(eos_token) else text
 
 
 def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
-    """(prompt text, completion text) of a conversation cut after `prompt`: the prompt rendered with the
-    generation prompt when the completion is the assistant's, the completion as the rest of the whole."""
+    """(prompt text, completion text) of a conversation cut after `prompt`: the prompt with the generation
+    prompt when the completion is the assistant's, the completion the rest of the whole (ending at the EOS)."""
     prompt_text = render(tokenizer, prompt, generation_prompt=completion[0]["role"] == "assistant")
     whole = render(tokenizer, prompt + completion)
     if not whole.startswith(prompt_text):
@@ -129,10 +118,8 @@ def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tu
 
 
 def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into (text, is_assistant) pieces: each assistant message's content and
-    end-of-turn (rendered incrementally: the conversation before it with the generation prompt, then with it)
-    is an assistant piece; everything else (system, user turns, the assistant's opening, the whitespace after an
-    end of turn that is the EOS) is not."""
+    """The rendered conversation as (text, is_assistant) pieces: each assistant turn's content and end of
+    turn is an assistant piece; the rest (other turns, the assistant's opening, whitespace after an EOS) is not."""
     pieces, done = [], ""
     for i, message in enumerate(messages):
         full = render(tokenizer, messages[: i + 1])

@@ -1,7 +1,5 @@
-"""Padding, truncation and sampling: how the scripts turn prompts into completions (and their sampling
-logprobs). Forward passes and log-probabilities of given tokens are in utils/logprobs.py. Shape names: B batch,
-T sequence length, Q query (prompt) length, R response length, V vocabulary.
-"""
+"""Padding, truncation and sampling: prompts in, completions (and their sampling logprobs) out.
+Shapes: B batch, Q query (prompt) length, R response length, V vocabulary."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right")
 def left_pad(
     rows: Sequence[Sequence[int]], pad_token_id: int, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as left-padded ids [B, Q] and their attention mask [B, Q] (the mask does not rely on the pad id,
-    which may equal a real token such as EOS). Generation needs prompts flush right."""
+    """Prompts as left-padded ids [B, Q] and their mask [B, Q] (from lengths: the pad id may be a real token)."""
     ids = pad(rows, pad_token_id, "left")
     mask = pad([[1] * len(r) for r in rows], 0, "left").bool()
     return ids.to(device), mask.to(device)
@@ -54,12 +51,10 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
 def truncate_response(
     responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each response up to and including its first `stop_token_id`; replace what follows with padding.
+    """Keep each response [B, R] up to and including its first `stop_token_id`, padding after it.
 
-    responses: [B, R]. Returns (truncated [B, R], lengths [B]) where lengths counts the kept tokens, the stop
-    token included (R when there is none). With `stop_token_id=None` nothing is cut. The lengths come from the
-    stop token, not from the padding, so they stay right when pad and stop tokens are the same id.
-    """
+    Returns (truncated [B, R], lengths [B]), lengths counting the stop token (R when none; nothing cut when
+    `stop_token_id` is None). Lengths come from the stop token, so pad == stop is fine."""
     width = responses.size(1)
     if stop_token_id is None:
         return responses.clone(), torch.full((responses.size(0),), width, device=responses.device)
@@ -77,8 +72,7 @@ def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
 # Sampling
 # ----------------------------------------------------------------------------------------------------------------
 def keeps_last_logits(model: nn.Module) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do): generation then asks
-    for the last position's logits only, not the whole prompt's."""
+    """Whether the model's forward takes `logits_to_keep` (then sampling asks for the last position only)."""
     import inspect
 
     inner = inner_model(model)
@@ -86,14 +80,10 @@ def keeps_last_logits(model: nn.Module) -> bool:
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw from each row of `probs` [B, V] (non-negative; a row's total need not be 1): ids [B, 1].
+    """One draw from each row of `probs` [B, V] (non-negative, any total): ids [B, 1].
 
-    By inverse transform: the first index whose cumulative probability exceeds u * total, u ~ U[0, 1), one
-    uniform per row. The cumulative sums are float64, so rounding moves a token's probability by at most about
-    V x 1e-16 of the total (2e-11 at V = 152k), and a zero-probability token is never drawn (the clamp only
-    catches a product u * total rounded up to the total, about 1e-16 likely). Same distribution as
-    torch.multinomial(probs, 1), which on a CPU takes 3-37x longer per token at vocabularies of 50k-152k
-    (benchmark/sampling_speed.py)."""
+    Inverse transform: the first index whose float64 cumulative sum exceeds u * total, u ~ U[0, 1) per row; the
+    distribution of torch.multinomial(probs, 1), faster on CPU (docs/speed.md)."""
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     u = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device, generator=generator)
     ids = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)
@@ -110,13 +100,10 @@ def generate(
     chunk_size: int,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample exactly `response_length` tokens after left-padded `queries` [B, Q], in chunks of `chunk_size` rows.
+    """Sample exactly `response_length` tokens after left-padded `queries` [B, Q], `chunk_size` rows at a time.
 
-    Sampling is from softmax(logits / temperature) (greedy when temperature == 0) with a key-value cache and the
-    position ids generation needs under left padding. Sampling does not stop at EOS: every row gets R tokens
-    and the caller truncates after the stop token. Returns (query_responses [B, Q+R], logprobs [B, R]): the
-    logprobs of the sampled tokens under logits / temperature (under the plain logits when greedy).
-    """
+    From softmax(logits / temperature) (greedy at 0), with a KV cache; no stop at EOS (callers truncate). Returns
+    (query_responses [B, Q+R], logprobs [B, R] of the sampled tokens under logits / temperature)."""
     all_tokens, all_logprobs = [], []
     last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     for i in range(0, queries.size(0), chunk_size):
@@ -161,8 +148,8 @@ def complete(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions of tokenized prompts as the RL scripts sample them: left-padded, `response_length` tokens
-    (greedy by default), truncated after EOS. Returns (responses [B, R], lengths [B]) on the model's device."""
+    """Completions as the RL scripts sample them: left-padded, `response_length` tokens (greedy by default),
+    truncated after EOS. Returns (responses [B, R], lengths [B])."""
     queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
     query_responses, _ = generate(
         model, queries, query_mask, response_length, temperature, chunk_size, generator
@@ -173,16 +160,15 @@ def complete(
 
 
 def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
-    """A generator seeded by (seed, *key). Keyed by what is sampled (an update, a completion index, the first
-    prompt of a chunk), the noise never depends on the number of processes or on what ran before: 1 process and
-    N processes sample the same completions, and a resumed run samples what the uninterrupted one did."""
+    """A generator seeded by (seed, *key). Keyed by what is sampled, the noise is the same for 1 or N
+    processes and for a resumed run."""
     state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator(device=device).manual_seed(int(state) % 2**63)
 
 
 def query_response_rows(queries, query_mask, responses, response_mask, idx):
-    """Rows `idx` of a completion-major batch, built at forward time from the prompts [P, Q] stored once:
-    completion row i belongs to prompt i % P. Returns (query_responses [n, Q + R], attention_mask [n, Q + R])."""
+    """Rows `idx` of a completion-major batch from prompts [P, Q] stored once (row i is prompt i % P):
+    (query_responses [n, Q + R], attention_mask [n, Q + R])."""
     prompt = idx % queries.size(0)
     return (
         torch.cat([queries[prompt], responses[idx]], 1),

@@ -23,11 +23,10 @@ TILE_TOKENS = 4096
 
 
 class _LinearHeadLogprobs(torch.autograd.Function):
-    """log softmax((hidden @ weight.T + bias) / temperature)[targets] for a linear head, tiled over tokens and
-    vocabulary with a running log-sum-exp; backward recomputes each tile's logits. hidden [N, H], weight [V, H],
-    bias [V] or None, targets [N] -> logprobs [N], and (without gradient, zeros unless `with_stats`) the entropy
-    and mean logit [N]. Matmuls run in `compute_dtype` (autocast's or the weight's), everything after them in
-    float32, as the plain path."""
+    """log softmax((hidden @ weight.T + bias) / temperature)[targets], tiled with a running log-sum-exp.
+
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> logprobs [N], and (no gradient; zeros unless
+    `with_stats`) entropy and mean logit [N]. Matmuls in `compute_dtype`, the rest in float32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_temperature, compute_dtype, with_stats):
@@ -66,9 +65,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_mean_logit):
         hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
         inv_temperature, compute_dtype = ctx.inv_temperature, ctx.compute_dtype
-        # d logprob_n / d raw logit_nv = (onehot(target_n)_v - p_nv) / temperature. With q = p - onehot and the
-        # per-token scale s = -grad_n / temperature: grad_hidden = s * (q @ W), grad_weight = q.T @ (s * h),
-        # grad_bias = q.T @ s. The scale goes on the [N, H] side, so a tile costs two passes besides its matmuls.
+        # d logprob_n / d logit_nv = (onehot_v - p_nv) / T; with q = p - onehot, s = -grad_n / T:
+        # grad_hidden = s * (q @ W), grad_weight = q.T @ (s * h), grad_bias = q.T @ s
         scale = grad_logprobs.float() * -inv_temperature
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -105,9 +103,7 @@ def _tiles(count: int, vocab: int):
 
 
 def _tile_buffer(hidden: torch.Tensor, count: int, vocab: int) -> torch.Tensor:
-    """float32 room for the largest tile of `count` tokens over `vocab` entries, reused by every tile of a pass, so
-    that a pass allocates its tile memory once, not a few times per tile (fewer allocations, and on a CPU fewer
-    freed blocks of that size for glibc to keep)."""
+    """float32 room for the largest tile of a pass, reused by every tile (one allocation per pass)."""
     rows, cols = next(_tiles(count, vocab), (slice(0, 0), slice(0, 0)))
     return hidden.new_empty(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.float32)
 
@@ -153,13 +149,9 @@ def chunked_token_logprobs(
 ):
     """log softmax(head(hidden) / temperature)[targets], tile by tile: hidden [N, H], targets [N] -> [N].
 
-    `head` maps [n, H] to logits [n, V]. A plain nn.Linear is tiled over tokens and vocabulary by
-    _LinearHeadLogprobs; any other head (a LoRA wrapper, or a module's forward) over tokens only, max(1,
-    LOGIT_TILE_ELEMENTS // V) tokens a tile, each checkpointed under autograd. Either way a tile's logits are
-    freed after the forward and recomputed in backward: the gradients equal those of the plain computation. With
-    `with_stats` also returns the entropy of softmax(logits / temperature) and the mean of logits / temperature
-    [N], without gradient (metrics only). Temperature 0 (greedy sampling) scores the plain logits.
-    """
+    A plain nn.Linear is tiled over tokens and vocabulary, any other head over tokens only; a tile's logits are
+    recomputed in backward, so gradients equal the plain computation's. `with_stats` adds entropy and mean logit
+    [N] (no gradient). Temperature 0 (greedy) scores the plain logits."""
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
     if (
         type(head) is nn.Linear

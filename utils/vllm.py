@@ -1,33 +1,15 @@
-"""Sampling with vLLM for the RL scripts (`--use_vllm`): one engine per process (or per group of
-`--vllm_tensor_parallel_size` processes), colocated with training, given the policy's weights before every rollout.
-
-The flags keep TRL's names and meanings:
-- `use_vllm`: sample the rollouts with vLLM instead of `utils.generate`;
-- `vllm_mode`: only "colocate" (the engine lives in the training process and shares its device; TRL's "server"
-  mode, a separate `trl vllm-serve` process, is not provided);
-- `vllm_gpu_memory_utilization`: the fraction of the GPU's memory the engine takes for its weights and KV cache
-  (on CPU the KV cache takes `VLLM_CPU_KVCACHE_SPACE` GiB instead, 1 unless set);
-- `vllm_tensor_parallel_size`: how many processes share one engine, its weights split across them; it must
-  divide the number of processes, and the processes of one group sample their prompts together.
-
-A script uses three calls:
+"""Plumbing: sampling with vLLM for the RL scripts (`--use_vllm`), one engine per process (or per group of
+`--vllm_tensor_parallel_size` processes) colocated with training. The flags keep TRL's names and meanings
+(only vllm_mode "colocate"; on CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set).
 
     engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len)    # once, after the models
-    engine.sync_weights(model, accelerator)      # before every rollout: the weights of the last update (or of
-                                                 # the checkpoint resumed from), outside any gathering context
+    engine.sync_weights(model, accelerator)     # before every rollout, outside any gathering context
     query_responses, logprobs = engine.generate(model, queries, query_mask, R, T, chunk, generator)
 
-`Engine.generate` returns what `utils.generate` returns. By default the logprobs are NOT vLLM's: they are
-recomputed by a forward pass of the training model over the sampled rows. vLLM's kernels differ from the training
-forward's (measured here: 1e-6 nats in float32, 0.01 to 0.1 in bf16), and the update's ratio must be exactly 1 on
-its first step. With `engine_logprobs=True` it returns vLLM's own logprobs instead and skips that forward pass (for
-a script that weights its loss by their difference, grpo.py's importance sampling); they also stay in
-`engine.last_engine_logprobs`. Sampling noise comes from the caller's
-generator (seeded per process): one vLLM seed per row, so equal prompts get independent completions and a run
-is repeatable.
-
-Install with `pip install -r requirements-vllm.txt` (PyPI's CPU build; on GPUs install `vllm` itself).
-"""
+`generate` returns what `utils.generate` returns. Its logprobs are recomputed by the training model's forward,
+so the update's first ratio is exactly 1 (vLLM's kernels differ: docs/gpus.md); with `engine_logprobs=True`
+they are vLLM's own (grpo.py's importance sampling). Noise comes from the caller's generator: one vLLM seed
+per row. Install with `pip install -r requirements-vllm.txt` (CPU build; on GPUs install `vllm`)."""
 
 from __future__ import annotations
 
@@ -138,11 +120,9 @@ class Engine:
         generator: torch.Generator | None = None,
         engine_logprobs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`utils.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q]
-        (EOS does not stop it; the caller truncates), greedy at temperature 0. Returns (query_responses
-        [B, Q+R], logprobs [B, R]), the logprobs of the sampled tokens under `model` (the bare training model,
-        in its precision) at `temperature`, recomputed in chunks of `chunk_size` rows; with `engine_logprobs`,
-        vLLM's own logprobs of them at `temperature` (float32, on the queries' device; `model` is not run)."""
+        """`utils.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q];
+        (query_responses [B, Q+R], logprobs [B, R]) from the training forward of `model`, or with `engine_logprobs`
+        vLLM's own at `temperature`."""
         from vllm import SamplingParams
 
         prompts = [row[mask].tolist() for row, mask in zip(queries, query_mask.bool())]
