@@ -239,43 +239,48 @@ def test_adaptive_kl_controller_follows_ziegler_et_al():
 
 
 # ---------------------------------------------------------------------------------------------------------- sizes
+def valid_args(**kwargs) -> ppo.Args:
+    """Args that pass fill_sizes' flag checks (one reward, a policy), so that the size arithmetic is tested."""
+    return ppo.Args(reward_fn="f.py:f", sft_model_path="policy", **kwargs)
+
+
 def test_batch_arithmetic_follows_trl():
-    args = ppo.Args(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2)
+    args = valid_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2)
     args.total_episodes = 100
-    ppo.compute_sizes(args, world_size=2, num_prompts=64)
+    ppo.fill_sizes(args, world_size=2, num_prompts=64)
     assert (args.local_batch_size, args.batch_size, args.mini_batch_size) == (16, 32, 16)
     assert (args.local_mini_batch_size, args.num_total_batches, args.world_size) == (8, 4, 2)
-    args = ppo.Args(per_device_train_batch_size=4, num_train_epochs=2.0)
-    assert ppo.compute_sizes(args, 1, 30).total_episodes == 60
+    args = valid_args(per_device_train_batch_size=4, num_train_epochs=2.0)
+    assert ppo.fill_sizes(args, 1, 30).total_episodes == 60
 
 
 def test_bad_batch_sizes_name_the_flags():
     with pytest.raises(ValueError, match="--batch_size / --num_mini_batches: 10 is not divisible by 4"):
-        ppo.compute_sizes(ppo.Args(batch_size=10, num_mini_batches=4), 1, 100)
+        ppo.fill_sizes(valid_args(batch_size=10, num_mini_batches=4), 1, 100)
     with pytest.raises(ValueError, match="--batch_size 12 does not match .* = 8"):
-        ppo.compute_sizes(ppo.Args(batch_size=12, num_mini_batches=1, per_device_train_batch_size=8), 1, 100)
+        ppo.fill_sizes(valid_args(batch_size=12, num_mini_batches=1, per_device_train_batch_size=8), 1, 100)
     with pytest.raises(ValueError, match="fewer than batch_size 16"):
-        ppo.compute_sizes(ppo.Args(per_device_train_batch_size=16), 1, 10)
+        ppo.fill_sizes(valid_args(per_device_train_batch_size=16), 1, 10)
     with pytest.raises(ValueError, match="--num_mini_batches must be at least 1"):
-        ppo.check_args(ppo.Args(num_mini_batches=0, reward_fn="f.py:f"))
+        ppo.fill_sizes(ppo.Args(num_mini_batches=0, reward_fn="f.py:f"), 1)
     with pytest.raises(ValueError, match="exactly one of --reward_model_path and --reward_fn"):
-        ppo.check_args(ppo.Args())
+        ppo.fill_sizes(ppo.Args(), 1)
 
 
 def test_fewer_episodes_than_one_update_are_refused():
     """--total_episodes 2 with a batch of 8 would silently run one update of 8 episodes (TRL rounds up)."""
     with pytest.raises(ValueError, match=r"--total_episodes 2 is fewer than the 8 episodes of one update"):
-        ppo.compute_sizes(ppo.Args(total_episodes=2, per_device_train_batch_size=8), 1, 100)
+        ppo.fill_sizes(valid_args(total_episodes=2, per_device_train_batch_size=8), 1, 100)
     with pytest.raises(ValueError, match=r"--total_episodes 12 is fewer than the 16 episodes of one update"):
-        ppo.compute_sizes(ppo.Args(total_episodes=12, per_device_train_batch_size=8), 2, 100)
+        ppo.fill_sizes(valid_args(total_episodes=12, per_device_train_batch_size=8), 2, 100)
     with pytest.raises(ValueError, match=r"--num_train_epochs 0.05 \(5 episodes\) is fewer than the 8"):
-        ppo.compute_sizes(ppo.Args(num_train_epochs=0.05, per_device_train_batch_size=8), 1, 100)
+        ppo.fill_sizes(valid_args(num_train_epochs=0.05, per_device_train_batch_size=8), 1, 100)
     assert (
-        ppo.compute_sizes(ppo.Args(total_episodes=8, per_device_train_batch_size=8), 1, 100).num_total_batches
+        ppo.fill_sizes(valid_args(total_episodes=8, per_device_train_batch_size=8), 1, 100).num_total_batches
         == 1
     )
     assert (
-        ppo.compute_sizes(ppo.Args(total_episodes=9, per_device_train_batch_size=8), 1, 100).num_total_batches
+        ppo.fill_sizes(valid_args(total_episodes=9, per_device_train_batch_size=8), 1, 100).num_total_batches
         == 2
     )
 
