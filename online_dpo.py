@@ -518,9 +518,7 @@ def setup(args: Args) -> Run:
     fill_sizes(args, accelerator.num_processes)
     if args.resume_from_checkpoint is None:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    checkpointer = utils.checkpoint.Checkpointer(
-        accelerator, args
-    )  # checks the resume path; takes its run name
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path
     reward_fn = utils.scoring.load_reward_fn(args.reward_fn) if args.reward_fn else None
     judge = None
     if args.judge == "openai":
@@ -529,11 +527,9 @@ def setup(args: Args) -> Run:
         judge = load_function(args.judge, "--judge")
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
-    # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
+    # A TRL-style reward function (with **kwargs) gets its rows' columns and the dataset's own prompts.
     columns = utils.data.columns(dataset) if reward_fn else {}
-    raw_prompts = utils.data.column(
-        dataset, "prompt"
-    )  # what the reward reads as each row's prompt, as in TRL
+    raw_prompts = utils.data.column(dataset, "prompt")
     eval_dataset = None
     if args.dataset_test_split and args.num_sample_generations:
         test_split = utils.data.load_split(args.dataset_name, args.dataset_test_split, args.dataset_config)
@@ -543,7 +539,7 @@ def setup(args: Args) -> Run:
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     set_seed(args.seed)
 
-    # Tokenizer and prompts (conversations rendered with the chat template and the assistant's opening).
+    # Tokenizer and prompts (conversations rendered with the chat template).
     tokenizer = utils.loading.load_tokenizer(
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
@@ -570,14 +566,14 @@ def setup(args: Args) -> Run:
     if reward_model is not None:
         reward_model = utils.run.prepare_frozen(reward_model, accelerator)
     scorer = None
-    if judge is None:  # the reward model reads the policy's ids, or its own tokenizer's encoding of the text
+    if judge is None:  # a reward model with its own tokenizer reads the re-encoded text
         reward_tokenizer = utils.scoring.load_reward_tokenizer(
             args.reward_tokenizer_path, args.reward_model_path
         )
         scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
         accelerator.print(scorer.describe())
 
-    # Resume: weights, optimizer and sampling generator; the prompt order is replayed to where it stopped.
+    # Resume, and replay the prompt order to where it stopped.
     rank = accelerator.process_index
     sampling_generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + rank)
     checkpointed = dict(
@@ -656,7 +652,7 @@ def main(args: Args) -> None:
         )
         has_eos = ((responses == run.eos_id) & response_mask).any(1)
 
-        # 2. Score: reference logprobs at the loss's temperature (prompts cut to --max_length), rewards.
+        # 2. Score: reference logprobs (prompts cut to --max_length) and rewards.
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
@@ -688,8 +684,7 @@ def main(args: Args) -> None:
                     scores.append(run.scorer(*rows_at(idx), context_length, chunk, **kwargs))
         ref_logprobs = torch.cat(ref_logprobs)
 
-        # 3. Pairs: the better completion of each prompt is 'chosen'; a tie of scores keeps the first (TRL),
-        # or is left out with --drop_ties; a judge's tie is left out.
+        # 3. Pairs: the better completion of each prompt is 'chosen' (online DPO's advantages).
         if judge is None:
             scores = torch.cat(scores).float()
             if run.reward_fn is not None:
@@ -706,8 +701,7 @@ def main(args: Args) -> None:
         num_kept = accelerator.reduce(kept.sum(), reduction="sum").item()
 
         # 4. Update: one DPO step on micro-batches of pairs (chosen and rejected rows in one forward).
-        # The loss is summed over kept pairs and divided by their number on every process: the mean over the
-        # update's kept pairs whatever the split (accelerate divides by the accumulation steps, DDP averages).
+        # Scaled so that it is the mean over all kept pairs (accelerate divides by the steps, DDP averages).
         policy.train()
         loss_scale = args.gradient_accumulation_steps * args.world_size / max(1, num_kept)
         sums = torch.zeros(7, device=device)  # loss, rewards c/r, accuracy, logps c/r, kept pairs
@@ -717,7 +711,7 @@ def main(args: Args) -> None:
             with accelerator.accumulate(policy):
                 idx = torch.cat([chosen_rows[pair_idx], rejected_rows[pair_idx]])
                 mb_mask = response_mask[idx]
-                # ALGO LOGIC: the DPO loss of each pair against the reference, weighted 0 for pairs left out
+                # ALGO LOGIC: the DPO loss of each pair, weighted 0 for pairs left out
                 losses, reward_c, reward_r, logps, new_logprobs = pair_losses(
                     policy,
                     *forward_rows_at(idx),
@@ -743,8 +737,7 @@ def main(args: Args) -> None:
                 pair_stats = [losses, reward_c, reward_r, (reward_c > reward_r).float(), logps[:n], logps[n:]]
                 sums += torch.stack([(stat.detach() * weight).sum() for stat in pair_stats] + [weight.sum()])
 
-        # 5. Metrics, gathered over processes: pair statistics over the kept pairs; KL and entropy of the
-        # loss's logprobs, as TRL's.
+        # 5. Metrics, gathered over processes; KL and entropy of the loss's logprobs, as TRL's.
         with torch.no_grad():
             sums = accelerator.reduce(sums, reduction="sum")
             pair_means = (sums[:6] / sums[6].clamp(min=1)).tolist()
@@ -772,9 +765,7 @@ def main(args: Args) -> None:
                 "lr": lr,
                 "episode": episode,
             }
-            if (
-                logprob_temperature == args.temperature
-            ):  # the loss's logprobs are of the sampling distribution
+            if logprob_temperature == args.temperature:  # the loss reads the sampling distribution
                 metrics["val/logprob_gap"] = accelerator.reduce(logprob_gap, reduction="max").item()
             if judge is None:
                 margins = (scores[chosen_rows] - scores[rejected_rows])[kept]
@@ -797,7 +788,7 @@ def main(args: Args) -> None:
             sample_table(args, run, update, queries, responses, response_mask)
         run.checkpointer.maybe_save(update, **run.checkpointed)
 
-    # 7. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    # 7. Save the policy and a model card (every process takes part, so ZeRO-3 can gather its shards).
     algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
     utils.saving.save_model(
         accelerator, policy, run.tokenizer, args, algorithm, args.model_name_or_path, metrics

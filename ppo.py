@@ -4,11 +4,10 @@ Papers: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", https:/
 Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", https://arxiv.org/abs/1909.08593;
 Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO", https://arxiv.org/abs/2403.17031.
 
-Each update samples `response_length` tokens for a batch of left-padded prompts and truncates them after the
-stop token, scores them (a reward model or a Python function), and builds per-token rewards: a KL penalty
-against the frozen SFT model on every token, the score on the last response token. GAE with a critic
-(initialised from the reward model) gives the advantages; `num_ppo_epochs` epochs of the clipped policy and
-value losses over shuffled mini-batches follow.
+Each update samples completions of a batch of prompts, scores them (a reward model or a Python function), and
+builds per-token rewards: a KL penalty against the frozen SFT model on every token, the score on the last one.
+GAE with a critic (initialised from the reward model) gives the advantages; `num_ppo_epochs` epochs of the
+clipped policy and value losses over shuffled mini-batches follow.
 
 Example (the offline tiny world: `python benchmark/tiny_world.py --output_dir tiny_world`):
 
@@ -190,7 +189,7 @@ class Args:
     eval_steps: int | None = None
     """print the sample table every this many updates instead"""
 
-    # Filled in at runtime (a value given on the command line must match the computed one)
+    # Filled in at runtime (a value given on the command line must match)
     world_size: int = 0
     """number of processes"""
     local_batch_size: int = 0
@@ -387,7 +386,7 @@ class PolicyAndValue(nn.Module):
 
 def score_completions(args, run, queries, query_mask, responses, prompts, trainer_state):
     """Truncate `responses` [B, R] after the stop token and score them: (response_mask [B, R], scores [B],
-    contains_eos [B]). The score is read at the last kept token; `prompts` are the dataset's, as TRL's."""
+    contains_eos [B])."""
     pad_id = run.tokenizer.pad_token_id
     truncated, lengths = utils.generation.truncate_response(responses, args.stop_token_id, pad_id)
     response_mask = utils.generation.lengths_to_mask(lengths, responses.size(1))
@@ -411,14 +410,13 @@ def score_completions(args, run, queries, query_mask, responses, prompts, traine
 def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> dict:
     """Sample and score completions of left-padded `queries` [B, Q]: the tensors an update needs.
 
-    Prompt p of this process's chunk is sampled with the noise of (seed, update, its index in the update's
-    global batch). The old logprobs are sampling's, or the training forward pass's (--recompute_old_logprobs).
+    A prompt's sampling noise is keyed by (seed, update, its index in the update's global batch).
     """
     accelerator, model, device = run.accelerator, run.model, queries.device
     Q, T, chunk = queries.size(1), args.temperature, args.local_rollout_forward_batch_size
     first_prompt = accelerator.process_index * args.local_batch_size
     query_responses, logprobs = [], []
-    if run.engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+    if run.engine is not None:  # outside the gathering below
         run.engine.sync_weights(model, accelerator, "policy")
     generate = run.engine.generate if run.engine is not None else utils.generation.generate
     with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
@@ -432,7 +430,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
             logprobs.append(chunk_logprobs)
     query_responses, logprobs = torch.cat(query_responses), torch.cat(logprobs)
     responses = query_responses[:, Q:]
-    # Every forward pass attends to all R sampled tokens, as generation did, so logprobs match sampling's.
+    # Attend to all R sampled tokens, as generation did, so that logprobs match sampling's.
     attention_mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
     response_mask, scores, contains_eos = score_completions(
         args, run, queries, query_mask, responses, prompts, trainer_state
@@ -440,8 +438,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
     unwrapped, ref_logprobs, values, kl_full, recomputed = utils.run.bare(model), [], [], [], []
     for i in range(0, queries.size(0), chunk):
         qr, am = query_responses[i : i + chunk], attention_mask[i : i + chunk]
-        # The reference's logprobs at the sampling temperature too, as the policy's.
-        if args.kl_estimator == "full":  # the whole distributions: [chunk, R, V] logits of both models
+        if args.kl_estimator == "full":  # [chunk, R, V] logits of both models
             ref_logits = utils.logprobs.response_logits(run.ref_policy, qr, am, Q, T)
             logits = utils.logprobs.response_logits(unwrapped.policy, qr, am, Q, T)
             ref_logprobs.append(utils.logprobs.logprobs_from_logits(ref_logits, qr[:, Q:]))
@@ -505,8 +502,7 @@ def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, floa
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags; given the number of prompts, fill the derived sizes with TRL's PPO arithmetic (a
-    derived size given on the command line must match). ValueError with one sentence on a bad value."""
+    """Check the flags; given the number of prompts, fill the derived sizes with TRL's PPO arithmetic."""
     positive = (
         "per_device_train_batch_size gradient_accumulation_steps num_mini_batches num_ppo_epochs "
         "local_rollout_forward_batch_size response_length kl_horizon"
@@ -633,7 +629,7 @@ def setup(args: Args) -> Run:
         args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
     )
 
-    # Tokenizer and prompts: the tokenizer from --model_name_or_path; --sft_model_path, if given, the weights.
+    # Tokenizer and prompts.
     if args.sft_model_path:
         policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
     else:
@@ -676,14 +672,13 @@ def setup(args: Args) -> Run:
         eval_texts = utils.data.prompt_texts(
             eval_dataset.select(range(num_eval)), tokenizer, "the test split"
         )
-    # The dataset's own prompts (text or messages): what the reward reads, as in TRL.
+    # The reward reads the dataset's own prompts (text or messages), as in TRL.
     raw_prompts = utils.data.column(dataset, "prompt")
     if num_eval:
         eval_raw_prompts = utils.data.column(eval_dataset.select(range(num_eval)), "prompt")
     eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
 
-    # Models: policy and reference from the SFT model, the critic from the value (or reward) model with its
-    # own head; seeded alike on every process, for a new value head.
+    # Models, seeded alike on every process for a new value head.
     set_seed(args.seed)
     rank = accelerator.process_index
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
@@ -691,7 +686,7 @@ def setup(args: Args) -> Run:
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     same_tokens = reward_tokenizer is None or utils.scoring.same_tokenizer(tokenizer, reward_tokenizer)
-    # A reward model that reads other tokens than the policy's cannot be the critic: the SFT model is.
+    # A reward model with another tokenizer cannot be the critic (it reads the policy's ids).
     critic_flag = "--value_model_path" if args.value_model_path else "--reward_model_path"
     critic_path = args.value_model_path or (args.reward_model_path if same_tokens else None)
     if not args.value_model_path and not same_tokens:
@@ -710,7 +705,7 @@ def setup(args: Args) -> Run:
             f"{policy_rows}; the critic reads the policy's tokens, so give it the policy's tokenizer."
         )
     for m in (policy, ref_policy, critic) + ((reward_model,) if reward_model else ()):
-        utils.loading.disable_dropout(m)  # dropout would make the recomputed logprobs differ from sampling's
+        utils.loading.disable_dropout(m)  # so that recomputed logprobs equal sampling's
         if getattr(m.config, "pad_token_id", None) is None:
             m.config.pad_token_id = tokenizer.pad_token_id
     for m in (policy, critic) if args.gradient_checkpointing else ():
@@ -727,7 +722,7 @@ def setup(args: Args) -> Run:
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
     accelerator.print(scorer.describe())
 
-    # Resume: weights, optimizer, shuffling generator, KL coefficient, score moments; prompt order replayed.
+    # Resume, and replay the prompt order to where it stopped.
     kl_controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
     moments = RunningMoments() if args.use_score_scaling else None
     shuffle_generator = torch.Generator().manual_seed(args.seed + 100003 * rank)
@@ -791,7 +786,7 @@ def main(args: Args) -> dict:
             group["lr"] = lr
         kl_coef = run.kl_controller.value if args.adaptive_kl else args.kl_coef
 
-        # 1. Sample: completions truncated after the stop token, their logprobs, the reference's, the values.
+        # 1. Sample: completions, their logprobs, the reference's, the critic's values.
         model.eval()
         examples = next(run.batches)  # dataset indices of this process's prompts
         queries, query_mask = utils.generation.left_pad(
@@ -809,7 +804,7 @@ def main(args: Args) -> dict:
         response_mask, scores = data["response_mask"], data["scores"]
         utils.tracking.check_finite(update, accelerator, scores=scores)
 
-        # 2. Score: optional score shaping, the per-token KL penalty, the score on the last response token.
+        # 2. Score: optional score shaping; per-token rewards.
         # ALGO LOGIC: r_t = -kl_coef * KL_t, plus the (shaped) score at the stop token
         if run.moments is not None:
             run.moments.update(accelerator.gather(scores))
@@ -822,7 +817,7 @@ def main(args: Args) -> dict:
         advantages, returns = gae(rewards, data["values"], response_mask, args.gamma, args.lam)
         advantages = whiten(advantages, response_mask, accelerator=whitening)
 
-        # 4. Update: PPO epochs over shuffled mini-batches, each gradient-accumulated micro-batches.
+        # 4. Update: PPO epochs over shuffled mini-batches of accumulated micro-batches.
         model.train()
         step_stats, grad_norms, early_stopped = [], [], False
         ratio_sums = torch.zeros(3, device=device, dtype=torch.float64)  # sum, sum of squares, count
@@ -832,7 +827,7 @@ def main(args: Args) -> dict:
                 for idx in mini_batch.split(args.per_device_train_batch_size):
                     mb_mask, mb_query_responses = response_mask[idx], data["query_responses"][idx]
                     with accelerator.accumulate(model):
-                        # ALGO LOGIC: clipped policy and value losses on the rollout's old logprobs and values
+                        # ALGO LOGIC: clipped policy and value losses
                         new_logprobs, entropy, new_values = model(
                             mb_query_responses, data["attention_mask"][idx], context_length, args.temperature
                         )
@@ -868,7 +863,7 @@ def main(args: Args) -> dict:
             if early_stopped:
                 break
 
-        # 5. Metrics, averaged over processes; a non-finite loss or gradient norm stops the run before a save.
+        # 5. Metrics, averaged over processes; a non-finite value stops the run before a save.
         with torch.no_grad():
             update_stats = accelerator.gather(torch.stack(step_stats).float().mean(0)[None]).mean(0).tolist()
             approxkl_avg, pg_clipfrac_avg, pg_loss_avg, vf_loss_avg, vf_clipfrac_avg, entropy_avg = (
@@ -918,7 +913,7 @@ def main(args: Args) -> dict:
         if args.adaptive_kl:
             run.kl_controller.update(metrics["objective/kl"], args.batch_size)
 
-        # 6. Checkpoint and samples: a greedy table of held-out prompts; a checkpoint every --save_steps.
+        # 6. Checkpoint and samples: greedy completions of held-out prompts.
         if sample_freq and (update % sample_freq == 0 or update == args.num_total_batches):
             model.eval()
             with accelerator.autocast():
@@ -938,7 +933,7 @@ def main(args: Args) -> dict:
         }
         run.checkpointer.maybe_save(update, **run.checkpointed, state=checkpoint_state)
 
-    # 7. Save the policy alone (no value head) as a plain causal LM, with its tokenizer and a model card.
+    # 7. Save the policy alone (no value head), with its tokenizer and a model card.
     utils.saving.save_model(
         accelerator, model, run.tokenizer, args, "PPO", run.policy_path, metrics, "policy"
     )
