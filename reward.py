@@ -27,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
-import utils.chat
 import utils.checkpoint
 import utils.data
 import utils.generation
@@ -249,13 +248,6 @@ def gather_scores(score_model: nn.Module, loader, accelerator):
 
 
 # ---- data --------------------------------------------------------------------------------------------------
-def completion_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each completion ending with EOS (added unless already there), where the score is read."""
-    eos = tokenizer.eos_token_id
-    rows = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    return [row if row and row[-1] == eos else row + [eos] for row in rows]
-
-
 def fit_to_max_length(prompt: list[int], completions: list[list[int]], max_length: int):
     """(prompt + completion for each completion, prompt_was_cut), the prompt cut from the left so that the
     longest fits; (None, False) when no prompt token fits. Completions keep their EOS: they are never cut."""
@@ -276,13 +268,8 @@ def tokenize_rows(
 ):
     """Rows {index, sequences (one per column), margin, group}, counts of rows / cut / dropped, and the sorted
     group names (values of column `group_by`). Columns: [chosen, rejected] of pairs or [completion]."""
-    if columns == [COMPLETION]:
-        prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
-        texts = {PROMPT: prompt_texts, COMPLETION: completion_texts}
-    else:
-        texts = utils.data.preference_texts(dataset, tokenizer, where)
-    prompts = utils.chat.tokenize_prompts(tokenizer, texts[PROMPT])
-    completions = [completion_ids(tokenizer, texts[c]) for c in columns]
+    ids = utils.data.reward_ids(dataset, tokenizer, where, columns)
+    prompts, completions = ids[PROMPT], [ids[c] for c in columns]
     margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
     values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)
     group_names = sorted(set(values))

@@ -113,9 +113,9 @@ def test_fit_to_max_length_cuts_the_prompt_from_the_left_never_the_completion():
 def test_completion_ids_end_with_one_eos(world):
     tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
     eos = tokenizer.eos_token_id
-    plain, ended, empty = reward.completion_ids(
-        tokenizer, [" landlord tbh", " landlord tbh" + tokenizer.eos_token, ""]
-    )
+    texts = [" landlord tbh", " landlord tbh" + tokenizer.eos_token, ""]
+    rows = datasets.Dataset.from_list([{"prompt": " rent", "completion": text} for text in texts])
+    plain, ended, empty = reward.utils.data.reward_ids(rows, tokenizer, "rows", ["completion"])["completion"]
     assert plain == ended and plain[-1] == eos and plain.count(eos) == 1
     assert empty == [eos]
 

@@ -106,7 +106,6 @@ def test_the_scorer_reads_a_conversation_where_reward_training_read_it(world, ch
     assert not torch.allclose(scores, torch.tensor(at_eos))
 
 
-@pytest.mark.xfail(strict=True, reason="reward.py's tokenize_rows does not read utils.data.reward_ids yet")
 def test_reward_py_trains_on_trl_reward_trainers_ids(world, chat_tokenizer, tmp_path):
     import reward
 
