@@ -314,6 +314,8 @@ def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: valu
     then the flags' normalizations, with the statistics of every process (`gather`). NaN scores are left out
     of every statistic and get advantage 0. Returns (advantages [B] or [B, R], action mask, scores)."""
     B, k = scores.size(0), args.rloo_k
+    # Only a group with an unscorable completion may turn NaN into 0; any other NaN (an overflow) stops the run.
+    unscorable = scores.isnan().view(k, -1).any(0, keepdim=True).expand(k, -1).flatten()
 
     def local(values):
         return values[rank * B : (rank + 1) * B]
@@ -347,7 +349,8 @@ def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: valu
         advantages = whiten(advantages, action_mask)
     if args.normalize_advantages:
         advantages = local(standardize_advantages(gather(advantages), gather(action_mask.long())))
-    return advantages.masked_fill(advantages.isnan(), 0.0), action_mask, scores
+    unscorable = unscorable[:, None] if advantages.dim() == 2 else unscorable
+    return advantages.masked_fill(unscorable & advantages.isnan(), 0.0), action_mask, scores
 
 
 # ---- rollout -----------------------------------------------------------------------------------------------
