@@ -209,8 +209,8 @@ def simpo_loss(pi_c, pi_r, len_c, len_r, beta, gamma, label_smoothing=0.0):
 
 
 def preference_loss(args: Args, pi_c, pi_r, ref_c, ref_r, len_c, len_r):
-    """Per-pair losses [B] of --loss_type, and the implicit rewards beta * log(pi / pi_ref) [B] of the chosen
-    and rejected completions (per-token averages for ipo and simpo; simpo has log pi_ref = 0)."""
+    """Per-pair losses [B] of --loss_type and the implicit rewards beta * log(pi / pi_ref) [B] of chosen and
+    rejected (per-token averages for ipo and simpo)."""
     if args.reference_free or args.loss_type == "simpo":
         ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)
     beta, e = args.beta, args.label_smoothing
@@ -242,10 +242,8 @@ def completion_logps(model, batch: dict[str, torch.Tensor]):
 
 # ---- data --------------------------------------------------------------------------------------------------
 def truncate_pair(prompt, chosen, rejected, args: Args):
-    """Fit one pair of token lists under the length flags, or None when no completion token fits.
-
-    The prompt keeps its last (keep_end) or first (keep_start) --max_prompt_length tokens; each completion
-    its first tokens that fit."""
+    """(prompt, chosen, rejected) cut to the length flags (completions keep their start), or None if no
+    completion token fits."""
     if args.max_prompt_length is not None and len(prompt) > args.max_prompt_length:
         keep_end = args.truncation_mode == "keep_end"
         prompt = prompt[-args.max_prompt_length :] if keep_end else prompt[: args.max_prompt_length]
@@ -254,8 +252,8 @@ def truncate_pair(prompt, chosen, rejected, args: Args):
 
 
 def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
-    """Rows {index, prompt, chosen, rejected} of preference pairs in any of TRL's formats, each completion
-    ending with EOS (so that the policy learns to stop); and the counts of truncated and dropped rows."""
+    """Rows {index, prompt, chosen, rejected} of pairs in any of TRL's formats, completions ending with EOS;
+    the counts of truncated and dropped rows."""
     texts = utils.data.preference_texts(dataset, tokenizer, where)
     ids = [utils.chat.encode(tokenizer, texts[c], leading=c == "prompt") for c in COLUMNS]
     eos, rows = tokenizer.eos_token_id, []
@@ -279,7 +277,7 @@ def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[d
 
 def concatenated_inputs(prompts, chosens, rejecteds, pad_token_id: int) -> dict[str, torch.Tensor]:
     """One right-padded batch [2B, T], prompt+chosen rows then prompt+rejected rows, and completion_mask."""
-    # Padding is read from attention_mask, never from the pad id, so pad == eos is safe.
+    # Masks come from the lengths, not the pad id: pad == eos is safe.
     pairs = list(zip(list(prompts) * 2, list(chosens) + list(rejecteds)))
     return {
         "input_ids": utils.generation.pad([p + c for p, c in pairs], pad_token_id),
@@ -369,7 +367,7 @@ class Run:
     ref_tables: dict[str, torch.Tensor]  # split -> precomputed reference logprobs [pairs, 2]
     counts: dict[str, dict]
     start_step: int
-    train_metrics: dict  # the last logged, for the model card of a run resumed at its end
+    train_metrics: dict  # the last logged, for a run resumed at its end
 
 
 def needs_reference(args: Args) -> bool:
@@ -438,7 +436,7 @@ def setup(args: Args) -> Run:
         policy = get_peft_model(policy, lora)
     # After LoRA wrapping, so the adapters' dropout is off too: the implicit reward must be deterministic.
     utils.loading.disable_dropout(policy)
-    ref_policy = None  # with LoRA or precomputed logprobs no second copy of the model is held
+    ref_policy = None
     if needs_reference(args) and not args.use_peft and not args.precompute_ref_log_probs:
         ref_policy = load_model()
         utils.loading.disable_dropout(ref_policy)
@@ -467,7 +465,7 @@ def setup(args: Args) -> Run:
                 ref_tables[split][index] = logps.float()
 
     print(utils.run.describe_sharding(policy, accelerator), flush=True)
-    # Resumed after the reference logprobs were precomputed: they come from the initial weights.
+    # Resumed after the precomputation: the reference logprobs come from the initial weights.
     resumed = checkpointer.resume({"model": policy}, {"model": optimizer}) or {"step": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
@@ -501,7 +499,7 @@ def batch_metrics(args: Args, run: Run, batch, split: str) -> tuple[torch.Tensor
     else:
         ref = reference_logps(args, run.accelerator, run.policy, run.ref_policy, batch)
     n = logps.size(0) // 2
-    # ALGO LOGIC: the preference loss of the chosen and rejected halves
+    # ALGO LOGIC: the chosen half against the rejected half
     losses, reward_c, reward_r = preference_loss(
         args, logps[:n], logps[n:], ref[:n], ref[n:], lengths[:n], lengths[n:]
     )
@@ -600,7 +598,7 @@ def main(args: Args) -> dict:
         run.checkpointer.maybe_save(global_step, {"model": policy}, {"model": optimizer}, state=state)
     progress.close()
     final = {f"train/{k}": v for k, v in train_metrics.items()}
-    final["train_seconds"] = run.checkpointer.elapsed_seconds()  # every part of a resumed run
+    final["train_seconds"] = run.checkpointer.elapsed_seconds()  # all parts of a resumed run
     final |= evaluate(args, run, global_step) | {f"data/train_{k}": v for k, v in run.counts["train"].items()}
     final |= {f"data/test_{k}": v for k, v in run.counts["test"].items()}
 

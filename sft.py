@@ -21,7 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import torch
 import tyro
@@ -42,17 +42,17 @@ IGNORE_INDEX = -100  # label of the tokens that carry no loss (prompt, padding)
 @dataclass
 class Args:
     # Run
-    exp_name: str = os.path.splitext(os.path.basename(__file__))[0]
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
     """seed of the run (model init, data order, LoRA init)"""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """TensorBoard/W&B run name; None: {exp_name}__{seed}__{unix time}"""
     track: bool = False
     """also log to Weights & Biases"""
     wandb_project_name: str = "rlhf-reference"
     """the W&B project"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: str | None = None
     """the W&B entity (team)"""
     logging_dir: str = "runs"
     """TensorBoard logs and samples.jsonl go to {logging_dir}/{run_name}"""
@@ -66,9 +66,9 @@ class Args:
     """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
     """write {output_dir}/checkpoint-{step} every this many steps (0: only on SIGTERM)"""
-    save_total_limit: Optional[int] = None
+    save_total_limit: int | None = None
     """keep only the newest this many checkpoints (None: all)"""
-    resume_from_checkpoint: Optional[str] = None
+    resume_from_checkpoint: str | None = None
     """a checkpoint-{step} folder, or `latest` in --output_dir, to continue exactly from"""
 
     # Models and data
@@ -76,27 +76,27 @@ class Args:
     """the model to fine-tune (hub id or local directory)"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, folder of {split}.jsonl files, or a json/jsonl/parquet file"""
-    dataset_config: Optional[str] = None
+    dataset_config: str | None = None
     """the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split to train on"""
-    dataset_test_split: Optional[str] = "test"
+    dataset_test_split: str | None = "test"
     """split for evaluation (loss and samples); None: no evaluation"""
     dataset_text_field: str = "text"
     """column of language-modeling data (text, or conversations if there is no messages column)"""
-    chat_template_path: Optional[str] = None
+    chat_template_path: str | None = None
     """Jinja file (or tokenizer directory) with the chat template for conversational data"""
     completion_only_loss: bool = True
     """loss on the completion and its EOS only; --no_completion_only_loss: on the prompt too"""
     assistant_only_loss: bool = False
     """conversational data: loss on the assistant turns only (content and end of turn)"""
-    eos_token: Optional[str] = None
+    eos_token: str | None = None
     """token ending a completion, saved as the model's EOS (e.g. <|im_end|>); None: the tokenizer's"""
     packing: bool = False
     """concatenate the examples (each ending with EOS) into blocks of --max_length tokens"""
     max_length: int = 1024
     """longest prompt + completion + EOS; a completion is never cut (the pair is dropped)"""
-    max_prompt_length: Optional[int] = None
+    max_prompt_length: int | None = None
     """keep the last this many prompt tokens; None: cut prompts only to fit --max_length"""
 
     # Algorithm
@@ -116,7 +116,7 @@ class Args:
     """micro-batches accumulated into one optimizer step"""
     num_train_epochs: float = 3.0
     """passes over the training split (ignored when --total_steps is given)"""
-    total_steps: Annotated[Optional[int], tyro.conf.arg(aliases=("--max_steps",))] = None
+    total_steps: Annotated[int | None, tyro.conf.arg(aliases=("--max_steps",))] = None
     """optimizer steps (alias --max_steps); None: from --num_train_epochs"""
     max_grad_norm: float = 1.0
     """clip the gradient to this global norm (0: no clipping)"""
@@ -132,7 +132,7 @@ class Args:
     """LoRA scaling numerator (scale = lora_alpha / lora_r)"""
     lora_dropout: float = 0.05
     """dropout on the LoRA input"""
-    lora_target_modules: Optional[list[str]] = None
+    lora_target_modules: list[str] | None = None
     """module names to adapt; None: every linear layer except the output head"""
 
     # Logging
@@ -168,7 +168,7 @@ def sum_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
 
 # ---- data --------------------------------------------------------------------------------------------------
 def truncate_example(
-    prompt_ids: list[int], completion_ids: list[int], max_length: int, max_prompt_length: Optional[int] = None
+    prompt_ids: list[int], completion_ids: list[int], max_length: int, max_prompt_length: int | None = None
 ) -> tuple[list[int], list[int], str]:
     """Fit a pair into `max_length` tokens by cutting the prompt from the left, never the completion.
 
