@@ -232,7 +232,9 @@ def group_advantages(
         centered = centered / (std + ADVANTAGE_EPS)
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
-    return centered.flatten().nan_to_num(0.0)
+    # NaN becomes 0 only in a group with an unscored completion; an overflow elsewhere stays non-finite.
+    partly_scored = grouped.isnan().any(0, keepdim=True)
+    return centered.masked_fill(partly_scored & centered.isnan(), 0.0).flatten()
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
