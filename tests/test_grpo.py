@@ -520,3 +520,14 @@ def test_deepspeed_keeps_the_ratio_at_one(world, lab, tmp_path, zero_stage):
         assert metrics["ratio"] == pytest.approx(1.0, abs=1e-4) and abs(metrics["kl"]) < 1e-4
     before, after = weights(lab / "policy"), weights(tmp_path / "ds")
     assert all(torch.equal(before[n], after[n].to(before[n].dtype)) for n in before)
+
+
+def test_only_unscored_groups_turn_nan_advantages_into_zero():
+    """A NaN advantage becomes 0 only in a group with an unscored completion (TRL's case: its one scored sibling
+    has no std); a group whose rewards overflow float32 (the mean of 3e38 and 3e38) stays non-finite, so the run
+    stops on it."""
+    big = 3e38
+    rewards = torch.tensor([[1.0, big], [math.nan, big]])  # [G, P]: group 0 is (1, None), group 1 (big, big)
+    advantages = grpo.group_advantages(rewards.flatten(), 2, "group").view(2, 2)
+    assert advantages[:, 0].tolist() == [0.0, 0.0]
+    assert not advantages[:, 1].isfinite().any()
