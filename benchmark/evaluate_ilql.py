@@ -55,14 +55,16 @@ class Args:
 def main(args: Args) -> dict:
     from transformers import AutoTokenizer
 
-    dataset = utils.load_split(args.dataset_name, args.split)
-    utils.check_columns(dataset, ["prompt", "completion"], f"split {args.split!r} of {args.dataset_name}")
+    dataset = utils.data.load_split(args.dataset_name, args.split)
+    utils.data.check_columns(
+        dataset, ["prompt", "completion"], f"split {args.split!r} of {args.dataset_name}"
+    )
     if args.max_samples:
         dataset = dataset.select(range(min(args.max_samples, len(dataset))))
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
+    tokenizer = utils.loading.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
     model = ilql.ILQLModel.from_pretrained(args.model_path)
     generator = torch.Generator().manual_seed(args.seed)
-    prompt_ids = utils.tokenize_prompts(tokenizer, dataset["prompt"])
+    prompt_ids = utils.chat.tokenize_prompts(tokenizer, dataset["prompt"])
     responses, lengths = ilql.complete(model, tokenizer, prompt_ids, args.response_length, args.batch_size,
                                        args.beta, args.top_k, args.temperature, generator)  # fmt: skip
     rows = []

@@ -66,18 +66,20 @@ def win_rate(judgements: list[float]) -> dict[str, float]:
 def generate_summaries(args: Args) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dataset = utils.load_split(args.dataset_name, args.split)
-    utils.check_columns(dataset, ["prompt", "completion"], f"split {args.split!r} of {args.dataset_name}")
+    dataset = utils.data.load_split(args.dataset_name, args.split)
+    utils.data.check_columns(
+        dataset, ["prompt", "completion"], f"split {args.split!r} of {args.dataset_name}"
+    )
     if args.max_samples:
         dataset = dataset.select(range(min(args.max_samples, len(dataset))))
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
-    model = utils.from_pretrained(AutoModelForCausalLM, args.model_path, "--model_path").eval()
+    tokenizer = utils.loading.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
+    model = utils.loading.from_pretrained(AutoModelForCausalLM, args.model_path, "--model_path").eval()
     generator = torch.Generator().manual_seed(args.seed)
     rows = []
     for start in range(0, len(dataset), args.batch_size):
         batch = dataset[start : start + args.batch_size]
-        prompt_ids = utils.tokenize_prompts(tokenizer, batch["prompt"])
-        responses, lengths = utils.complete(
+        prompt_ids = utils.chat.tokenize_prompts(tokenizer, batch["prompt"])
+        responses, lengths = utils.generation.complete(
             model, tokenizer, prompt_ids, args.response_length, args.batch_size, args.temperature, generator
         )
         for i, (response, length) in enumerate(zip(responses, lengths)):

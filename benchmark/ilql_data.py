@@ -81,8 +81,8 @@ def subtract_prompt_baseline(rewards: torch.Tensor, baseline: str) -> torch.Tens
 @torch.no_grad()
 def sample_split(args: Args, split: str, model, tokenizer, reward_model, generator) -> list[dict]:
     """Rows {prompt, completion, reward, ...}: num_completions per prompt, completion-major within a prompt."""
-    dataset = utils.load_split(args.dataset_name, split)
-    utils.check_columns(dataset, ["prompt"], f"split {split!r} of {args.dataset_name}")
+    dataset = utils.data.load_split(args.dataset_name, split)
+    utils.data.check_columns(dataset, ["prompt"], f"split {split!r} of {args.dataset_name}")
     if args.max_prompts:
         dataset = dataset.select(range(min(args.max_prompts, len(dataset))))
     gold = None
@@ -92,17 +92,19 @@ def sample_split(args: Args, split: str, model, tokenizer, reward_model, generat
     rows, eos = [], tokenizer.eos_token_id
     for start in range(0, len(dataset), args.batch_size):
         batch = dataset[start : start + args.batch_size]
-        prompt_ids = utils.tokenize_prompts(tokenizer, batch["prompt"])
+        prompt_ids = utils.chat.tokenize_prompts(tokenizer, batch["prompt"])
         first = len(rows)
         for _ in range(args.num_completions):
-            responses, lengths = utils.complete(model, tokenizer, prompt_ids, args.response_length,
+            responses, lengths = utils.generation.complete(model, tokenizer, prompt_ids, args.response_length,
                                                 args.batch_size, args.temperature, generator)  # fmt: skip
             has_eos = (responses == eos).any(1)
             rm_scores = None
             if reward_model is not None:
-                queries, query_mask = utils.left_pad(prompt_ids, tokenizer.pad_token_id)
-                mask = torch.cat([query_mask, utils.lengths_to_mask(lengths, responses.size(1))], 1)
-                rm_scores = utils.batched_score(reward_model, torch.cat([queries, responses], 1), mask.long(),
+                queries, query_mask = utils.generation.left_pad(prompt_ids, tokenizer.pad_token_id)
+                mask = torch.cat(
+                    [query_mask, utils.generation.lengths_to_mask(lengths, responses.size(1))], 1
+                )
+                rm_scores = utils.scoring.batched_score(reward_model, torch.cat([queries, responses], 1), mask.long(),
                                                 args.batch_size)  # fmt: skip
                 if args.missing_eos_penalty is not None:
                     rm_scores = rm_scores - args.missing_eos_penalty * (~has_eos).float()
@@ -135,11 +137,11 @@ def main(args: Args) -> dict:
         raise ValueError(f"--reward_baseline {args.reward_baseline} compares completions of one prompt: it needs "
                          "--num_completions 2 or more.")  # fmt: skip
     torch.manual_seed(args.seed)
-    tokenizer = utils.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
-    model = utils.from_pretrained(AutoModelForCausalLM, args.model_path, "--model_path").eval()
+    tokenizer = utils.loading.from_pretrained(AutoTokenizer, args.model_path, "--model_path")
+    model = utils.loading.from_pretrained(AutoModelForCausalLM, args.model_path, "--model_path").eval()
     reward_model = None
     if args.reward_model_path:
-        reward_model = utils.from_pretrained(AutoModelForSequenceClassification, args.reward_model_path,
+        reward_model = utils.loading.from_pretrained(AutoModelForSequenceClassification, args.reward_model_path,
                                              "--reward_model_path", num_labels=1).eval()  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed)
     splits = {"train": args.train_split, "validation": args.test_split}

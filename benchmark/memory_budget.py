@@ -1,5 +1,5 @@
 """Computed (not measured) GPU memory of a training micro-batch: how many rows fit in one 80 GB GPU before and
-after the chunked log-probabilities of utils.token_logprobs, for the models users train.
+after the chunked log-probabilities of utils.logprobs.token_logprobs, for the models users train.
 
     python benchmark/memory_budget.py            # prints the README's table (markdown)
 

@@ -1,5 +1,5 @@
 """Peak memory of one training step, phase by phase: forward, backward, optimizer step (the SFT step of sft.py,
-on the completion tokens, through utils.token_logprobs). Each configuration runs in its own process, so one
+on the completion tokens, through utils.logprobs.token_logprobs). Each configuration runs in its own process, so one
 configuration's peak cannot hide another's.
 
     python benchmark/speed.py --preset grpo --algorithms sft --runs 1 --no_bare    # builds the world once
@@ -35,7 +35,8 @@ def one(
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, ROOT)
-    import utils
+    import utils.logprobs
+    import utils.run
     from utils import lm_head
 
     torch.set_num_threads(1)
@@ -53,7 +54,7 @@ def one(
     phases = {"loaded": peak_mib()}
     start = time.process_time()
     for step in range(steps):
-        logprobs = utils.token_logprobs(model, ids, mask, scored, 1.0)
+        logprobs = utils.logprobs.token_logprobs(model, ids, mask, scored, 1.0)
         loss = -logprobs.sum() / scored.sum()
         phases[f"step{step}/forward"] = peak_mib()
         loss.backward()

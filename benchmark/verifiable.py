@@ -181,13 +181,16 @@ def evaluate(model_dir: str, dataset_dir: str, split: str = "test") -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, ROOT)
-    import utils
+    import utils.chat
+    import utils.generation
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [json.loads(line)["prompt"] for line in open(os.path.join(dataset_dir, f"{split}.jsonl"))]
-    responses, lengths = utils.complete(model, tokenizer, utils.tokenize_prompts(tokenizer, prompts), 8, 64)
+    responses, lengths = utils.generation.complete(
+        model, tokenizer, utils.chat.tokenize_prompts(tokenizer, prompts), 8, 64
+    )
     completions = [tokenizer.decode(r[:n], skip_special_tokens=True) for r, n in zip(responses, lengths)]
     rewards = facts_in_order(prompts, completions)
     return sum(rewards) / len(rewards)

@@ -1,4 +1,4 @@
-"""Sampling speed: vLLM (utils/vllm.py) against transformers (utils.generate) on the same random Llama.
+"""Sampling speed: vLLM (utils/vllm.py) against transformers (utils.generation.generate) on the same random Llama.
 
 Builds a Llama of about 30M parameters (hidden 512, 8 layers, 8 heads of 64, vocabulary 8192; vLLM's CPU
 attention needs head_dim >= 32) in a temporary directory, then times what an RL script does per rollout:
@@ -29,7 +29,8 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import utils  # noqa: E402
+import utils.generation  # noqa: E402
+import utils.logprobs  # noqa: E402
 import utils.vllm  # noqa: E402
 
 
@@ -105,7 +106,7 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
 
     def with_transformers():
-        utils.generate(model, prompts, query_mask, R, T, B, generator)
+        utils.generation.generate(model, prompts, query_mask, R, T, B, generator)
 
     def with_vllm_and_recompute():
         engine.generate(model, prompts, query_mask, R, T, B, generator)
@@ -119,7 +120,7 @@ def main(args: Args) -> dict:
     def recompute_only():
         query_responses = torch.cat([prompts, prompts[:, :R]], 1)
         mask = torch.ones_like(query_responses, dtype=torch.bool)
-        utils.batched_response_logprobs(model, query_responses, mask, args.prompt_length, T, B)
+        utils.logprobs.batched_response_logprobs(model, query_responses, mask, args.prompt_length, T, B)
 
     results = {
         "args": asdict(args),

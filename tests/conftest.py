@@ -172,7 +172,8 @@ def make_rl_lab(world: Path, out: Path, num_prompts: int = 64) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import utils
+    import utils.chat
+    import utils.generation
 
     tokenizer = AutoTokenizer.from_pretrained(world / "policy")
     model = AutoModelForCausalLM.from_pretrained(world / "policy")
@@ -182,7 +183,9 @@ def make_rl_lab(world: Path, out: Path, num_prompts: int = 64) -> Path:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
     with open(out / "no_prompt.jsonl", "w") as f:
         f.writelines(json.dumps({"query": p}) + "\n" for p in prompts)
-    ids = utils.pad(utils.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left")
+    ids = utils.generation.pad(
+        utils.chat.tokenize_prompts(tokenizer, prompts[:16]), tokenizer.pad_token_id, "left"
+    )
     with torch.no_grad():
         hidden = model.model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id).last_hidden_state
         mean = hidden.mean((0, 1))

@@ -401,7 +401,7 @@ def test_lora_dropout_is_off_once_disabled_after_wrapping(world):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import utils
+    import utils.loading
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(world / "policy")
@@ -414,5 +414,5 @@ def test_lora_dropout_is_off_once_disabled_after_wrapping(world):
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     model.train()
     assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout is on in the adapters
-    utils.disable_dropout(model)
+    utils.loading.disable_dropout(model)
     assert torch.equal(model(ids).logits, model(ids).logits)

@@ -188,7 +188,7 @@ def test_impossible_flag_value_is_one_line(script, flags, words, tmp_path, monke
     so a subprocess would only add its start-up time): exit 2, one line, nothing written."""
     import importlib
 
-    import utils
+    import utils.run
 
     module = importlib.import_module(script.removesuffix(".py"))
     out = tmp_path / "out"

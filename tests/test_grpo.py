@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import grpo
-import utils
+import utils.generation
 import utils.run
+import utils.scoring
 from conftest import (
     check_trl_style_calls,
     make_rl_lab,
@@ -169,7 +170,7 @@ def test_loss_aggregation_matches_loop(loss_type):
         5,
     ]  # one completion fully masked (a truncated one under mask_truncated_completions)
     losses = torch.randn(6, 5, generator=g, dtype=torch.float64)
-    mask = utils.lengths_to_mask(torch.tensor(lengths), 5)
+    mask = utils.generation.lengths_to_mask(torch.tensor(lengths), 5)
     out = grpo.aggregate_loss(losses, mask, loss_type, max_completion_length=8)
     assert out.item() == pytest.approx(loop_aggregate(losses.tolist(), lengths, loss_type, 8), rel=1e-12)
 
@@ -179,7 +180,10 @@ def test_dapo_over_micro_batches_is_the_token_mean_of_the_step():
     the micro-batch losses is then the token mean of the whole step (bnpo's micro-batch means are not)."""
     g = torch.Generator().manual_seed(3)
     lengths = torch.tensor([5, 1, 1, 1, 4, 5, 2, 3])
-    losses, mask = torch.randn(8, 5, generator=g, dtype=torch.float64), utils.lengths_to_mask(lengths, 5)
+    losses, mask = (
+        torch.randn(8, 5, generator=g, dtype=torch.float64),
+        utils.generation.lengths_to_mask(lengths, 5),
+    )
     micro = [slice(0, 4), slice(4, 8)]
     whole = loop_aggregate(losses.tolist(), lengths.tolist(), "dapo", 5)
     num_items = mask.sum().item() / len(micro)
@@ -198,7 +202,7 @@ def test_dapo_over_micro_batches_is_the_token_mean_of_the_step():
 
 def test_grpo_aggregation_weighs_long_completions_tokens_less():
     """The length bias Dr. GRPO removes: with A > 0 a short completion's tokens get more gradient under 'grpo'."""
-    mask = utils.lengths_to_mask(torch.tensor([1, 4]), 4)
+    mask = utils.generation.lengths_to_mask(torch.tensor([1, 4]), 4)
     logp = torch.zeros(2, 4, requires_grad=True)
     loss = grpo.aggregate_loss(grpo.clipped_token_loss(logp, torch.zeros(2, 4), torch.ones(2), 0.2, 0.2), mask,
                                "grpo", 4)  # fmt: skip
@@ -219,7 +223,7 @@ def test_verifiable_benchmark_reward_is_an_exact_match():
     completions = [" dog vet rent", " dog vet", " dog vet rent tbh", " vet dog rent", "dog  vet rent"]
     assert verifiable.facts_in_order([prompt] * 5, completions) == [1.0, 0.0, 0.0, 0.0, 1.0]
     # loadable the way grpo.py and rloo.py load a reward function
-    fn = utils.load_reward_fn(str(Path(verifiable.__file__)) + ":facts_in_order")
+    fn = utils.scoring.load_reward_fn(str(Path(verifiable.__file__)) + ":facts_in_order")
     assert fn([prompt], [" dog vet rent"]) == [1.0]
 
 

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import ilql
-import utils
+import utils.chat
+import utils.generation
 from conftest import run_script
 
 GAMMA, TAU = 0.9, 0.7
@@ -38,7 +39,7 @@ def tiny_ilql(two_qs=True, seed=0):
 def random_batch(B=3, R=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([5, 2, 1])[:B]
-    return lengths, utils.lengths_to_mask(lengths, R), torch.randn(B, generator=g), g
+    return lengths, utils.generation.lengths_to_mask(lengths, R), torch.randn(B, generator=g), g
 
 
 def test_reward_on_the_last_token_and_zero_value_after_it():
@@ -47,7 +48,7 @@ def test_reward_on_the_last_token_and_zero_value_after_it():
     expected = torch.tensor([[0, 0, 2.0, 0], [-1.0, 0, 0, 0], [0, 0, 0, 0.5]])
     torch.testing.assert_close(rewards, expected)
     values = torch.arange(1.0, 6.0).repeat(3, 1)  # V(s_0..s_4) = 1..5 for every row
-    next_values = ilql.next_state_values(values, utils.lengths_to_mask(lengths, 4))
+    next_values = ilql.next_state_values(values, utils.generation.lengths_to_mask(lengths, 4))
     # V(s_{t+1}) for t < len - 1; 0 at the last token (the next state is terminal) and on padding
     torch.testing.assert_close(next_values, torch.tensor([[2.0, 3, 0, 0], [0, 0, 0, 0], [2.0, 3, 4, 0]]))
 
@@ -219,9 +220,9 @@ def test_beta_zero_is_the_behaviour_model():
     )
     behaviour = ilql.advantage_scores(logits, q, v, 0.0, top_k=0).softmax(-1)
     torch.testing.assert_close(behaviour, logits.softmax(-1))
-    queries, query_mask = utils.left_pad([[5, 6, 7], [8]], 0)
+    queries, query_mask = utils.generation.left_pad([[5, 6, 7], [8]], 0)
     ours = ilql.generate(model, queries, query_mask, 6, beta=0.0, top_k=0)
-    plain, _ = utils.generate(model.backbone, queries, query_mask, 6, 0.0, 8)
+    plain, _ = utils.generation.generate(model.backbone, queries, query_mask, 6, 0.0, 8)
     assert torch.equal(ours, plain)
 
 
@@ -235,7 +236,7 @@ def test_decoding_follows_the_advantage():
             head[2].bias.zero_()
             head[2].bias[33] = 5.0
             head[2].bias[34] = 10.0 if i == 0 else -10.0  # high on one head only: the minimum ignores it
-    queries, query_mask = utils.left_pad([[5, 6, 7], [8, 9]], 0)
+    queries, query_mask = utils.generation.left_pad([[5, 6, 7], [8, 9]], 0)
     shifted = ilql.generate(model, queries, query_mask, 4, beta=50.0, top_k=20)[:, 3:]
     assert (shifted == 33).all()
     behaviour = ilql.generate(model, queries, query_mask, 4, beta=0.0, top_k=20)[:, 3:]
@@ -347,7 +348,7 @@ def test_end_to_end_sync_schedule_resume_and_saved_heads(world, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
-    prompt_ids = utils.tokenize_prompts(
+    prompt_ids = utils.chat.tokenize_prompts(
         tokenizer, ["SUBREDDIT: r/pets\n\nTITLE: a\n\nPOST: dog vet\n\nTL;DR:"]
     )
     responses, lengths = ilql.complete(model, tokenizer, prompt_ids, 4, 4)

@@ -1,4 +1,4 @@
-"""utils.token_logprobs and chunked_token_logprobs: the LM head only on scored positions, tile by tile, against
+"""utils.logprobs.token_logprobs and chunked_token_logprobs: the LM head only on scored positions, tile by tile, against
 the plain computation (full logits, log_softmax) and against the equation written as a loop."""
 
 import math
@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import utils
 import utils.generation as generation
 import utils.lm_head as tiled  # the tile sizes live here
+import utils.logprobs
 
 
 def tiny_llama(vocab_size=97, tie=False, seed=0, cls=None):
@@ -34,7 +34,7 @@ def batch(vocab_size=97, rows=3, length=12, seed=1):
 
 def plain(model, input_ids, attention_mask, score_mask, temperature=1.0):
     """The computation token_logprobs replaces: logits of every position, log_softmax, gather, mask."""
-    logits = utils.forward(model, input_ids, attention_mask).logits[:, :-1].float() / temperature
+    logits = utils.logprobs.forward(model, input_ids, attention_mask).logits[:, :-1].float() / temperature
     logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return logprobs * score_mask, logits
 
@@ -65,7 +65,9 @@ def test_chunked_logprobs_match_the_equation_and_plain_gradients(kind, monkeypat
     hidden = torch.randn(14, 8, generator=g, requires_grad=True)
     targets = torch.randint(0, 13, (14,), generator=g)
     temperature = 0.7
-    logprobs, entropy, mean_logit = utils.chunked_token_logprobs(head, hidden, targets, temperature, True)
+    logprobs, entropy, mean_logit = utils.lm_head.chunked_token_logprobs(
+        head, hidden, targets, temperature, True
+    )
     with torch.no_grad():
         logits = (head(hidden) / temperature).tolist()
     for n, row in enumerate(logits):  # the equation, one token at a time
@@ -93,7 +95,7 @@ def test_token_logprobs_equal_the_full_logits_path(tie, monkeypatch):
     model = tiny_llama(tie=tie)
     input_ids, attention_mask, score_mask = batch()
     temperature = 0.7
-    logprobs, entropy, mean_logit = utils.token_logprobs(
+    logprobs, entropy, mean_logit = utils.logprobs.token_logprobs(
         model, input_ids, attention_mask, score_mask, temperature, with_stats=True
     )
     weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(3))
@@ -105,7 +107,7 @@ def test_token_logprobs_equal_the_full_logits_path(tie, monkeypatch):
     assert (logprobs[~score_mask] == 0).all()
     with torch.no_grad():
         torch.testing.assert_close(
-            entropy, utils.entropy_from_logits(logits) * score_mask, rtol=1e-5, atol=1e-6
+            entropy, utils.logprobs.entropy_from_logits(logits) * score_mask, rtol=1e-5, atol=1e-6
         )
         torch.testing.assert_close(mean_logit, logits.mean(-1) * score_mask, rtol=1e-5, atol=1e-6)
     assert_close_grads(chunked, gradients(model))
@@ -115,11 +117,11 @@ def test_response_logprobs_are_the_response_slice():
     model = tiny_llama()
     input_ids, attention_mask, _ = batch()
     with torch.no_grad():
-        logprobs = utils.response_logprobs(model, input_ids, attention_mask, 7, 0.5)
-        logits = utils.response_logits(model, input_ids, attention_mask, 7, 0.5)
+        logprobs = utils.logprobs.response_logprobs(model, input_ids, attention_mask, 7, 0.5)
+        logits = utils.logprobs.response_logits(model, input_ids, attention_mask, 7, 0.5)
     assert logprobs.shape == (3, 5)
     torch.testing.assert_close(
-        logprobs, utils.logprobs_from_logits(logits, input_ids[:, 7:]), rtol=1e-5, atol=1e-6
+        logprobs, utils.logprobs.logprobs_from_logits(logits, input_ids[:, 7:]), rtol=1e-5, atol=1e-6
     )
 
 
@@ -131,7 +133,7 @@ def test_lora_on_the_head():
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False),
     )
     input_ids, attention_mask, score_mask = batch()
-    logprobs = utils.token_logprobs(model, input_ids, attention_mask, score_mask)
+    logprobs = utils.logprobs.token_logprobs(model, input_ids, attention_mask, score_mask)
     logprobs.sum().backward()
     chunked = gradients(model)
     assert any("lm_head.lora" in n for n in chunked)
@@ -153,7 +155,7 @@ def test_bf16_within_stated_tolerance(precision, monkeypatch):
         model = model.to(torch.bfloat16)
     input_ids, attention_mask, score_mask = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
-        logprobs = utils.token_logprobs(model, input_ids, attention_mask, score_mask)
+        logprobs = utils.logprobs.token_logprobs(model, input_ids, attention_mask, score_mask)
         logprobs.sum().backward()
         chunked = gradients(model)
         expected, _ = plain(model, input_ids, attention_mask, score_mask)
@@ -177,7 +179,7 @@ def test_a_model_that_transforms_its_logits_is_scored_plainly():
     model = tiny_llama(cls=ScaledLogits)
     input_ids, attention_mask, score_mask = batch()
     with torch.no_grad():
-        logprobs = utils.token_logprobs(model, input_ids, attention_mask, score_mask)
+        logprobs = utils.logprobs.token_logprobs(model, input_ids, attention_mask, score_mask)
         expected, _ = plain(model, input_ids, attention_mask, score_mask)
     torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-6)
     assert model._plain_logprobs
@@ -208,7 +210,7 @@ def test_no_tensor_of_all_positions_times_the_vocabulary(monkeypatch):
     score_mask = torch.zeros(4, 39, dtype=torch.bool)
     score_mask[:, 20:] = True  # a 19-token response
     with LargestTensor() as mode:
-        utils.token_logprobs(model, input_ids, attention_mask, score_mask).sum().backward()
+        utils.logprobs.token_logprobs(model, input_ids, attention_mask, score_mask).sum().backward()
     bound = max(tile_tokens * vocab, model.lm_head.weight.numel())
     assert mode.largest <= bound < 4 * 39 * vocab // 4
     with LargestTensor() as mode:
@@ -219,10 +221,10 @@ def test_no_tensor_of_all_positions_times_the_vocabulary(monkeypatch):
 def test_generation_keeps_only_the_last_logits():
     model = tiny_llama()
     assert generation.keeps_last_logits(model)
-    queries, mask = utils.left_pad([[5, 6, 7], [8, 9]], 0)
-    tokens, logprobs = utils.generate(model, queries, mask, 4, 0.0, 2)
+    queries, mask = utils.generation.left_pad([[5, 6, 7], [8, 9]], 0)
+    tokens, logprobs = utils.generation.generate(model, queries, mask, 4, 0.0, 2)
     with torch.no_grad():  # the greedy tokens scored again by one forward pass
-        expected = utils.response_logprobs(
+        expected = utils.logprobs.response_logprobs(
             model, tokens, torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1), 3, 0
         )
     torch.testing.assert_close(logprobs, expected, rtol=1e-4, atol=1e-5)

@@ -67,13 +67,13 @@ def test_a_leftover_tmp_checkpoint_blocks_nothing(world, tmp_path):
 
 
 def test_check_output_dir_ignores_unfinished_checkpoint_writes(tmp_path):
-    import utils
+    import utils.checkpoint
 
     (tmp_path / "tmp-checkpoint-7").mkdir()
-    utils.check_output_dir(str(tmp_path))  # nothing but a leftover: a fresh run may start
+    utils.checkpoint.check_output_dir(str(tmp_path))  # nothing but a leftover: a fresh run may start
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="exists and is not empty"):
-        utils.check_output_dir(str(tmp_path))
+        utils.checkpoint.check_output_dir(str(tmp_path))
 
 
 # ---- 3. a damaged newest checkpoint: `latest` falls back to the previous complete one ------------------------------
@@ -103,7 +103,7 @@ def test_latest_skips_a_cut_checkpoint_and_resumes_exactly(world, tmp_path):
 
 def test_ddpo_latest_skips_a_cut_checkpoint(tmp_path):
     import ddpo
-    import utils
+    import utils.checkpoint
 
     checkpoints = tmp_path / "out" / "checkpoints"
     for epoch in (0, 1):

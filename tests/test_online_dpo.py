@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import online_dpo
-import utils
+import utils.generation
 from conftest import (
     ROOT,
     check_trl_style_calls,
@@ -93,7 +93,7 @@ def loop_prompt_mask(query_mask, lengths, max_length, micro_batch):
 @pytest.mark.parametrize("max_length,micro_batch", [(12, 2), (9, 3), (8, 6), (100, 2), (6, 1)])
 def test_prompt_mask_within_max_length_matches_trls_cut(max_length, micro_batch):
     g = torch.Generator().manual_seed(max_length)
-    query_mask = utils.left_pad([[7] * n for n in (9, 3, 6, 1, 8, 5)], 0)[1]
+    query_mask = utils.generation.left_pad([[7] * n for n in (9, 3, 6, 1, 8, 5)], 0)[1]
     lengths = torch.randint(1, 6, (12,), generator=g)
     got = online_dpo.prompt_mask_within(query_mask, lengths, max_length, micro_batch)
     assert torch.equal(got, loop_prompt_mask(query_mask, lengths, max_length, micro_batch))

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import ppo
-import utils
+import utils.data
+import utils.generation
 import utils.run
+import utils.stats
 from conftest import ROOT, run_script, run_torchrun
 
 
@@ -33,7 +35,7 @@ def test_gae_matches_reversed_loop(gamma, lam):
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(6, 7, generator=g), torch.randn(6, 7, generator=g)
     lengths = torch.tensor([7, 1, 3, 5, 7, 2])
-    mask = utils.lengths_to_mask(lengths, 7)
+    mask = utils.generation.lengths_to_mask(lengths, 7)
     advantages, returns = ppo.gae(rewards, values, mask, gamma, lam)
     for b in range(6):
         expected = slow_gae(rewards[b].tolist(), values[b].tolist(), int(lengths[b]), gamma, lam)
@@ -58,13 +60,13 @@ def test_gae_with_gamma_lam_one_gives_reward_to_go_returns():
 def test_advantage_whitening_over_response_tokens_matches_statistics():
     g = torch.Generator().manual_seed(1)
     values = torch.randn(5, 6, generator=g) * 3 + 2
-    mask = utils.lengths_to_mask(torch.tensor([6, 2, 4, 1, 5]), 6)
+    mask = utils.generation.lengths_to_mask(torch.tensor([6, 2, 4, 1, 5]), 6)
     kept = [v for v, m in zip(values.flatten().tolist(), mask.flatten().tolist()) if m]
-    mean, std = statistics.mean(kept), statistics.stdev(kept)  # Bessel-corrected, as utils.masked_var
-    whitened = utils.masked_whiten(values, mask) * mask
+    mean, std = statistics.mean(kept), statistics.stdev(kept)  # Bessel-corrected, as utils.stats.masked_var
+    whitened = utils.stats.masked_whiten(values, mask) * mask
     assert whitened[mask].tolist() == pytest.approx([(v - mean) / std for v in kept], abs=1e-5)
     assert (whitened[~mask] == 0).all()
-    kept_mean = utils.masked_whiten(values, mask, shift_mean=False)
+    kept_mean = utils.stats.masked_whiten(values, mask, shift_mean=False)
     assert kept_mean[mask].tolist() == pytest.approx([(v - mean) / std + mean for v in kept], abs=1e-5)
 
 
@@ -85,14 +87,14 @@ def test_whitening_per_process_by_default_or_across_processes(shift_mean):
     the whole batch computes, so N processes update as 1 does."""
     g = torch.Generator().manual_seed(5)
     values = [torch.randn(3, 6, generator=g), 3 * torch.randn(3, 6, generator=g) + 5]  # unlike statistics
-    masks = [utils.lengths_to_mask(torch.tensor(n), 6) for n in ([6, 2, 4], [1, 5, 3])]
+    masks = [utils.generation.lengths_to_mask(torch.tensor(n), 6) for n in ([6, 2, 4], [1, 5, 3])]
     per_process = [ppo.whiten(v, m, shift_mean) for v, m in zip(values, masks)]
     across = [
         ppo.whiten(v, m, shift_mean, accelerator=OneOfTwoProcesses(i, values, masks))
         for i, (v, m) in enumerate(zip(values, masks))
     ]
     for v, m, w in zip(values, masks, per_process):  # each process alone: masked_whiten of its own tokens
-        torch.testing.assert_close(w, utils.masked_whiten(v, m, shift_mean) * m)
+        torch.testing.assert_close(w, utils.stats.masked_whiten(v, m, shift_mean) * m)
     one_process = ppo.whiten(torch.cat(values), torch.cat(masks), shift_mean)
     torch.testing.assert_close(torch.cat(across), one_process)
     assert (torch.cat(per_process) - one_process).abs().max() > 0.5  # the two choices really differ
@@ -150,7 +152,7 @@ def test_full_kl_is_the_exact_kl_and_k1_k3_are_unbiased():
 # ---------------------------------------------------------------------------------------------------------- rewards
 def test_reward_layout_puts_the_score_on_the_last_response_token():
     kl = torch.ones(3, 5)
-    mask = utils.lengths_to_mask(torch.tensor([3, 5, 1]), 5)
+    mask = utils.generation.lengths_to_mask(torch.tensor([3, 5, 1]), 5)
     rewards, non_score = ppo.per_token_rewards(kl, torch.tensor([10.0, 20.0, 30.0]), mask, kl_coef=0.1)
     expected = [[-0.1, -0.1, 9.9, 0, 0], [-0.1, -0.1, -0.1, -0.1, 19.9], [29.9, 0, 0, 0, 0]]
     torch.testing.assert_close(rewards, torch.tensor(expected))
@@ -162,8 +164,8 @@ def test_reward_layout_puts_the_score_on_the_last_response_token():
 def test_reward_layout_after_truncation_and_the_missing_eos_penalty(pad_id):
     EOS = 0
     responses = torch.tensor([[5, 6, EOS, 7, 8], [5, 6, 7, 8, 9], [EOS, 5, 6, 7, 8]])
-    truncated, lengths = utils.truncate_response(responses, EOS, pad_id)
-    mask = utils.lengths_to_mask(lengths, 5)
+    truncated, lengths = utils.generation.truncate_response(responses, EOS, pad_id)
+    mask = utils.generation.lengths_to_mask(lengths, 5)
     scores, contains_eos = ppo.penalize_missing_eos(torch.tensor([1.0, 2.0, 3.0]), truncated, mask, EOS, 0.5)
     assert contains_eos.tolist() == [True, False, True]
     assert scores.tolist() == [1.0, 1.5, 3.0]
@@ -286,14 +288,16 @@ def test_fewer_episodes_than_one_update_are_refused():
 
 
 def test_prompt_batches_shard_one_shuffle_across_processes():
-    streams = [utils.prompt_batches(20, 4, 2, rank, seed=3) for rank in range(2)]
+    streams = [utils.data.prompt_batches(20, 4, 2, rank, seed=3) for rank in range(2)]
     seen = []
     for _ in range(2):  # the two full batches of the first pass: 16 distinct prompts
         a, b = next(streams[0]), next(streams[1])
         assert len(a) == len(b) == 4 and not set(a) & set(b)
         seen += a + b
     assert len(set(seen)) == 16
-    assert next(utils.prompt_batches(20, 4, 2, 0, seed=3)) == next(utils.prompt_batches(20, 4, 2, 0, seed=3))
+    assert next(utils.data.prompt_batches(20, 4, 2, 0, seed=3)) == next(
+        utils.data.prompt_batches(20, 4, 2, 0, seed=3)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- the CLI

@@ -67,7 +67,9 @@ def test_two_nodes_train_the_weights_of_one_two_process_launch(script, world, tm
 
 
 def test_two_nodes_without_a_process_group_are_refused_on_every_process(world, tmp_path):
-    import utils
+    import utils.data
+    import utils.loading
+    import utils.run
 
     out = tmp_path / "alone"
     results = two_nodes(["rloo.py", *rloo_flags(world, tmp_path, "alone")], multi_gpu=False)
@@ -204,7 +206,9 @@ def test_check_writable(tmp_path):
 
 
 def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_path):
-    import utils
+    import utils.data
+    import utils.loading
+    import utils.run
 
     assert utils.loading.model_positions(str(world / "policy")) == 256
     out = tmp_path / "out"

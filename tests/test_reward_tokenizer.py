@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-import utils
+import utils.chat
+import utils.generation
 import utils.scoring as scoring
 from conftest import run_script
 
@@ -78,13 +79,13 @@ def policy_rows(policy_tok, prompts, completions, junk=3, unfinished=()):
     sampled junk that truncation replaced by padding; rows in `unfinished` have no EOS and fill the whole width,
     as a completion the policy did not end. Returns (query_responses, mask, context_length)."""
     eos, pad = policy_tok.eos_token_id, policy_tok.pad_token_id
-    queries, query_mask = utils.left_pad(utils.tokenize_prompts(policy_tok, prompts), pad)
+    queries, query_mask = utils.generation.left_pad(utils.chat.tokenize_prompts(policy_tok, prompts), pad)
     ids = [policy_tok(c, add_special_tokens=False)["input_ids"] for c in completions]
     responses = [row if i in unfinished else row + [eos] + [7] * junk for i, row in enumerate(ids)]
     assert all(len(responses[i]) == max(map(len, responses)) for i in unfinished)
-    responses = utils.pad(responses, pad, "right")
-    truncated, lengths = utils.truncate_response(responses, eos, pad)
-    mask = torch.cat([query_mask, utils.lengths_to_mask(lengths, responses.size(1))], 1)
+    responses = utils.generation.pad(responses, pad, "right")
+    truncated, lengths = utils.generation.truncate_response(responses, eos, pad)
+    mask = torch.cat([query_mask, utils.generation.lengths_to_mask(lengths, responses.size(1))], 1)
     return torch.cat([queries, truncated], 1), mask, queries.size(1)
 
 
@@ -111,7 +112,7 @@ def test_same_tokenizer_is_detected(world, tokenizers):
 
 
 def test_fast_path_is_unchanged_when_the_tokenizers_match(world, tokenizers, monkeypatch):
-    """The same reward model, the same ids, the same numbers as utils.compute_scores; nothing is re-encoded."""
+    """The same reward model, the same ids, the same numbers as utils.scoring.compute_scores; nothing is re-encoded."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     policy_tok, _ = tokenizers
@@ -121,7 +122,7 @@ def test_fast_path_is_unchanged_when_the_tokenizers_match(world, tokenizers, mon
     monkeypatch.setattr(scorer, "encode", lambda *a, **k: pytest.fail("the fast path must not re-encode"))
     prompts = [p[i * 7 :] for i, p in enumerate(keyless_prompts(len(COMPLETIONS)))]
     query_responses, mask, context = policy_rows(policy_tok, prompts, COMPLETIONS)
-    expected = utils.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
+    expected = utils.scoring.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
     assert torch.equal(scorer(query_responses, mask, context, 2), expected)
     assert scorer.take_num_truncated() == 0
 
@@ -134,7 +135,7 @@ def test_score_is_the_reward_models_own_score_of_the_decoded_text(tokenizers):
     query_responses, mask, context = policy_rows(policy_tok, prompts, completions, unfinished={5})
     assert query_responses.max() >= len(word_tok)  # fed directly, these ids index past the embedding
     with pytest.raises(IndexError):
-        utils.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
+        utils.scoring.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
 
     scorer = scoring.RewardScorer(reward_model, word_tok, policy_tok)
     assert not scorer.same_tokenizer and "its own tokenizer" in scorer.describe()
@@ -279,9 +280,9 @@ def train_key_word_classifier(tokenizer, policy_tok, prompts, steps=300, seed=0)
     model.train()
     for _ in range(steps):
         batch = [example() for _ in range(32)]
-        ids = utils.pad([b[0] for b in batch], tokenizer.pad_token_id, "right")
-        mask = utils.lengths_to_mask(torch.tensor([len(b[0]) for b in batch]), ids.size(1)).long()
-        scores = utils.get_score(model, ids, mask)
+        ids = utils.generation.pad([b[0] for b in batch], tokenizer.pad_token_id, "right")
+        mask = utils.generation.lengths_to_mask(torch.tensor([len(b[0]) for b in batch]), ids.size(1)).long()
+        scores = utils.scoring.get_score(model, ids, mask)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
             scores, torch.tensor([b[1] for b in batch])
         )
@@ -291,7 +292,7 @@ def train_key_word_classifier(tokenizer, policy_tok, prompts, steps=300, seed=0)
     model.eval()
     test = [example() for _ in range(400)]
     with torch.no_grad():
-        right = sum((utils.get_score(model, torch.tensor([i]), torch.ones(1, len(i))).item() > 0) == bool(y)
+        right = sum((utils.scoring.get_score(model, torch.tensor([i]), torch.ones(1, len(i))).item() > 0) == bool(y)
                     for i, y in test)  # fmt: skip
     return model, right / len(test)
 
@@ -304,7 +305,7 @@ def key_word_rate(model_path, policy_tok, prompts, seed=0):
 
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     generator = torch.Generator().manual_seed(seed)
-    responses, lengths = utils.complete(model, policy_tok, utils.tokenize_prompts(policy_tok, prompts), 8, 64,
+    responses, lengths = utils.generation.complete(model, policy_tok, utils.chat.tokenize_prompts(policy_tok, prompts), 8, 64,
                                         temperature=1.0, generator=generator)  # fmt: skip
     texts = [policy_tok.decode(r[:n], skip_special_tokens=True) for r, n in zip(responses, lengths)]
     return sum(any(w in tiny_world.KEY_WORDS for w in t.split()) for t in texts) / len(texts)

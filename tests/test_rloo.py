@@ -8,7 +8,8 @@ import torch
 import tyro
 
 import rloo
-import utils
+import utils.data
+import utils.generation
 from conftest import (
     ROOT,
     check_trl_style_calls,
@@ -180,7 +181,7 @@ def test_rows_are_built_completion_major_from_prompts_stored_once():
     query_mask = queries != 1
     responses = torch.arange(6 * 2).view(6, 2) + 100  # k = 2 completions of each of the 3 prompts
     response_mask = torch.ones(6, 2, dtype=torch.bool)
-    rows, mask = utils.query_response_rows(
+    rows, mask = utils.generation.query_response_rows(
         queries, query_mask, responses, response_mask, torch.tensor([4, 0, 3])
     )
     assert rows.tolist() == [[1, 11, 108, 109], [9, 10, 100, 101], [9, 10, 106, 107]]  # row i <- prompt i % 3
@@ -188,11 +189,11 @@ def test_rows_are_built_completion_major_from_prompts_stored_once():
 
 
 def test_prompt_batches_are_disjoint_across_processes_and_seeded():
-    a0 = utils.prompt_batches(10, 2, 2, 0, seed=3)
-    a1 = utils.prompt_batches(10, 2, 2, 1, seed=3)
+    a0 = utils.data.prompt_batches(10, 2, 2, 0, seed=3)
+    a1 = utils.data.prompt_batches(10, 2, 2, 1, seed=3)
     first = [next(a0) for _ in range(2)] + [next(a1) for _ in range(2)]
     assert len({i for batch in first for i in batch}) == 8  # one pass: no prompt twice
-    assert next(utils.prompt_batches(10, 2, 2, 0, seed=3)) == first[0]
+    assert next(utils.data.prompt_batches(10, 2, 2, 0, seed=3)) == first[0]
 
 
 def parse(flags):

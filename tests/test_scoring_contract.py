@@ -16,7 +16,8 @@ import pytest
 import torch
 from test_reward_tokenizer import keyless_prompts, word_classifier, word_tokenizer
 
-import utils
+import utils.chat
+import utils.generation
 import utils.scoring as scoring
 
 JUNK = 7  # a sampled token after the EOS, which truncation turns into padding
@@ -28,13 +29,13 @@ def sampled_rows(tokenizer, prompt_texts, completions, unfinished=()):
     after the EOS. Returns (query_responses, mask, context_length, sampled) with `sampled` the raw response ids
     before truncation, for TRL's own cut."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    queries, query_mask = utils.left_pad(utils.tokenize_prompts(tokenizer, prompt_texts), pad)
+    queries, query_mask = utils.generation.left_pad(utils.chat.tokenize_prompts(tokenizer, prompt_texts), pad)
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
     width = max(len(r) for r in ids) + 3
     sampled = [r + [JUNK] * (width - len(r)) if i in unfinished else r + [eos] for i, r in enumerate(ids)]
     sampled = [r + [JUNK] * (width - len(r)) for r in sampled]
-    truncated, lengths = utils.truncate_response(torch.tensor(sampled), eos, pad)
-    mask = torch.cat([query_mask, utils.lengths_to_mask(lengths, width)], 1)
+    truncated, lengths = utils.generation.truncate_response(torch.tensor(sampled), eos, pad)
+    mask = torch.cat([query_mask, utils.generation.lengths_to_mask(lengths, width)], 1)
     return torch.cat([queries, truncated], 1), mask, queries.size(1), sampled
 
 
@@ -195,14 +196,16 @@ def test_conversational_completion_is_one_assistant_message(policy_tok):
 
 
 def test_none_is_nan_and_a_wrong_length_is_an_error():
-    assert utils.call_reward_fn(lambda p, c: [1.0, None], ["p", "q"], ["a", "b"]).isnan().tolist() == [
+    assert utils.scoring.call_reward_fn(
+        lambda p, c: [1.0, None], ["p", "q"], ["a", "b"]
+    ).isnan().tolist() == [
         False,
         True,
     ]
-    trl_style = utils.call_reward_fn(lambda completions, **k: [None, 2], ["p", "q"], ["a", "b"])
+    trl_style = utils.scoring.call_reward_fn(lambda completions, **k: [None, 2], ["p", "q"], ["a", "b"])
     assert trl_style.isnan()[0] and trl_style[1] == 2.0 and trl_style.dtype == torch.float32
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
-        utils.call_reward_fn(lambda completions, **k: [None], ["p", "q"], ["a", "b"])
+        utils.scoring.call_reward_fn(lambda completions, **k: [None], ["p", "q"], ["a", "b"])
 
 
 # -------------------------------------------------------------------------------- a reward model, TRL's rendering
@@ -296,5 +299,5 @@ def test_a_reward_file_that_fails_to_import_is_one_sentence(tmp_path, monkeypatc
         ("broken_body.score", body),
     ]:
         with pytest.raises(ValueError) as error:
-            utils.load_reward_fn(spec)
+            utils.scoring.load_reward_fn(spec)
         assert str(error.value) == f"--reward_fn {spec}: {sentence}"

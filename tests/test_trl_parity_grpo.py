@@ -19,7 +19,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 import grpo
-import utils
+import utils.generation
+import utils.loading
+import utils.logprobs
 import utils.run
 
 assert trl.__version__ == "1.16.0", trl.__version__
@@ -69,7 +71,7 @@ def batch(seed=0, left_pad=0):
     prompt_mask[0, :left_pad] = 0
     prompt_ids[0, :left_pad] = 1
     lengths = torch.randint(1, R + 1, (B,), generator=g)
-    completion_mask = utils.lengths_to_mask(lengths, R).long()
+    completion_mask = utils.generation.lengths_to_mask(lengths, R).long()
     completion_ids = torch.randint(2, 600, (B, R), generator=g).masked_fill(completion_mask == 0, 1)
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
@@ -77,13 +79,15 @@ def batch(seed=0, left_pad=0):
 def our_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
     query_responses = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    return utils.response_logprobs(model, query_responses, attention_mask, prompt_ids.size(1), T, True)[:2]
+    return utils.logprobs.response_logprobs(
+        model, query_responses, attention_mask, prompt_ids.size(1), T, True
+    )[:2]
 
 
 @pytest.fixture(scope="module")
 def ours(world):
     model = AutoModelForCausalLM.from_pretrained(world / "policy")
-    utils.disable_dropout(model)
+    utils.loading.disable_dropout(model)
     return model
 
 
@@ -330,7 +334,7 @@ def test_old_logprobs_are_recomputed_when_trl_recomputes_them(
     if recomputed:
         query_responses = torch.cat([prompt_ids, completion_ids], 1)
         mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
-        mine = utils.batched_response_logprobs(ours, query_responses, mask, Q, T, 3)
+        mine = utils.logprobs.batched_response_logprobs(ours, query_responses, mask, Q, T, 3)
         real = completion_mask.bool()
         torch.testing.assert_close(mine[real], output["old_per_token_logps"][real], rtol=1e-5, atol=1e-5)
 

@@ -22,7 +22,10 @@ import torch
 pytest.importorskip("trl.experimental.online_dpo")
 
 import online_dpo  # noqa: E402
-import utils  # noqa: E402
+import utils.chat  # noqa: E402
+import utils.generation  # noqa: E402
+import utils.loading  # noqa: E402
+import utils.logprobs  # noqa: E402
 import utils.scoring  # noqa: E402
 
 R = 8  # sampled tokens per completion; every completion below ends by its 6th token
@@ -45,12 +48,16 @@ def batch(world):
     tokenizer = AutoTokenizer.from_pretrained(world / "policy")
     rows = [json.loads(line) for line in open(world / "dataset" / "sft.jsonl")][:4]
     texts = [row["prompt"][(i % 4) * 25 :] for i, row in enumerate(rows)]  # 52, 43, 42 and 32 tokens
-    queries, query_mask = utils.left_pad(utils.tokenize_prompts(tokenizer, texts), tokenizer.pad_token_id)
+    queries, query_mask = utils.generation.left_pad(
+        utils.chat.tokenize_prompts(tokenizer, texts), tokenizer.pad_token_id
+    )
     g = torch.Generator().manual_seed(0)
     responses = torch.randint(2, len(tokenizer), (8, R), generator=g)
     for row, eos_at in enumerate([2, 5, 0, 3, 5, 1, 4, 2]):
         responses[row, eos_at] = tokenizer.eos_token_id
-    responses, lengths = utils.truncate_response(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    responses, lengths = utils.generation.truncate_response(
+        responses, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     return tokenizer, texts, queries, query_mask, responses, lengths
 
 
@@ -91,7 +98,7 @@ def trl_step(trainer, batch, loss_type, max_length):
     """TRL's training_step on the batch: (loss, {parameter name: gradient})."""
     _, texts, queries, query_mask, responses, lengths = batch
     width = int(lengths.max())  # what TRL's generate returns: as wide as the longest completion
-    mask = utils.lengths_to_mask(lengths, R)
+    mask = utils.generation.lengths_to_mask(lengths, R)
     sampled = (
         queries.repeat(2, 1),
         query_mask.repeat(2, 1).long(),
@@ -112,10 +119,12 @@ def our_step(world, reference, batch, loss_type, max_length, drop_ties=False, te
     tokenizer, texts, queries, query_mask, responses, lengths = batch
     policy, reference = (AutoModelForCausalLM.from_pretrained(path) for path in (world / "policy", reference))
     for model in (policy, reference):
-        utils.disable_dropout(model)
+        utils.loading.disable_dropout(model)
     P, rows = queries.size(0), torch.arange(8)
-    response_mask = utils.lengths_to_mask(lengths, R)
-    rows_at = functools.partial(utils.query_response_rows, queries, query_mask, responses, response_mask)
+    response_mask = utils.generation.lengths_to_mask(lengths, R)
+    rows_at = functools.partial(
+        utils.generation.query_response_rows, queries, query_mask, responses, response_mask
+    )
     scorer = utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=rewards)
     state = utils.scoring.TrainerState(global_step=0, max_steps=1, epoch=0.0)
     scores = scorer(*rows_at(rows), queries.size(1), 8, prompts=[texts[r % P] for r in range(8)],
@@ -126,10 +135,12 @@ def our_step(world, reference, batch, loss_type, max_length, drop_ties=False, te
     )
     forward_mask = online_dpo.prompt_mask_within(query_mask, lengths, max_length, P)
     first = int(forward_mask.any(0).long().argmax())
-    forward_rows_at = functools.partial(utils.query_response_rows, queries[:, first:], forward_mask[:, first:],
+    forward_rows_at = functools.partial(utils.generation.query_response_rows, queries[:, first:], forward_mask[:, first:],
                                         responses, response_mask)  # fmt: skip
     context = queries.size(1) - first
-    ref_logprobs = utils.batched_response_logprobs(reference, *forward_rows_at(rows), context, temperature, 8)
+    ref_logprobs = utils.logprobs.batched_response_logprobs(
+        reference, *forward_rows_at(rows), context, temperature, 8
+    )
     idx = torch.cat([chosen, rejected])
     losses, *_ = online_dpo.pair_losses(
         policy,

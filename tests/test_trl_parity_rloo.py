@@ -16,7 +16,10 @@ import pytest
 import torch
 
 import rloo
-import utils
+import utils.generation
+import utils.loading
+import utils.logprobs
+import utils.stats
 from utils import run
 
 trl = pytest.importorskip("trl")
@@ -102,7 +105,7 @@ def causal_lm(world, state_dict=None):
     model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
     if state_dict is not None:
         model.load_state_dict(state_dict)
-    utils.disable_dropout(model)
+    utils.loading.disable_dropout(model)
     return model.train()
 
 
@@ -157,14 +160,14 @@ def our_side(world, tokenizer, batch, completions, weights, args: rloo.Args):
     rows = [completions[i] for i in OURS_OF_THEIRS]
     lengths = torch.tensor([len(r) for r in rows])
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (R - len(r)) for r in rows])
-    response_mask = utils.lengths_to_mask(lengths, R)
-    query_responses, mask = utils.query_response_rows(
+    response_mask = utils.generation.lengths_to_mask(lengths, R)
+    query_responses, mask = utils.generation.query_response_rows(
         queries, query_mask, responses, response_mask, torch.arange(B)
     )
     Q = queries.size(1)
     policy, ref = causal_lm(world, weights[0]), causal_lm(world)
-    old = utils.batched_response_logprobs(policy, query_responses, mask, Q, T, B)
-    ref_logprobs = utils.batched_response_logprobs(ref, query_responses, mask, Q, T, B)
+    old = utils.logprobs.batched_response_logprobs(policy, query_responses, mask, Q, T, B)
+    ref_logprobs = utils.logprobs.batched_response_logprobs(ref, query_responses, mask, Q, T, B)
     rewards = torch.tensor(
         [[math.nan if v is None else v for v in f] for f in REWARDS[: len(args.reward_funcs)]]
     )
@@ -177,7 +180,7 @@ def our_side(world, tokenizer, batch, completions, weights, args: rloo.Args):
     advantages, _, _ = rloo.batch_advantages(args, scores, kl, loss_mask, lengths)
     if args.num_iterations > 1:
         policy.load_state_dict(weights[1])
-    new = utils.response_logprobs(policy, query_responses, mask, Q, T)
+    new = utils.logprobs.response_logprobs(policy, query_responses, mask, Q, T)
     loss, ratio, _, _ = rloo.policy_loss(new, old, advantages, loss_mask, args.cliprange, args.epsilon_high)
     loss.backward()
     return (
@@ -235,7 +238,7 @@ def test_0_19_whitening_is_not_trls_normalization():
     the root against 1e-4 added to the std; visible on advantages of a small spread."""
     advantages = torch.tensor([1e-3, -1e-3, 2e-3, -2e-3])
     ones = torch.ones(4, dtype=torch.bool)
-    ours_0_19 = utils.masked_whiten(advantages, ones)
+    ours_0_19 = utils.stats.masked_whiten(advantages, ones)
     trl_1_16 = rloo.standardize_advantages(advantages, ones)
     expected = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
     torch.testing.assert_close(trl_1_16, expected)

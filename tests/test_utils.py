@@ -6,7 +6,16 @@ import math
 import pytest
 import torch
 
-import utils
+import utils.chat
+import utils.checkpoint
+import utils.data
+import utils.generation
+import utils.loading
+import utils.logprobs
+import utils.run
+import utils.saving
+import utils.scoring
+import utils.stats
 
 PAD, EOS = 1, 0
 
@@ -14,11 +23,11 @@ PAD, EOS = 1, 0
 # ---------------------------------------------------------------------------------------------- padding, truncation
 def test_pad_right_and_left_hand_cases():
     seqs = [[5, 6, 7], [8], []]
-    assert utils.pad(seqs, PAD, "right").tolist() == [[5, 6, 7], [8, PAD, PAD], [PAD, PAD, PAD]]
-    assert utils.pad(seqs, PAD, "left").tolist() == [[5, 6, 7], [PAD, PAD, 8], [PAD, PAD, PAD]]
-    assert utils.pad([], PAD).shape == (0, 0)
+    assert utils.generation.pad(seqs, PAD, "right").tolist() == [[5, 6, 7], [8, PAD, PAD], [PAD, PAD, PAD]]
+    assert utils.generation.pad(seqs, PAD, "left").tolist() == [[5, 6, 7], [PAD, PAD, 8], [PAD, PAD, PAD]]
+    assert utils.generation.pad([], PAD).shape == (0, 0)
     with pytest.raises(ValueError, match="side"):
-        utils.pad(seqs, PAD, "middle")
+        utils.generation.pad(seqs, PAD, "middle")
 
 
 def slow_first_true(row):
@@ -34,7 +43,7 @@ def test_first_true_indices_matches_loop():
     bools[0] = False  # no true at all
     bools[1] = True  # all true
     expected = [slow_first_true(row.tolist()) for row in bools]
-    assert utils.first_true_indices(bools).tolist() == expected
+    assert utils.generation.first_true_indices(bools).tolist() == expected
     assert expected[0] == 7 and expected[1] == 0
 
 
@@ -59,35 +68,35 @@ def test_truncate_response_edge_cases(pad_id):
             [pad_id] * 4,  # all padding
         ]
     )
-    truncated, lengths = utils.truncate_response(responses, EOS, pad_id)
+    truncated, lengths = utils.generation.truncate_response(responses, EOS, pad_id)
     for row, out, length in zip(responses.tolist(), truncated.tolist(), lengths.tolist()):
         exp_out, exp_len = slow_truncate(row, EOS, pad_id)
         assert out == exp_out and length == exp_len
     assert lengths.tolist()[:4] == [1, 4, 4, 2]
-    same, full = utils.truncate_response(responses, None, pad_id)
+    same, full = utils.generation.truncate_response(responses, None, pad_id)
     assert torch.equal(same, responses) and full.tolist() == [4] * 5
 
 
 def test_lengths_to_mask_and_last_token_indices():
-    mask = utils.lengths_to_mask(torch.tensor([0, 2, 3]), 3)
+    mask = utils.generation.lengths_to_mask(torch.tensor([0, 2, 3]), 3)
     assert mask.tolist() == [[False] * 3, [True, True, False], [True] * 3]
     # left-padded query + right-padded response: the last real token is the end of the response
     am = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]])
-    assert utils.last_token_indices(am).tolist() == [4, 5, 2]
+    assert utils.scoring.last_token_indices(am).tolist() == [4, 5, 2]
 
 
 def test_exact_div_and_checks(tmp_path):
-    assert utils.exact_div(12, 4, "--a / --b") == 3
+    assert utils.run.exact_div(12, 4, "--a / --b") == 3
     with pytest.raises(ValueError, match=r"--batch_size.*--rloo_k.*10 is not divisible by 4"):
-        utils.exact_div(10, 4, "--batch_size / --rloo_k")
+        utils.run.exact_div(10, 4, "--batch_size / --rloo_k")
     with pytest.raises(ValueError):
-        utils.exact_div(4, 0, "x")
+        utils.run.exact_div(4, 0, "x")
     (tmp_path / "out").mkdir()
-    utils.check_output_dir(str(tmp_path / "out"))  # empty: fine
+    utils.checkpoint.check_output_dir(str(tmp_path / "out"))  # empty: fine
     (tmp_path / "out" / "keep.txt").write_text("precious")
     with pytest.raises(ValueError, match="not empty"):
-        utils.check_output_dir(str(tmp_path / "out"))
-    utils.check_output_dir(str(tmp_path / "out"), overwrite=True)
+        utils.checkpoint.check_output_dir(str(tmp_path / "out"))
+    utils.checkpoint.check_output_dir(str(tmp_path / "out"), overwrite=True)
     assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
 
 
@@ -95,13 +104,13 @@ def test_check_columns_names_expected_and_found():
     import datasets
 
     ds = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]})
-    utils.check_columns(ds, ["prompt"], "the train split")
+    utils.data.check_columns(ds, ["prompt"], "the train split")
     with pytest.raises(
         ValueError, match=r"missing column\(s\) \['completion'\].*found \['prompt', 'answer'\]"
     ):
-        utils.check_columns(ds, ["prompt", "completion"], "the train split")
+        utils.data.check_columns(ds, ["prompt", "completion"], "the train split")
     with pytest.raises(ValueError, match="empty"):
-        utils.check_columns(ds.select([]), ["prompt"], "the train split")
+        utils.data.check_columns(ds.select([]), ["prompt"], "the train split")
 
 
 # ---------------------------------------------------------------------------------------------- masked statistics
@@ -112,32 +121,32 @@ def test_masked_statistics_match_loops():
     picked = [v for v, m in zip(values.flatten().tolist(), mask.flatten().tolist()) if m]
     mean = sum(picked) / len(picked)
     var = sum((x - mean) ** 2 for x in picked) / (len(picked) - 1)
-    assert utils.masked_mean(values, mask).item() == pytest.approx(mean, abs=1e-6)
-    assert utils.masked_var(values, mask).item() == pytest.approx(var, abs=1e-5)
-    assert utils.masked_var(values, mask, unbiased=False).item() == pytest.approx(
+    assert utils.stats.masked_mean(values, mask).item() == pytest.approx(mean, abs=1e-6)
+    assert utils.stats.masked_var(values, mask).item() == pytest.approx(var, abs=1e-5)
+    assert utils.stats.masked_var(values, mask, unbiased=False).item() == pytest.approx(
         var * (len(picked) - 1) / len(picked), abs=1e-5
     )
-    white = utils.masked_whiten(values, mask)
+    white = utils.stats.masked_whiten(values, mask)
     for v, w, m in zip(values.flatten().tolist(), white.flatten().tolist(), mask.flatten().tolist()):
         if m:
             assert w == pytest.approx((v - mean) / math.sqrt(var + 1e-8), abs=1e-5)
-    kept = utils.masked_whiten(values, mask, shift_mean=False)
-    assert utils.masked_mean(kept, mask).item() == pytest.approx(mean, abs=1e-5)
-    row_means = utils.masked_mean(values, mask, dim=1)
+    kept = utils.stats.masked_whiten(values, mask, shift_mean=False)
+    assert utils.stats.masked_mean(kept, mask).item() == pytest.approx(mean, abs=1e-5)
+    row_means = utils.stats.masked_mean(values, mask, dim=1)
     for r in range(4):
         row = [v for v, m in zip(values[r].tolist(), mask[r].tolist()) if m]
         if row:
             assert row_means[r].item() == pytest.approx(sum(row) / len(row), abs=1e-6)
     with pytest.raises(ValueError, match="at least two"):
-        utils.masked_var(values, torch.zeros_like(mask).index_fill_(1, torch.tensor([0]), True)[:1, :])
+        utils.stats.masked_var(values, torch.zeros_like(mask).index_fill_(1, torch.tensor([0]), True)[:1, :])
 
 
 def test_logprobs_and_entropy_match_definitions():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 3, 5, generator=g)
     tokens = torch.randint(0, 5, (2, 3), generator=g)
-    lp = utils.logprobs_from_logits(logits, tokens)
-    ent = utils.entropy_from_logits(logits)
+    lp = utils.logprobs.logprobs_from_logits(logits, tokens)
+    ent = utils.logprobs.entropy_from_logits(logits)
     for b in range(2):
         for t in range(3):
             z = [math.exp(x) for x in logits[b, t].tolist()]
@@ -158,15 +167,15 @@ def tiny_models(world):
 
 
 def left_padded_queries(tok, texts):
-    ids = utils.tokenize_prompts(tok, texts)
-    queries = utils.pad(ids, tok.pad_token_id, "left")
+    ids = utils.chat.tokenize_prompts(tok, texts)
+    queries = utils.generation.pad(ids, tok.pad_token_id, "left")
     return queries, queries != tok.pad_token_id
 
 
 def test_tokenize_prompts_keeps_the_end(tiny_models):
     tok = tiny_models[0]
-    full = utils.tokenize_prompts(tok, ["SUBREDDIT: r/pets\n\nTITLE: a b\n\nPOST: dog\n\nTL;DR:"])[0]
-    cut = utils.tokenize_prompts(tok, ["SUBREDDIT: r/pets\n\nTITLE: a b\n\nPOST: dog\n\nTL;DR:"], 5)[0]
+    full = utils.chat.tokenize_prompts(tok, ["SUBREDDIT: r/pets\n\nTITLE: a b\n\nPOST: dog\n\nTL;DR:"])[0]
+    cut = utils.chat.tokenize_prompts(tok, ["SUBREDDIT: r/pets\n\nTITLE: a b\n\nPOST: dog\n\nTL;DR:"], 5)[0]
     assert cut == full[-5:] and tok.eos_token_id not in full
 
 
@@ -177,19 +186,19 @@ def test_generation_logprobs_equal_forward_logprobs_with_left_padding(tiny_model
     queries, qmask = left_padded_queries(tok, texts)
     for temperature in (0.7, 1.0, 0.0):
         torch.manual_seed(0)
-        qr, logprobs = utils.generate(policy, queries, qmask, 6, temperature, chunk_size=2)
+        qr, logprobs = utils.generation.generate(policy, queries, qmask, 6, temperature, chunk_size=2)
         assert qr.shape == (3, queries.size(1) + 6) and torch.equal(qr[:, : queries.size(1)], queries)
         am = torch.cat([qmask, torch.ones(3, 6, dtype=torch.bool)], 1)
-        recomputed = utils.batched_response_logprobs(
+        recomputed = utils.logprobs.batched_response_logprobs(
             policy, qr, am, queries.size(1), temperature, chunk_size=3
         )
         torch.testing.assert_close(recomputed, logprobs, atol=1e-4, rtol=1e-4)
         # the same rows one at a time, without any padding
         for i, text in enumerate(texts):
-            q = torch.tensor([utils.tokenize_prompts(tok, [text])[0]])
+            q = torch.tensor([utils.chat.tokenize_prompts(tok, [text])[0]])
             resp = qr[i : i + 1, queries.size(1) :]
             alone = torch.cat([q, resp], 1)
-            lp = utils.batched_response_logprobs(
+            lp = utils.logprobs.batched_response_logprobs(
                 policy, alone, torch.ones_like(alone, dtype=torch.bool), q.size(1), temperature, 1
             )
             torch.testing.assert_close(lp, logprobs[i : i + 1], atol=1e-4, rtol=1e-4)
@@ -198,15 +207,15 @@ def test_generation_logprobs_equal_forward_logprobs_with_left_padding(tiny_model
 def test_generation_greedy_is_argmax_and_sampling_is_seeded(tiny_models):
     tok, policy, _ = tiny_models
     queries, qmask = left_padded_queries(tok, ["POST: dog\n\nTL;DR:", "TL;DR:"])
-    qr, _ = utils.generate(policy, queries, qmask, 3, 0.0, chunk_size=4)
+    qr, _ = utils.generation.generate(policy, queries, qmask, 3, 0.0, chunk_size=4)
     # slow greedy loop without cache, one row at a time
     for i in range(2):
         ids = queries[i][qmask[i]].tolist()
         for _ in range(3):
             ids.append(policy(torch.tensor([ids])).logits[0, -1].argmax().item())
         assert qr[i, queries.size(1) - int(qmask[i].sum()) :].tolist() == ids
-    a = utils.generate(policy, queries, qmask, 4, 1.0, 4, torch.Generator().manual_seed(3))[0]
-    b = utils.generate(policy, queries, qmask, 4, 1.0, 4, torch.Generator().manual_seed(3))[0]
+    a = utils.generation.generate(policy, queries, qmask, 4, 1.0, 4, torch.Generator().manual_seed(3))[0]
+    b = utils.generation.generate(policy, queries, qmask, 4, 1.0, 4, torch.Generator().manual_seed(3))[0]
     assert torch.equal(a, b)
 
 
@@ -235,7 +244,9 @@ def test_sample_categorical_draws_each_token_with_its_probability():
 
 def test_get_score_reads_last_real_token_under_any_padding(tiny_models):
     tok, _, reward = tiny_models
-    seq = torch.tensor([utils.tokenize_prompts(tok, ["POST: dog vet\n\nTL;DR: dog"])[0] + [tok.eos_token_id]])
+    seq = torch.tensor(
+        [utils.chat.tokenize_prompts(tok, ["POST: dog vet\n\nTL;DR: dog"])[0] + [tok.eos_token_id]]
+    )
     with torch.no_grad():
         alone = reward(input_ids=seq).logits[0, 0]  # the model's own pooling, no padding at all
         left = torch.cat([torch.full((1, 3), tok.pad_token_id), seq], 1)
@@ -243,9 +254,9 @@ def test_get_score_reads_last_real_token_under_any_padding(tiny_models):
         both = torch.cat([torch.full((1, 2), tok.pad_token_id), seq, torch.full((1, 4), tok.pad_token_id)], 1)
         for padded in (seq, left, right, both):
             batch = torch.cat([padded, padded])
-            score = utils.batched_score(reward, batch, batch != tok.pad_token_id, chunk_size=1)
+            score = utils.scoring.batched_score(reward, batch, batch != tok.pad_token_id, chunk_size=1)
             torch.testing.assert_close(score, alone.expand(2), atol=1e-4, rtol=1e-4)
-        values = utils.per_token_scores(reward, both, both != tok.pad_token_id)
+        values = utils.scoring.per_token_scores(reward, both, both != tok.pad_token_id)
         assert values.shape == both.shape
 
 
@@ -256,7 +267,7 @@ def test_reward_model_with_two_labels_is_refused(world):
         world / "reward", num_labels=2, ignore_mismatched_sizes=True
     )
     with pytest.raises(ValueError, match="exactly one"):
-        utils.score_head(model)
+        utils.scoring.score_head(model)
 
 
 def test_disable_dropout():
@@ -265,7 +276,7 @@ def test_disable_dropout():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, attention_dropout=0.5))  # fmt: skip
     model.train()
-    utils.disable_dropout(model)
+    utils.loading.disable_dropout(model)
     assert model.config.attention_dropout == 0.0
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
     x = torch.randint(0, 20, (2, 5))
@@ -275,39 +286,44 @@ def test_disable_dropout():
 # ---------------------------------------------------------------------------------------------- loading
 def test_load_split_from_every_local_format(world, tmp_path):
     ds_dir = world / "dataset"
-    from_disk = utils.load_split(str(ds_dir), "sft")
-    from_jsonl = utils.load_split(str(ds_dir / "sft.jsonl"), "train")
+    from_disk = utils.data.load_split(str(ds_dir), "sft")
+    from_jsonl = utils.data.load_split(str(ds_dir / "sft.jsonl"), "train")
     with pytest.raises(ValueError, match="is one file, whose only split is 'train'"):
-        utils.load_split(str(ds_dir / "sft.jsonl"), "validation")  # never the training rows as a test split
+        utils.data.load_split(
+            str(ds_dir / "sft.jsonl"), "validation"
+        )  # never the training rows as a test split
     assert from_disk["prompt"] == from_jsonl["prompt"]
     rows = [json.loads(line) for line in open(ds_dir / "test.jsonl")]
     (tmp_path / "files").mkdir()
     with open(tmp_path / "files" / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    assert utils.load_split(str(tmp_path / "files"), "train")["prompt"] == [r["prompt"] for r in rows]
-    utils.load_split(str(ds_dir), "test").to_parquet(str(tmp_path / "t.parquet"))
-    assert utils.load_split(str(tmp_path / "t.parquet"), "t")["prompt"] == [r["prompt"] for r in rows]
+    assert utils.data.load_split(str(tmp_path / "files"), "train")["prompt"] == [r["prompt"] for r in rows]
+    utils.data.load_split(str(ds_dir), "test").to_parquet(str(tmp_path / "t.parquet"))
+    assert utils.data.load_split(str(tmp_path / "t.parquet"), "t")["prompt"] == [r["prompt"] for r in rows]
     with pytest.raises(ValueError, match=r"no split 'nope'.*'sft'"):
-        utils.load_split(str(ds_dir), "nope")
+        utils.data.load_split(str(ds_dir), "nope")
     with pytest.raises(ValueError, match="does not exist"):
-        utils.load_split(str(tmp_path / "missing"), "train")
+        utils.data.load_split(str(tmp_path / "missing"), "train")
     (tmp_path / "files" / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="empty.jsonl is empty"):
-        utils.load_split(str(tmp_path / "files"), "empty")
+        utils.data.load_split(str(tmp_path / "files"), "empty")
     with pytest.raises(ValueError, match="without network pass a save_to_disk directory"):
-        utils.load_split("some-org/some-dataset-that-is-not-here", "train")
+        utils.data.load_split("some-org/some-dataset-that-is-not-here", "train")
 
 
 def test_from_pretrained_errors(world, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert (
-        utils.from_pretrained(AutoModelForCausalLM, str(world / "policy"), "--model_name_or_path") is not None
+        utils.loading.from_pretrained(AutoModelForCausalLM, str(world / "policy"), "--model_name_or_path")
+        is not None
     )
     with pytest.raises(ValueError, match="--model_name_or_path .* does not exist"):
-        utils.from_pretrained(AutoModelForCausalLM, str(tmp_path / "nope"), "--model_name_or_path")
+        utils.loading.from_pretrained(AutoModelForCausalLM, str(tmp_path / "nope"), "--model_name_or_path")
     with pytest.raises(ValueError, match="pass a local directory"):
-        utils.from_pretrained(AutoModelForCausalLM, "EleutherAI/pythia-not-here", "--model_name_or_path")
+        utils.loading.from_pretrained(
+            AutoModelForCausalLM, "EleutherAI/pythia-not-here", "--model_name_or_path"
+        )
 
 
 def test_reward_fn_loading_and_checks(tmp_path):
@@ -317,18 +333,20 @@ def test_reward_fn_loading_and_checks(tmp_path):
         "def short(prompts, completions):\n    return [1.0]\n"
         "def nan(prompts, completions):\n    return [float('nan')] * len(completions)\n"
     )
-    fn = utils.load_reward_fn(f"{path}:length")
-    assert utils.call_reward_fn(fn, ["p", "q"], ["ab", "c"]).tolist() == [2.0, 1.0]
+    fn = utils.scoring.load_reward_fn(f"{path}:length")
+    assert utils.scoring.call_reward_fn(fn, ["p", "q"], ["ab", "c"]).tolist() == [2.0, 1.0]
     with pytest.raises(ValueError, match="returned 1 values for 2"):
-        utils.call_reward_fn(utils.load_reward_fn(f"{path}:short"), ["p", "q"], ["a", "b"])
-    nan = utils.call_reward_fn(utils.load_reward_fn(f"{path}:nan"), ["p"], ["a"])  # the scripts' guard stops
+        utils.scoring.call_reward_fn(utils.scoring.load_reward_fn(f"{path}:short"), ["p", "q"], ["a", "b"])
+    nan = utils.scoring.call_reward_fn(
+        utils.scoring.load_reward_fn(f"{path}:nan"), ["p"], ["a"]
+    )  # the scripts' guard stops
     assert nan.isnan().all()
     with pytest.raises(ValueError, match="does not exist"):
-        utils.load_reward_fn(f"{tmp_path}/missing.py:f")
+        utils.scoring.load_reward_fn(f"{tmp_path}/missing.py:f")
     with pytest.raises(ValueError, match="no function named 'g'"):
-        utils.load_reward_fn(f"{path}:g")
+        utils.scoring.load_reward_fn(f"{path}:g")
     with pytest.raises(ValueError, match="must look like"):
-        utils.load_reward_fn("no_colon")
+        utils.scoring.load_reward_fn("no_colon")
 
 
 def test_compute_scores_with_a_reward_fn_sees_the_truncated_completion(tiny_models, tmp_path):
@@ -337,19 +355,19 @@ def test_compute_scores_with_a_reward_fn_sees_the_truncated_completion(tiny_mode
     path.write_text(
         "def count_dog(prompts, completions):\n    return [c.split().count('dog') for c in completions]\n"
     )
-    fn = utils.load_reward_fn(f"{path}:count_dog")
+    fn = utils.scoring.load_reward_fn(f"{path}:count_dog")
     queries, qmask = left_padded_queries(tok, ["POST: dog\n\nTL;DR:", "TL;DR:"])
     dog, eos = tok(" dog")["input_ids"][0], tok.eos_token_id
     responses = torch.tensor([[dog, dog, eos, dog], [dog, eos, dog, dog]])
-    truncated, lengths = utils.truncate_response(responses, eos, tok.pad_token_id)
+    truncated, lengths = utils.generation.truncate_response(responses, eos, tok.pad_token_id)
     qr = torch.cat([queries, truncated], 1)
-    am = torch.cat([qmask, utils.lengths_to_mask(lengths, 4)], 1)
-    scores = utils.compute_scores(qr, am, queries.size(1), tok, chunk_size=2, reward_fn=fn)
+    am = torch.cat([qmask, utils.generation.lengths_to_mask(lengths, 4)], 1)
+    scores = utils.scoring.compute_scores(qr, am, queries.size(1), tok, chunk_size=2, reward_fn=fn)
     assert scores.tolist() == [2.0, 1.0]  # the dogs after the EOS do not count
 
 
 def test_write_model_card(tmp_path):
-    utils.write_model_card(
+    utils.saving.write_model_card(
         str(tmp_path), "RLOO", "base/model", "data", {"objective/scores": 0.5, "episode": 10}
     )
     text = (tmp_path / "README.md").read_text()
@@ -360,13 +378,15 @@ def test_write_model_card(tmp_path):
 
 def test_scores_include_the_stored_normalization_shift(tiny_models):
     tok, _, reward = tiny_models
-    seq = torch.tensor([utils.tokenize_prompts(tok, ["POST: dog vet\n\nTL;DR: dog"])[0] + [tok.eos_token_id]])
+    seq = torch.tensor(
+        [utils.chat.tokenize_prompts(tok, ["POST: dog vet\n\nTL;DR: dog"])[0] + [tok.eos_token_id]]
+    )
     mask = torch.ones_like(seq)
     with torch.no_grad():
-        plain = utils.get_score(reward, seq, mask)
+        plain = utils.scoring.get_score(reward, seq, mask)
         reward.config.score_bias = -0.25
         try:
-            shifted = utils.get_score(reward, seq, mask)
+            shifted = utils.scoring.get_score(reward, seq, mask)
         finally:
             reward.config.score_bias = None
     torch.testing.assert_close(shifted, plain - 0.25)
@@ -381,7 +401,7 @@ def test_shuffled_micro_batch_covers_each_row_once_per_epoch_on_any_process_coun
                 i
                 for m in range(epoch * per_epoch, (epoch + 1) * per_epoch)
                 for rank in range(world)
-                for i in utils.shuffled_micro_batch(rows, m, micro, world, rank, seed)
+                for i in utils.data.shuffled_micro_batch(rows, m, micro, world, rank, seed)
             ]
             assert len(seen) == len(set(seen)) == per_epoch * micro * world  # no row twice, tail dropped
             expected = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()

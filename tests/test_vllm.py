@@ -1,4 +1,4 @@
-"""utils/vllm.py and `--use_vllm`: the vLLM engine samples what utils.generate samples (greedy: the same tokens;
+"""utils/vllm.py and `--use_vllm`: the vLLM engine samples what utils.generation.generate samples (greedy: the same tokens;
 sampled: the same distribution, logprobs equal to the training forward's), follows the policy's weights after
 updates, and the RL scripts learn with it on one and two processes.
 
@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-import utils
+import utils.generation
+import utils.logprobs
 import utils.vllm
 from conftest import run_deepspeed, run_script, run_torchrun
 
@@ -103,8 +104,8 @@ def prompts(n, seed, min_len=3, max_len=40):
 
 @needs_vllm
 def test_greedy_tokens_equal_transformers(lab):
-    queries, query_mask = utils.left_pad(prompts(10, seed=1), PAD)
-    expected, expected_logprobs = utils.generate(lab.model, queries, query_mask, 12, 0.0, 4)
+    queries, query_mask = utils.generation.left_pad(prompts(10, seed=1), PAD)
+    expected, expected_logprobs = utils.generation.generate(lab.model, queries, query_mask, 12, 0.0, 4)
     query_responses, logprobs = lab.engine.generate(lab.model, queries, query_mask, 12, 0.0, 4)
     assert torch.equal(query_responses, expected)
     torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
@@ -117,15 +118,15 @@ def test_sampled_logprobs_equal_the_training_forward(lab):
     float32; EOS is sampled and does not stop a row (the caller truncates); the noise is the caller's: equal
     prompts get different completions, the same generator seed gives the same ones."""
     rows = prompts(6, seed=2) * 2  # every prompt twice
-    queries, query_mask = utils.left_pad(rows, PAD)
+    queries, query_mask = utils.generation.left_pad(rows, PAD)
     R, T = 16, 0.7
     query_responses, logprobs = lab.engine.generate(
         lab.model, queries, query_mask, R, T, 5, torch.Generator().manual_seed(0)
     )
     responses = query_responses[:, queries.size(1) :]
     mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
-    logits = utils.response_logits(lab.model, query_responses, mask, queries.size(1), T)
-    training = utils.logprobs_from_logits(logits, responses)
+    logits = utils.logprobs.response_logits(lab.model, query_responses, mask, queries.size(1), T)
+    training = utils.logprobs.logprobs_from_logits(logits, responses)
     torch.testing.assert_close(logprobs, training, atol=1e-6, rtol=0)
     assert (lab.engine.last_engine_logprobs - training).abs().max() < 1e-4
     eos_at = (responses[:, :-1] == EOS).any(1)
@@ -148,8 +149,10 @@ def logprob_statistic(model, queries, query_mask, query_responses, temperature):
     are martingale differences, so their mean has standard error std / sqrt(n)). Returns [B * R]."""
     responses = query_responses[:, queries.size(1) :]
     mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
-    logits = utils.response_logits(model, query_responses, mask, queries.size(1), temperature)
-    return (utils.logprobs_from_logits(logits, responses) + utils.entropy_from_logits(logits)).flatten()
+    logits = utils.logprobs.response_logits(model, query_responses, mask, queries.size(1), temperature)
+    return (
+        utils.logprobs.logprobs_from_logits(logits, responses) + utils.logprobs.entropy_from_logits(logits)
+    ).flatten()
 
 
 @needs_vllm
@@ -158,10 +161,10 @@ def test_sampled_rollouts_have_the_statistics_of_transformers_sampling(lab):
     each, and the mean completion logprob of the two agrees within 4 standard errors (the temperature matters:
     sampling at T=1 instead of 0.7 moves the statistic by about 17 standard errors)."""
     rows = prompts(8, seed=3) * 12
-    queries, query_mask = utils.left_pad(rows, PAD)
+    queries, query_mask = utils.generation.left_pad(rows, PAD)
     R, T = 6, 0.7
     results = {}
-    for name, sampler in (("vllm", lab.engine.generate), ("transformers", utils.generate)):
+    for name, sampler in (("vllm", lab.engine.generate), ("transformers", utils.generation.generate)):
         args = (lab.model, queries, query_mask, R, T, 48, torch.Generator().manual_seed(5))
         query_responses, logprobs = sampler(*args)
         z = logprob_statistic(lab.model, queries, query_mask, query_responses, T)
@@ -185,7 +188,7 @@ def test_engine_weights_follow_the_policy_after_updates(lab):
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     text = prompts(2, seed=4, min_len=block + 8, max_len=block + 40)
-    queries, query_mask = utils.left_pad(text, PAD)
+    queries, query_mask = utils.generation.left_pad(text, PAD)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
         engine.generate(
@@ -209,7 +212,9 @@ def test_engine_weights_follow_the_policy_after_updates(lab):
             for ids, engine_logprobs in zip(text, engine.sequence_logprobs(text)):
                 ids = torch.tensor(ids)[None]
                 with torch.no_grad():
-                    expected = utils.logprobs_from_logits(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
+                    expected = utils.logprobs.logprobs_from_logits(
+                        model(input_ids=ids).logits[:, :-1], ids[:, 1:]
+                    )[0]
                 assert (engine_logprobs - expected).abs().max() < 1e-4
     finally:  # the other tests use the starting weights
         with torch.no_grad():

@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 from utils import lm_head
-from utils.lm_head import chunked_token_logprobs  # noqa: F401 - utils/__init__ still re-exports it
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
     engine.sync_weights(model, accelerator)     # before every rollout, outside any gathering context
     query_responses, logprobs = engine.generate(model, queries, query_mask, R, T, chunk, generator)
 
-`generate` returns what `utils.generate` returns. Its logprobs are recomputed by the training model's forward,
+`generate` returns what `utils.generation.generate` returns. Its logprobs are recomputed by the training model's forward,
 so the update's first ratio is exactly 1 (vLLM's kernels differ: docs/gpus.md); with `engine_logprobs=True`
 they are vLLM's own (grpo.py's importance sampling). Noise comes from the caller's generator: one vLLM seed
 per row. Install with `pip install -r requirements-vllm.txt` (CPU build; on GPUs install `vllm`)."""
@@ -57,7 +57,7 @@ def engine_dtype(accelerator) -> torch.dtype:
 
 
 class Engine:
-    """A colocated vLLM engine that samples like `utils.generate` and takes the policy's weights on request."""
+    """A colocated vLLM engine that samples like `utils.generation.generate` and takes the policy's weights on request."""
 
     def __init__(self, args, accelerator, model_path: str, max_model_len: int):
         check_args(args)
@@ -120,7 +120,7 @@ class Engine:
         generator: torch.Generator | None = None,
         engine_logprobs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`utils.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q];
+        """`utils.generation.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q];
         (query_responses [B, Q+R], logprobs [B, R]) from the training forward of `model`, or with `engine_logprobs`
         vLLM's own at `temperature`."""
         from vllm import SamplingParams
@@ -142,7 +142,7 @@ class Engine:
                 [s for share in shares for s in share[1]],
             )
         params = [
-            # ignore_eos, not min_tokens: min_tokens would forbid EOS (utils.generate samples it, then truncates).
+            # ignore_eos, not min_tokens: min_tokens would forbid EOS (utils.generation.generate samples it, then truncates).
             SamplingParams(
                 n=1,
                 temperature=temperature,
@@ -165,7 +165,7 @@ class Engine:
         query_responses = torch.cat([queries, responses.to(queries.device)], 1)
         if engine_logprobs:
             return query_responses, self.last_engine_logprobs.to(queries.device)
-        # The training forward's logprobs: every row attends to all R tokens, as utils.generate's do.
+        # The training forward's logprobs: every row attends to all R tokens, as utils.generation.generate's do.
         attention_mask = torch.cat(
             [query_mask.bool(), torch.ones_like(responses, dtype=torch.bool).to(queries.device)], 1
         )
