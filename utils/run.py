@@ -105,6 +105,8 @@ TRL_HARMLESS = {
     "ddp_find_unused_parameters": "every parameter gets a gradient",
     "trust_remote_code": "models load with the classes of the installed transformers",
     "model_revision": "hub models load at their main revision",
+    "log_completions": "tables of sample completions are printed --num_sample_generations times",
+    "num_completions_to_print": "tables of sample completions show a few rows",
 }
 TRL_REFUSED = {
     "use_peft": "LoRA is only in sft.py and dpo.py",
