@@ -1,27 +1,13 @@
 """Implicit Language Q-Learning (ILQL): offline RL for language models, in one file.
 
-Snell et al., "Offline RL for Natural Language Generation with Implicit Language Q Learning" (2022),
-https://arxiv.org/abs/2206.11871, with the choices of trlX's ILQL trainer. The data is a fixed set of
-(prompt, completion, reward): nothing is sampled during training. Every completion token is an action; the state
-is the prompt and the tokens before it. On top of a causal LM sit three kinds of heads, each a small MLP on the
-last hidden state: Q heads (two with `--two_qs`) giving Q(s, a) for every token a, their target copies (never
-trained; moved toward the Q heads by Polyak averaging, `--alpha`, every `--steps_for_target_q_sync` steps), and a
-V head. With the reward r_t on the last token only (V = 0 after it), the loss is
+Snell et al. 2022, "Offline RL for Natural Language Generation with Implicit Language Q Learning",
+https://arxiv.org/abs/2206.11871, with trlX's choices (docs/scripts/ilql.md). From fixed (prompt, completion,
+reward) rows, every completion token an action, heads on a causal LM learn Q by TD (two Q heads with
+Polyak-averaged targets), V by expectile regression, and the LM head by weighted cloning:
 
-    L_Q    = sum_i E_t[(Q_i(s_t, a_t) - (r_t + gamma * V(s_{t+1})))^2]           (V not differentiated)
-    L_V    = E_t[|tau - 1{u_t < 0}| * u_t^2],  u_t = min_i Qhat_i(s_t, a_t) - V(s_t)  (expectile; target heads)
-    L_CQL  = sum_i E_t[-log softmax(Q_i(s_t, .))[a_t]]                          (conservative: data tokens up)
-    L_AWAC = E_t[exp(awac_beta * (min_i Qhat_i - V)) * -log pi(a_t | s_t)]     (the LM head; beta 0: plain BC)
-    loss   = L_Q + L_V + cql_scale * L_CQL + awac_scale * L_AWAC
+    loss = L_Q + L_V + cql_scale * L_CQL + awac_scale * L_AWAC   (each term's equation in its function)
 
-and decoding perturbs the behaviour model by the learned advantage:
-    score(a | s) = log pi(a | s) + beta * (min_i Qhat_i(s, a) - V(s)),  then top-k, then greedy or sampling.
-With `--beta 0` and no top-k this is the behaviour (AWAC-trained) model's own distribution.
-
-Output: `--output_dir` is a plain causal-LM directory (AutoModelForCausalLM loads the backbone, which decodes as
-the behaviour model) plus `ilql_heads.safetensors` beside it, holding the heads; decode with them by
-    model = ilql.ILQLModel.from_pretrained("models/ilql")
-    responses, lengths = ilql.complete(model, tokenizer, prompt_ids, response_length=53, chunk_size=16)
+Decoding shifts the behaviour model by the advantage: log pi(a | s) + beta * (min_i Qhat_i(s, a) - V(s)).
 
 Offline, on the tiny world (benchmark/ilql_data.py writes the SFT model's samples with their rewards):
     python benchmark/ilql_data.py --model_path models/sft --judge gold --dataset_name tiny_world/dataset \
@@ -37,20 +23,24 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
-import utils
 import utils.chat
 import utils.checkpoint
 import utils.data
 import utils.generation
+import utils.loading
+import utils.logprobs
 import utils.run
 import utils.saving
+import utils.stats
+import utils.tracking
 
 HEADS_FILE = "ilql_heads.safetensors"  # the heads, beside the causal-LM weights of --output_dir
 
@@ -63,7 +53,7 @@ class Args:
     seed: int = 1
     """seed of the run (head initialisation, data order, sampling)"""
     run_name: str | None = None
-    """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
+    """TensorBoard folder and W&B run; None: {exp_name}__{seed}__{unix time}"""
     track: bool = False
     """log to Weights & Biases as well as TensorBoard"""
     wandb_project_name: str = "rlhf-reference"
@@ -73,31 +63,31 @@ class Args:
     logging_dir: str = "runs"
     """TensorBoard logs and metrics.jsonl go to {logging_dir}/{run_name}"""
     output_dir: str = "models/ilql"
-    """where the backbone (causal-LM directory), ilql_heads.safetensors, tokenizer and model card are saved"""
+    """where the backbone, ilql_heads.safetensors, tokenizer and model card are saved"""
     overwrite_output_dir: bool = False
-    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
+    """start over in a non-empty --output_dir (its contents moved to <output_dir>.replaced-<time>)"""
     push_to_hub: bool = False
-    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    """push --output_dir (without checkpoints) to the hub at the end"""
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
 
-    # Model and data
+    # Models and data
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
-    """the behaviour model to start from (usually the SFT model that wrote the completions) and its tokenizer"""
+    """behaviour model and tokenizer (usually the SFT model that wrote the completions)"""
     dataset_name: str = "data/ilql"
-    """dataset with prompt, completion and reward columns (hub id, save_to_disk dir, json/jsonl/parquet files)"""
+    """prompt, completion and reward columns (hub id, save_to_disk dir, json/jsonl/parquet files)"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str | None = None
     """split for evaluation (loss terms) and the sample table; None: no evaluation"""
     max_length: int = 1024
-    """most tokens of prompt + completion; the completion is cut to fit (its reward stays on its last kept token)"""
+    """most tokens of prompt + completion; the completion is cut to fit"""
     max_prompt_length: int | None = 512
     """keep the last this-many prompt tokens; None keeps whole prompts"""
     chat_template_path: str | None = None
-    """chat template for conversational data: a Jinja file or a tokenizer directory (None: the tokenizer's)"""
+    """chat template (Jinja file or tokenizer directory) for conversational data; None: the tokenizer's"""
     normalize_reward: bool = True
-    """shift and scale the rewards to mean 0, std 1 over the training split (trlX always does)"""
+    """scale the training rewards to mean 0, std 1 (as trlX)"""
 
     # Optimization
     learning_rate: float = 5e-5
@@ -107,64 +97,63 @@ class Args:
     per_device_train_batch_size: int = 8
     """completions per process per forward pass"""
     per_device_eval_batch_size: int = 8
-    """completions per process per evaluation pass; also the prompts of the sample table"""
+    """completions per process per evaluation pass, and prompts of the sample table"""
     gradient_accumulation_steps: int = 1
-    """forward passes whose gradients are summed into one optimizer step"""
+    """micro-batches per optimizer step"""
     num_train_epochs: float = 1.0
-    """passes over the training split (ignored when --max_steps > 0)"""
+    """passes over the training split (unless --max_steps > 0)"""
     max_steps: int = -1
     """optimizer steps to train for; -1 uses --num_train_epochs"""
     warmup_ratio: float = 0.0
-    """fraction of the optimizer steps spent warming the learning rate up from 0"""
+    """fraction of the steps warming the learning rate up from 0"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "constant"
     """learning-rate schedule after warmup"""
     max_grad_norm: float = 1.0
     """clip the gradient to this global norm (0: no clipping)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward pass (less memory)"""
     bf16: bool = False
     """bfloat16 mixed precision"""
 
-    # ILQL (trlX's ILQLConfig names)
+    # Algorithm (trlX's ILQLConfig names)
     tau: float = 0.7
-    """expectile of the V regression against the target Qs, in (0, 1): 0.5 fits the mean, near 1 the max"""
+    """expectile of V against the target Qs, in (0, 1): 0.5 fits the mean, near 1 the max"""
     gamma: float = 0.99
     """discount factor"""
     cql_scale: float = 0.1
-    """weight of the conservative (CQL) term: cross-entropy of the Q values against the data's tokens"""
+    """weight of the conservative (CQL) term"""
     awac_scale: float = 1.0
-    """weight of the language-model (AWAC) term that trains the backbone's own head"""
+    """weight of the AWAC term, which trains the LM head"""
     awac_beta: float = 0.0
-    """AWAC weight exponent: tokens weighted by exp(awac_beta * (Q - V)); 0 is plain cross-entropy (trlX's
-    method.beta, default 0)"""
+    """AWAC weights exp(awac_beta * (Q - V)); 0: plain cross-entropy (trlX's method.beta)"""
     alpha: float = 0.001
-    """Polyak rate of the target Q heads: target <- alpha * Q + (1 - alpha) * target"""
+    """Polyak rate: target <- alpha * Q + (1 - alpha) * target"""
     steps_for_target_q_sync: int = 5
-    """optimizer steps between two Polyak updates of the target Q heads"""
+    """optimizer steps between Polyak updates of the target Q heads"""
     two_qs: bool = True
-    """two Q heads (and two targets), their minimum used for V and decoding; --no_two_qs uses one"""
+    """two Q heads (and targets), their minimum used for V and decoding"""
 
-    # Decoding (sample table; the defaults stored with the saved heads)
+    # Decoding (the sample table; the defaults saved with the heads)
     beta: float = 1.0
-    """advantage weight of decoding: log pi + beta * (Q - V) (trlX's gen_kwargs beta); 0: the behaviour model"""
+    """decoding score log pi + beta * (Q - V) (trlX's gen_kwargs beta); 0: the behaviour model"""
     top_k: int = 20
-    """keep the top_k tokens of the shifted scores before choosing (0: all)"""
+    """keep the top_k shifted scores before choosing (0: all)"""
     temperature: float = 0.0
-    """sampling temperature of the shifted scores; 0 decodes greedily"""
+    """sampling temperature of the shifted scores; 0: greedy"""
     response_length: int = 53
-    """tokens generated per sample-table completion (then cut after EOS)"""
+    """tokens per sample-table completion"""
 
     # Logging, evaluation and checkpoints
     logging_steps: int = 10
-    """log training metrics every this many optimizer steps"""
+    """log training metrics every this many steps"""
     eval_steps: int = 100
-    """evaluate every this many optimizer steps (0: only at the end, which always happens with a test split)"""
+    """evaluate every this many steps (0: only at the end, as always with a test split)"""
     save_steps: int = 0
-    """write a checkpoint every this many optimizer steps into --output_dir/checkpoint-N (0: only on SIGTERM)"""
+    """checkpoint every this many steps into --output_dir/checkpoint-N (0: only on SIGTERM)"""
     save_total_limit: int | None = None
     """keep only the newest this-many checkpoints (None: all)"""
     resume_from_checkpoint: str | None = None
-    """continue from a checkpoint-N folder, or `latest` in --output_dir (bit-exact on CPU)"""
+    """continue from a checkpoint-N folder, or `latest` in --output_dir"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -174,60 +163,56 @@ class Args:
     num_training_steps: int = 0
     """optimizer steps of the run (filled in at runtime)"""
     reward_mean: float = 0.0
-    """mean of the training rewards, subtracted with --normalize_reward (filled in at runtime)"""
+    """mean subtracted from the rewards (filled in at runtime)"""
     reward_std: float = 1.0
-    """std of the training rewards, divided by with --normalize_reward (filled in at runtime)"""
+    """std the rewards are divided by (filled in at runtime)"""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The math (pure functions). B completions, R action (completion) tokens, V vocabulary. Action t of row b is the
-# completion token actions[b, t], chosen in state s_t (prompt + earlier completion tokens); s_{len} follows the
-# last token and is terminal. mask [B, R] marks real actions (t < len).
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the math ----------------------------------------------------------------------------------------------
+# B completions of R action tokens, V vocabulary; action t is chosen in state s_t, s_len is terminal.
+
+
 def token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Per-action rewards [B, width]: the completion's reward on its last token (index lengths - 1), 0 elsewhere."""
+    """Per-action rewards [B, width]: the completion's reward on its last token, 0 elsewhere."""
     out = torch.zeros(rewards.size(0), width, dtype=torch.float32, device=rewards.device)
     return out.scatter(1, (lengths - 1)[:, None], rewards[:, None].float())
 
 
 def next_state_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """V(s_{t+1}) [B, R] from the values of states s_0..s_R [B, R+1]: 0 when s_{t+1} is terminal (t + 1 = len)
-    or padding, so the last action's target is its reward alone."""
+    """V(s_{t+1}) [B, R] from the values of s_0..s_R [B, R+1]; 0 when s_{t+1} is terminal or padding."""
     next_is_real = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
     return values[:, 1:] * next_is_real
 
 
 def q_loss(q_taken: list[torch.Tensor], rewards, next_values, mask, gamma: float) -> torch.Tensor:
-    """sum_i masked-mean over actions of (Q_i(s_t, a_t) - (r_t + gamma * V(s_{t+1})))^2; V is not
-    differentiated. q_taken: one [B, R] per Q head (the value of the action taken)."""
+    """L_Q = sum_i masked mean of (Q_i(s_t, a_t) - (r_t + gamma * V(s_{t+1})))^2, V not differentiated.
+    q_taken: one [B, R] per Q head (the value of the action taken)."""
     target = rewards + gamma * next_values.detach()
-    return sum(utils.masked_mean((q - target) ** 2, mask) for q in q_taken)
+    return sum(utils.stats.masked_mean((q - target) ** 2, mask) for q in q_taken)
 
 
 def expectile_loss(target_q: torch.Tensor, values: torch.Tensor, mask, tau: float) -> torch.Tensor:
-    """V by expectile regression, masked mean of |tau - 1{u < 0}| * u^2 with u = target_q - V(s_t): values
-    [B, R] of the action states, target_q [B, R] (min of the target heads, not differentiated)."""
+    """L_V = masked mean of |tau - 1{u < 0}| * u^2, u = min_i Qhat_i(s_t, a_t) - V(s_t); all [B, R]."""
     u = target_q.detach() - values
     weight = torch.where(u >= 0, torch.full_like(u, tau), torch.full_like(u, 1 - tau))
-    return utils.masked_mean(weight * u**2, mask)
+    return utils.stats.masked_mean(weight * u**2, mask)
 
 
 def cql_loss(q_all: list[torch.Tensor], actions: torch.Tensor, mask) -> torch.Tensor:
-    """sum_i masked mean of -log softmax(Q_i(s_t, .))[a_t]: Q values [B, R, V] read as logits, pushing the
-    data's tokens up against the others (trlX's form of the CQL term)."""
-    return sum(utils.masked_mean(-utils.logprobs_from_logits(q, actions), mask) for q in q_all)
+    """L_CQL = sum_i masked mean of -log softmax(Q_i(s_t, .))[a_t], Q values [B, R, V] read as logits."""
+    return sum(utils.stats.masked_mean(-utils.logprobs.logprobs_from_logits(q, actions), mask) for q in q_all)
 
 
 def awac_loss(logits, actions, advantages, mask, awac_beta: float) -> torch.Tensor:
-    """Masked mean of exp(awac_beta * A_t) * -log pi(a_t | s_t): logits [B, R, V] of the LM head, advantages
-    [B, R] = min target Q - V (weights not differentiated). awac_beta 0 gives the plain cross-entropy."""
+    """L_AWAC = masked mean of exp(awac_beta * A_t) * -log pi(a_t | s_t); logits [B, R, V], advantages [B, R]
+    = min target Q - V (weights not differentiated)."""
     weights = torch.exp(awac_beta * advantages.detach().float())
-    return utils.masked_mean(weights * -utils.logprobs_from_logits(logits, actions), mask)
+    return utils.stats.masked_mean(weights * -utils.logprobs.logprobs_from_logits(logits, actions), mask)
 
 
 def advantage_scores(logits, target_q, value, beta: float, top_k: int) -> torch.Tensor:
-    """ILQL's decoding scores [..., V]: log softmax(logits) + beta * (Q - V), then every token outside the top_k
-    scores set to -inf (top_k 0 keeps all). target_q [..., V] (min of the target heads), value [..., 1]."""
+    """Decoding scores [..., V] = log softmax(logits) + beta * (Q - V), -inf outside the top_k (0: keep all).
+    target_q [..., V] (min of the target heads), value [..., 1]."""
     scores = logits.float().log_softmax(-1) + beta * (target_q.float() - value.float())
     if 0 < top_k < scores.size(-1):
         kth = scores.topk(top_k, dim=-1).values[..., -1:]
@@ -248,9 +233,9 @@ def normalize_rewards(rewards: torch.Tensor) -> tuple[float, float]:
     return mean, std if std > 1e-8 else 1.0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The model: a causal LM with Q, target-Q and V heads
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the model ---------------------------------------------------------------------------------------------
+
+
 def mlp_head(hidden_size: int, out: int) -> nn.Sequential:
     """hidden -> 2*hidden -> ReLU -> out, as trlX builds its ILQL heads."""
     return nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size), nn.ReLU(), nn.Linear(2 * hidden_size, out))
@@ -286,19 +271,21 @@ class ILQLModel(nn.Module):
         """Last hidden state [B, T, H] (after the final norm) and the key-value cache."""
         decoder = getattr(self.backbone, self.backbone.base_model_prefix)
         if position_ids is None:
-            position_ids = utils.position_ids_from_mask(attention_mask)
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=past_key_values, use_cache=past_key_values is not None)  # fmt: skip
+            position_ids = utils.logprobs.position_ids_from_mask(attention_mask)
+        out = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+        )
         return out.last_hidden_state, out.past_key_values
 
     def forward(self, query_responses, attention_mask, context_length: int):
-        """For rows of left-padded prompts [B, Q] + right-padded completions [B, R] (Q = context_length):
-        LM logits [B, R, V] and Q values (per head) [B, R, V] of the R action states, target Q min [B, R, V],
-        and V [B, R + 1] of the states s_0..s_R."""
+        """Prompts [B, Q] + completions [B, R] -> LM logits, Q per head, target Q [B, R, V]; V [B, R+1]."""
         hidden, _ = self.hidden(query_responses, attention_mask)
-        states = hidden[
-            :, context_length - 1 :
-        ]  # s_0 is the last prompt position, s_R follows the last token
+        # s_0 is the last prompt token's position
+        states = hidden[:, context_length - 1 :]
         logits = self.backbone.get_output_embeddings()(states[:, :-1])
         q_all = [head(states[:, :-1]) for head in self.heads.q_heads]
         with torch.no_grad():
@@ -312,7 +299,7 @@ class ILQLModel(nn.Module):
         return advantage_scores(logits, self.heads.target_q(hidden), self.heads.v_head(hidden), beta, top_k)
 
     def save_heads(self, output_dir: str, state_dict: dict | None = None, **metadata) -> None:
-        """Write the heads to output_dir/ilql_heads.safetensors; metadata (JSON) rebuilds them."""
+        """Write the heads to output_dir/ilql_heads.safetensors; its metadata (JSON) rebuilds them."""
         from safetensors.torch import save_file
 
         state_dict = state_dict if state_dict is not None else self.heads.state_dict()
@@ -322,8 +309,7 @@ class ILQLModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "ILQLModel":
-        """Load a directory written by ilql.py: the backbone with AutoModelForCausalLM, the heads from
-        ilql_heads.safetensors. The decoding defaults saved with them are in `model.decoding`."""
+        """Load a directory written by ilql.py; its saved decoding defaults go to `model.decoding`."""
         from safetensors import safe_open
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
@@ -341,14 +327,22 @@ class ILQLModel(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: ILQLModel, queries, query_mask, response_length: int, beta: float, top_k: int,
-             temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-    """Decode `response_length` tokens after left-padded `queries` [B, Q] with the advantage-shifted scores:
-    greedy (temperature 0) or sampled from softmax(scores / temperature). Returns query_responses [B, Q + R]."""
+def generate(
+    model: ILQLModel,
+    queries,
+    query_mask,
+    response_length: int,
+    beta: float,
+    top_k: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """query_responses [B, Q + R] after left-padded `queries` [B, Q]: greedy (temperature 0) or sampled
+    from softmax(scores / temperature) of the advantage-shifted scores."""
     from transformers import DynamicCache
 
     mask, tokens, past = query_mask.long(), queries, DynamicCache()
-    position_ids, step_ids = utils.position_ids_from_mask(mask), queries
+    position_ids, step_ids = utils.logprobs.position_ids_from_mask(mask), queries
     for _ in range(response_length):
         hidden, past = model.hidden(step_ids, mask, position_ids, past)
         scores = model.decode_scores(hidden[:, -1], beta, top_k)
@@ -363,8 +357,17 @@ def generate(model: ILQLModel, queries, query_mask, response_length: int, beta: 
 
 
 @torch.no_grad()
-def complete(model: ILQLModel, tokenizer, prompt_ids, response_length: int, chunk_size: int, beta=None,
-             top_k=None, temperature=None, generator=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def complete(
+    model: ILQLModel,
+    tokenizer,
+    prompt_ids,
+    response_length: int,
+    chunk_size: int,
+    beta=None,
+    top_k=None,
+    temperature=None,
+    generator=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ILQL completions of tokenized prompts, cut after EOS: (responses [B, R], lengths [B]). beta, top_k and
     temperature default to the values saved with the heads (model.decoding), else 1, 20 and greedy."""
     saved = getattr(model, "decoding", {})
@@ -373,14 +376,20 @@ def complete(model: ILQLModel, tokenizer, prompt_ids, response_length: int, chun
     temperature = saved.get("temperature", 0.0) if temperature is None else temperature
     device, responses = next(model.parameters()).device, []
     for i in range(0, len(prompt_ids), chunk_size):
-        queries, query_mask = utils.left_pad(prompt_ids[i : i + chunk_size], tokenizer.pad_token_id, device)
-        out = generate(model, queries, query_mask, response_length, beta, top_k, temperature, generator)
-        responses.append(out[:, queries.size(1) :])
-    return utils.truncate_response(torch.cat(responses), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        queries, query_mask = utils.generation.left_pad(
+            prompt_ids[i : i + chunk_size], tokenizer.pad_token_id, device
+        )
+        query_responses = generate(
+            model, queries, query_mask, response_length, beta, top_k, temperature, generator
+        )
+        responses.append(query_responses[:, queries.size(1) :])
+    return utils.generation.truncate_response(
+        torch.cat(responses), tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
 
 
 def sync_target_q_heads(model: nn.Module, accelerator, alpha: float) -> None:
-    """The Polyak update of the (prepared) model's target Q heads; under ZeRO-3 on the gathered parameters."""
+    """Polyak update of the prepared model's target Q heads (under ZeRO-3 on the gathered parameters)."""
     heads = utils.run.bare(model).heads
     if utils.run.zero_stage(accelerator) != 3:
         heads.sync_target_q_heads(alpha)
@@ -392,61 +401,24 @@ def sync_target_q_heads(model: nn.Module, accelerator, alpha: float) -> None:
             heads.sync_target_q_heads(alpha)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Data: prompt, completion, reward (standard or conversational)
-# ----------------------------------------------------------------------------------------------------------------
-def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
-    """Rows {prompt, completion, reward} of token ids, each completion ending with EOS (added unless there),
-    cut to the length flags; and the counts of rows kept, truncated and dropped (no room for one token).
-    Conversational rows are rendered with the chat template (utils.data), the completion being the rest of
-    the rendered conversation after the prompt and its generation prompt."""
-    utils.check_columns(dataset, ["prompt", "completion", "reward"], where)
-    rewards = [float(r) for r in utils.data.column(dataset, "reward")]
-    if not all(math.isfinite(r) for r in rewards):
-        raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
-    prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
-    prompts = utils.chat.encode(tokenizer, prompt_texts, leading=True)
-    completions = utils.chat.encode(tokenizer, completion_texts, leading=False)
-    eos, rows = tokenizer.eos_token_id, []
-    counts = {"rows": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
-    for prompt, completion, reward in zip(prompts, completions, rewards):
-        completion = completion if completion[-1:] == [eos] else completion + [eos]
-        if args.max_prompt_length is not None and len(prompt) > args.max_prompt_length:
-            prompt, counts["prompts_truncated"] = (
-                prompt[-args.max_prompt_length :],
-                counts["prompts_truncated"] + 1,
-            )
-        room = args.max_length - len(prompt)
-        if room < 1 or not prompt:
-            counts["dropped"] += 1
-            continue
-        counts["completions_truncated"] += len(completion) > room
-        rows.append({"prompt": prompt, "completion": completion[:room], "reward": reward})
-    if not rows:
-        raise ValueError(
-            f"{where}: no row leaves room for a completion under --max_length {args.max_length}."
-        )
-    return rows, counts
-
-
-def collate(rows: list[dict], pad_token_id: int, reward_mean: float, reward_std: float) -> dict:
-    """Prompts left-padded [B, Q] (flush against the completion, as generation sees them), completions
-    right-padded [B, R], their lengths [B] and (normalized) rewards [B]."""
-    queries, query_mask = utils.left_pad([r["prompt"] for r in rows], pad_token_id)
-    lengths = torch.tensor([len(r["completion"]) for r in rows])
-    return {
-        "queries": queries,
-        "query_mask": query_mask,
-        "responses": utils.pad([r["completion"] for r in rows], pad_token_id),
-        "lengths": lengths,
-        "rewards": (torch.tensor([r["reward"] for r in rows]) - reward_mean) / reward_std,
-    }
+METRICS = [
+    "loss/total",
+    "loss/q",
+    "loss/v",
+    "loss/cql",
+    "loss/awac",
+    "values/v",
+    "values/q",
+    "values/target_q",
+    "values/advantage",
+    "values/awac_weight",
+]
 
 
 def ilql_losses(model, batch: dict, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The total loss and its metrics [len(METRICS)] for one batch."""
+    """The total loss and its metrics [len(METRICS)] of one batch."""
     queries, responses, lengths = batch["queries"], batch["responses"], batch["lengths"]
-    mask = utils.lengths_to_mask(lengths, responses.size(1))
+    mask = utils.generation.lengths_to_mask(lengths, responses.size(1))
     attention_mask = torch.cat([batch["query_mask"], mask], 1)
     logits, q_all, target_q, values = model(
         torch.cat([queries, responses], 1), attention_mask, queries.size(1)
@@ -465,22 +437,71 @@ def ilql_losses(model, batch: dict, args: Args) -> tuple[torch.Tensor, torch.Ten
     }
     total = losses["q"] + losses["v"] + args.cql_scale * losses["cql"] + args.awac_scale * losses["awac"]
     with torch.no_grad():
-        advantage = target_taken - state_values
-        stats = [total, *losses.values(), utils.masked_mean(state_values, mask), utils.masked_mean(q_taken[0], mask),
-                 utils.masked_mean(target_taken, mask), utils.masked_mean(advantage, mask),
-                 utils.masked_mean(torch.exp(args.awac_beta * advantage), mask)]  # fmt: skip
+        advantages = target_taken - state_values
+        stats = [
+            total,
+            *losses.values(),
+            utils.stats.masked_mean(state_values, mask),
+            utils.stats.masked_mean(q_taken[0], mask),
+            utils.stats.masked_mean(target_taken, mask),
+            utils.stats.masked_mean(advantages, mask),
+            utils.stats.masked_mean(torch.exp(args.awac_beta * advantages), mask),
+        ]
     return total, torch.stack([s.detach().float() for s in stats])
 
 
-METRICS = ["loss/total", "loss/q", "loss/v", "loss/cql", "loss/awac", "values/v", "values/q", "values/target_q",
-           "values/advantage", "values/awac_weight"]  # fmt: skip
+# ---- data --------------------------------------------------------------------------------------------------
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Checks
-# ----------------------------------------------------------------------------------------------------------------
-def check_args(args: Args) -> None:
-    """One sentence for each impossible flag value, before anything is loaded."""
+def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
+    """Rows {prompt, completion, reward} of token ids cut to the length flags, completions ending with EOS;
+    and the counts of rows kept, truncated and dropped."""
+    utils.data.check_columns(dataset, ["prompt", "completion", "reward"], where)
+    rewards = [float(r) for r in utils.data.column(dataset, "reward")]
+    if not all(math.isfinite(r) for r in rewards):
+        raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
+    prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
+    prompts = utils.chat.encode(tokenizer, prompt_texts, leading=True)
+    completions = utils.chat.encode(tokenizer, completion_texts, leading=False)
+    eos, rows = tokenizer.eos_token_id, []
+    counts = {"rows": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
+    for prompt, completion, reward in zip(prompts, completions, rewards):
+        completion = completion if completion[-1:] == [eos] else completion + [eos]
+        if args.max_prompt_length is not None and len(prompt) > args.max_prompt_length:
+            prompt = prompt[-args.max_prompt_length :]
+            counts["prompts_truncated"] += 1
+        room = args.max_length - len(prompt)
+        if room < 1 or not prompt:
+            counts["dropped"] += 1
+            continue
+        counts["completions_truncated"] += len(completion) > room
+        rows.append({"prompt": prompt, "completion": completion[:room], "reward": reward})
+    if not rows:
+        raise ValueError(
+            f"{where}: no row leaves room for a completion under --max_length {args.max_length}."
+        )
+    return rows, counts
+
+
+def collate(rows: list[dict], pad_token_id: int, reward_mean: float, reward_std: float) -> dict:
+    """Prompts left-padded [B, Q] (as generation sees them), completions right-padded [B, R], their
+    lengths [B] and normalized rewards [B]."""
+    queries, query_mask = utils.generation.left_pad([r["prompt"] for r in rows], pad_token_id)
+    lengths = torch.tensor([len(r["completion"]) for r in rows])
+    return {
+        "queries": queries,
+        "query_mask": query_mask,
+        "responses": utils.generation.pad([r["completion"] for r in rows], pad_token_id),
+        "lengths": lengths,
+        "rewards": (torch.tensor([r["reward"] for r in rows]) - reward_mean) / reward_std,
+    }
+
+
+# ---- checks and sizes --------------------------------------------------------------------------------------
+
+
+def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
+    """Check the flags and fill in the sizes (the run length once the rows are known)."""
     if not 0 < args.tau < 1:
         raise ValueError(f"--tau must be in (0, 1), got {args.tau}.")
     if not 0 < args.alpha <= 1:
@@ -489,8 +510,15 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--gamma must be in [0, 1], got {args.gamma}.")
     if min(args.cql_scale, args.awac_scale, args.beta, args.temperature, args.top_k) < 0:
         raise ValueError("--cql_scale, --awac_scale, --beta, --temperature and --top_k must not be negative.")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "steps_for_target_q_sync", "logging_steps", "response_length", "max_length"):  # fmt: skip
+    for flag in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "steps_for_target_q_sync",
+        "logging_steps",
+        "response_length",
+        "max_length",
+    ):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     if args.max_prompt_length is not None and not 0 < args.max_prompt_length < args.max_length:
@@ -499,173 +527,108 @@ def check_args(args: Args) -> None:
         raise ValueError("set --max_steps > 0 or --num_train_epochs > 0.")
     if args.eval_steps < 0 or not 0 <= args.warmup_ratio <= 1:
         raise ValueError("--eval_steps must be at least 0 and --warmup_ratio in [0, 1].")
+    args.world_size = world_size
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    if num_rows is not None:
+        if num_rows < args.batch_size:
+            raise ValueError(
+                f"the training split has {num_rows} rows, fewer than one step of {args.batch_size}."
+            )
+        steps_per_epoch = num_rows // args.batch_size
+        epochs_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+        args.num_training_steps = args.max_steps if args.max_steps > 0 else epochs_steps
+    return args
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------------------------
-def main(args: Args) -> dict:
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, get_scheduler
+# ---- training ----------------------------------------------------------------------------------------------
 
-    # 0. Checks and data: a bad flag, a missing column or an impossible length fails before a model is loaded.
-    check_args(args)
-    accelerator = utils.run.make_accelerator(
-        args, args.gradient_accumulation_steps, args.per_device_train_batch_size
-    )
-    if not args.resume_from_checkpoint:
-        utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    is_main, device, rank = accelerator.is_main_process, accelerator.device, accelerator.process_index
-    args.world_size = accelerator.num_processes
-    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    set_seed(args.seed)
-    tokenizer = utils.load_tokenizer(args.model_name_or_path, "--model_name_or_path", args.chat_template_path)
-    split = partial(utils.load_split, args.dataset_name)
-    train_rows, counts = tokenize_split(
-        split(args.dataset_train_split), tokenizer, args, "--dataset_train_split"
-    )
-    eval_rows = []
-    if args.dataset_test_split:
-        eval_rows, _ = tokenize_split(split(args.dataset_test_split), tokenizer, args, "--dataset_test_split")
-    steps_per_epoch = len(train_rows) // args.batch_size
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"the training split has {len(train_rows)} rows, fewer than one step of {args.batch_size}."
-        )
-    args.num_training_steps = (
-        args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    )
-    if args.normalize_reward:
-        args.reward_mean, args.reward_std = normalize_rewards(torch.tensor([r["reward"] for r in train_rows]))
-    collate_fn = partial(collate, pad_token_id=tokenizer.pad_token_id, reward_mean=args.reward_mean,
-                         reward_std=args.reward_std)  # fmt: skip
-    if is_main:
-        print(f"training split: {counts}; {args.num_training_steps} steps of {args.batch_size} completions")
 
-    # 1. The model: the behaviour model's weights with fresh heads (seeded), dropout off.
-    backbone = utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path")
-    utils.disable_dropout(backbone)
-    if args.gradient_checkpointing:
-        utils.enable_gradient_checkpointing(backbone)
-    model = ILQLModel(backbone, args.two_qs)
-    trained = [p for p in model.parameters() if p.requires_grad]  # the target heads are not
-    optimizer = utils.run.adamw(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_training_steps),
-                              args.num_training_steps)  # fmt: skip
-    ckpt = utils.checkpoint.Checkpointer(accelerator, args)
-    state = ckpt.resume(models={"model": model}, optimizers={"model": optimizer})
-    step = state["step"] if state else 0
-    for _ in range(step):  # the schedule is a function of the step
-        scheduler.step()
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=step)
-    # The data order: a fresh seeded shuffle every epoch, the same on every process, which takes its slice; a
-    # resumed run skips the micro-batches already trained on.
-    batches = utils.prompt_batches(
-        len(train_rows), args.per_device_train_batch_size, args.world_size, rank, args.seed
-    )
-    for _ in range(step * args.gradient_accumulation_steps):
-        next(batches)
+@dataclass
+class Run:
+    """What a run holds fixed, from setup() to the save."""
 
-    def to_device(rows: list[dict]) -> dict:
-        return {k: v.to(device) for k, v in collate_fn(rows).items()}
+    accelerator: Any
+    tokenizer: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    checkpointer: utils.checkpoint.Checkpointer
+    tracker: utils.tracking.Tracker
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    counts: dict
+    batches: Iterator[list[int]]
+    steps_per_epoch: int
+    start_step: int
+    last_metrics: dict
 
-    def evaluate(step: int) -> dict:
-        """The loss terms over the test split (each process a slice, averaged) and a table of decodes: ILQL and
-        the behaviour model (beta 0) beside the data's completion and reward."""
-        model.eval()
-        mine = eval_rows[rank :: args.world_size] or eval_rows[:1]
-        size = args.per_device_eval_batch_size
-        with torch.no_grad(), accelerator.autocast():
-            stats = torch.stack([ilql_losses(model, to_device(mine[i : i + size]), args)[1]
-                                 for i in range(0, len(mine), size)]).mean(0)  # fmt: skip
-            stats = accelerator.reduce(stats, reduction="mean")
-            rows = eval_rows[:size]
-            with utils.run.gathered_for_generation(model, accelerator) as bare:
-                decode = partial(
-                    complete, bare, tokenizer, [r["prompt"] for r in rows], args.response_length, size
-                )
-                noise = torch.Generator(device=device).manual_seed(args.seed)
-                ilql_ids, _ = decode(args.beta, args.top_k, args.temperature, noise)
-                behaviour_ids, _ = decode(0.0, 0, 0.0)
-        result = {f"eval/{name}": value for name, value in zip(METRICS, stats.tolist())}
-        tracker.log(result, step)
-        if is_main:
-            text = partial(tokenizer.batch_decode, skip_special_tokens=True)
-            utils.print_samples({
-                "prompt (end)": [p[-40:] for p in text([r["prompt"] for r in rows])],
-                f"ILQL (beta {args.beta})": text(ilql_ids), "beta 0": text(behaviour_ids),
-                "data": text([r["completion"] for r in rows]), "reward": [r["reward"] for r in rows],
-            }, title=f"step {step}: eval loss {result['eval/loss/total']:.4f}")  # fmt: skip
-        model.train()
-        return result
 
-    # 2. Training: one ILQL loss per micro-batch, an optimizer step every gradient_accumulation_steps of them,
-    # the target Q heads moved toward the Q heads every steps_for_target_q_sync optimizer steps.
-    progress = tqdm(total=args.num_training_steps, initial=step, disable=not is_main)
-    sums, tokens, grad_norm = torch.zeros(len(METRICS), device=device), torch.zeros((), device=device), None
-    start, log_start, micro = time.time(), time.time(), 0
-    metrics = state.get("metrics", {}) if state else {}  # the last logged, for a run resumed at its end
+def device_batch(run: Run, args: Args, rows: list[dict]) -> dict:
+    """`collate` of rows, on the run's device."""
+    batch = collate(rows, run.tokenizer.pad_token_id, args.reward_mean, args.reward_std)
+    return {k: v.to(run.accelerator.device) for k, v in batch.items()}
+
+
+def evaluate(run: Run, args: Args, step: int) -> dict:
+    """The loss terms over the test split and a table of decodes: ILQL, beta 0, the data and its reward."""
+    accelerator, model, tokenizer = run.accelerator, run.model, run.tokenizer
+    model.eval()
+    my_rows = run.eval_rows[accelerator.process_index :: args.world_size] or run.eval_rows[:1]
+    size = args.per_device_eval_batch_size
+    with torch.no_grad(), accelerator.autocast():
+        mb_stats = [
+            ilql_losses(model, device_batch(run, args, my_rows[i : i + size]), args)[1]
+            for i in range(0, len(my_rows), size)
+        ]
+        stats = accelerator.reduce(torch.stack(mb_stats).mean(0), reduction="mean")
+        shown_rows = run.eval_rows[:size]
+        with utils.run.gathered_for_generation(model, accelerator) as bare:
+            prompts = [r["prompt"] for r in shown_rows]
+            decode = partial(complete, bare, tokenizer, prompts, args.response_length, size)
+            noise = torch.Generator(device=accelerator.device).manual_seed(args.seed)
+            ilql_ids, _ = decode(args.beta, args.top_k, args.temperature, noise)
+            behaviour_ids, _ = decode(0.0, 0, 0.0)
+    result = {f"eval/{name}": value for name, value in zip(METRICS, stats.tolist())}
+    run.tracker.log(result, step)
+    if accelerator.is_main_process:
+        text = partial(tokenizer.batch_decode, skip_special_tokens=True)
+        table = {
+            "prompt (end)": [p[-40:] for p in text([r["prompt"] for r in shown_rows])],
+            f"ILQL (beta {args.beta})": text(ilql_ids),
+            "beta 0": text(behaviour_ids),
+            "data": text([r["completion"] for r in shown_rows]),
+            "reward": [r["reward"] for r in shown_rows],
+        }
+        utils.tracking.print_samples(table, title=f"step {step}: eval loss {result['eval/loss/total']:.4f}")
     model.train()
-    while step < args.num_training_steps:
-        for _ in range(args.gradient_accumulation_steps):
-            batch = to_device([train_rows[i] for i in next(batches)])
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    loss, stats = ilql_losses(model, batch, args)
-                accelerator.backward(loss)
-                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm) or grad_norm
-                optimizer.step()
-                optimizer.zero_grad()
-            sums, tokens, micro = sums + stats, tokens + batch["lengths"].sum(), micro + 1
-        scheduler.step()
-        step += 1
-        progress.update(1)
-        grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
-        utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
-        if step % args.steps_for_target_q_sync == 0:  # the same update on every process, as the Q heads agree
-            sync_target_q_heads(model, accelerator, args.alpha)
+    return result
 
-        # 3. Metrics, averaged over micro-batches and processes.
-        if step % args.logging_steps == 0 or step == args.num_training_steps:
-            means = accelerator.reduce(sums / micro, reduction="mean").tolist()
-            metrics = {f"train/{name}": value for name, value in zip(METRICS, means)}
-            metrics |= {"train/lr": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
-                        "train/tokens_per_second": accelerator.reduce(tokens, "sum").item() / (time.time() - log_start),
-                        **({"train/grad_norm": grad_norm} if grad_norm is not None else {})}  # fmt: skip
-            tracker.log(metrics, step)
-            progress.set_postfix(loss=f"{means[0]:.4f}", advantage=f"{means[8]:.3f}")
-            sums, tokens, micro, log_start = sums * 0, tokens * 0, 0, time.time()
 
-        # 4. Evaluation and the sample table; checkpoints.
-        if eval_rows and args.eval_steps and step % args.eval_steps == 0 and step < args.num_training_steps:
-            evaluate(step)
-        ckpt.maybe_save(step, models={"model": model}, optimizers={"model": optimizer},
-                        state={"step": step, "metrics": metrics})  # fmt: skip
-    progress.close()
-    final = metrics | {"train_seconds": time.time() - start} | {f"data/{k}": v for k, v in counts.items()}
-    if eval_rows:
-        final |= evaluate(step)
-
-    # 5. Save the backbone as a causal-LM directory and the heads beside it, into a temporary directory first
-    # (a failed run leaves --output_dir as it was); every process takes part so ZeRO-3 can gather its shards.
+def save(run: Run, args: Args, final: dict) -> None:
+    """Backbone and heads into a temporary directory, then moved into --output_dir (a failed run leaves it
+    as it was); every process takes part, for ZeRO-3 to gather its shards."""
+    accelerator = run.accelerator
     accelerator.wait_for_everyone()
     parent, name = os.path.split(os.path.abspath(args.output_dir))
     tmp_dir = os.path.join(parent, f".{name}.{os.path.basename(args.run_name)}.partial")
-    state_dict = accelerator.get_state_dict(model)
-    bare = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(run.model)
+    bare = accelerator.unwrap_model(run.model)
     backbone_state = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-    bare.backbone.save_pretrained(tmp_dir, is_main_process=is_main, save_function=accelerator.save,
-                                  state_dict=backbone_state)  # fmt: skip
-    if is_main:
+    bare.backbone.save_pretrained(
+        tmp_dir,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=backbone_state,
+    )
+    if accelerator.is_main_process:
         heads_state = {k[len("heads.") :]: v for k, v in state_dict.items() if k.startswith("heads.")}
         bare.save_heads(tmp_dir, heads_state, beta=args.beta, top_k=args.top_k, temperature=args.temperature)
-        tokenizer.save_pretrained(tmp_dir)
+        run.tokenizer.save_pretrained(tmp_dir)
         algorithm = f"ILQL (tau {args.tau}, gamma {args.gamma}, beta {args.beta}); decode with ilql.complete"
-        utils.write_model_card(tmp_dir, algorithm, args.model_name_or_path, args.dataset_name, final,
-                               title=os.path.basename(os.path.abspath(args.output_dir)))  # fmt: skip
+        title = os.path.basename(os.path.abspath(args.output_dir))
+        utils.saving.write_model_card(
+            tmp_dir, algorithm, args.model_name_or_path, args.dataset_name, final, title=title
+        )
         os.makedirs(args.output_dir, exist_ok=True)
         for file in os.listdir(tmp_dir):
             os.replace(os.path.join(tmp_dir, file), os.path.join(args.output_dir, file))
@@ -673,7 +636,151 @@ def main(args: Args) -> dict:
         print(f"saved to {args.output_dir} (backbone and {HEADS_FILE})")
         if args.push_to_hub:
             utils.saving.push_to_hub(args)
-    tracker.close()
+
+
+def setup(args: Args) -> Run:
+    """Everything before the first step; a bad flag or bad data fails before a model is loaded."""
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    fill_sizes(args, 1)
+    accelerator = utils.run.make_accelerator(
+        args, args.gradient_accumulation_steps, args.per_device_train_batch_size
+    )
+    if not args.resume_from_checkpoint:
+        utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    set_seed(args.seed)
+    tokenizer = utils.loading.load_tokenizer(
+        args.model_name_or_path, "--model_name_or_path", args.chat_template_path
+    )
+    split = partial(utils.data.load_split, args.dataset_name)
+    train_rows, counts = tokenize_split(
+        split(args.dataset_train_split), tokenizer, args, "--dataset_train_split"
+    )
+    eval_rows = []
+    if args.dataset_test_split:
+        eval_rows, _ = tokenize_split(split(args.dataset_test_split), tokenizer, args, "--dataset_test_split")
+    fill_sizes(args, accelerator.num_processes, len(train_rows))
+    if args.normalize_reward:
+        args.reward_mean, args.reward_std = normalize_rewards(torch.tensor([r["reward"] for r in train_rows]))
+    if accelerator.is_main_process:
+        print(f"training split: {counts}; {args.num_training_steps} steps of {args.batch_size} completions")
+
+    # the behaviour model with fresh (seeded) heads, dropout off
+    backbone = utils.loading.from_pretrained(
+        AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
+    )
+    utils.loading.disable_dropout(backbone)
+    if args.gradient_checkpointing:
+        utils.loading.enable_gradient_checkpointing(backbone)
+    model = ILQLModel(backbone, args.two_qs)
+    trained = [p for p in model.parameters() if p.requires_grad]  # the target heads are not
+    optimizer = utils.run.adamw(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    warmup_steps = math.ceil(args.warmup_ratio * args.num_training_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.num_training_steps)
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
+    state = checkpointer.resume(models={"model": model}, optimizers={"model": optimizer})
+    start_step = state["step"] if state else 0
+    for _ in range(start_step):  # the schedule is a function of the step
+        scheduler.step()
+    tracker = utils.tracking.Tracker(args, accelerator, start_step=start_step)
+    # the same seeded order on every process; a resumed run skips what it trained on
+    batches = utils.data.prompt_batches(
+        len(train_rows),
+        args.per_device_train_batch_size,
+        args.world_size,
+        accelerator.process_index,
+        args.seed,
+    )
+    for _ in range(start_step * args.gradient_accumulation_steps):
+        next(batches)
+    return Run(
+        accelerator=accelerator,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        checkpointer=checkpointer,
+        tracker=tracker,
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        counts=counts,
+        batches=batches,
+        steps_per_epoch=len(train_rows) // args.batch_size,
+        start_step=start_step,
+        last_metrics=state.get("metrics", {}) if state else {},
+    )
+
+
+def main(args: Args) -> dict:
+    from tqdm.auto import tqdm
+
+    run = setup(args)
+    accelerator, model, optimizer, device = run.accelerator, run.model, run.optimizer, run.accelerator.device
+    step, metrics = run.start_step, run.last_metrics  # the last logged, for a run resumed at its end
+    progress = tqdm(total=args.num_training_steps, initial=step, disable=not accelerator.is_main_process)
+    sums, tokens, grad_norm = torch.zeros(len(METRICS), device=device), torch.zeros((), device=device), None
+    start, log_start, micro = time.time(), time.time(), 0
+    model.train()
+    while step < args.num_training_steps:
+        for _ in range(args.gradient_accumulation_steps):
+            # 1. Batch: this process's slice of the epoch's seeded order
+            batch = device_batch(run, args, [run.train_rows[i] for i in next(run.batches)])
+            with accelerator.accumulate(model):
+                # 2. Loss
+                # ALGO LOGIC: Q by TD, V by expectile regression, CQL and AWAC, all on one forward pass
+                with accelerator.autocast():
+                    loss, stats = ilql_losses(model, batch, args)
+                # 3. Update
+                accelerator.backward(loss)
+                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm) or grad_norm
+                optimizer.step()
+                optimizer.zero_grad()
+            sums, tokens, micro = sums + stats, tokens + batch["lengths"].sum(), micro + 1
+        run.scheduler.step()
+        step += 1
+        progress.update(1)
+        grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
+        utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+        if step % args.steps_for_target_q_sync == 0:  # ALGO LOGIC: the same Polyak update on every process
+            sync_target_q_heads(model, accelerator, args.alpha)
+
+        # 4. Metrics, averaged over micro-batches and processes
+        if step % args.logging_steps == 0 or step == args.num_training_steps:
+            means = accelerator.reduce(sums / micro, reduction="mean").tolist()
+            metrics = {f"train/{name}": value for name, value in zip(METRICS, means)}
+            tokens_per_second = accelerator.reduce(tokens, "sum").item() / (time.time() - log_start)
+            metrics |= {
+                "train/lr": run.scheduler.get_last_lr()[0],
+                "train/epoch": step / run.steps_per_epoch,
+                "train/tokens_per_second": tokens_per_second,
+                **({"train/grad_norm": grad_norm} if grad_norm is not None else {}),
+            }
+            run.tracker.log(metrics, step)
+            progress.set_postfix(loss=f"{means[0]:.4f}", advantage=f"{means[8]:.3f}")
+            sums, tokens, micro, log_start = sums * 0, tokens * 0, 0, time.time()
+
+        # 5. Evaluate: loss terms and the sample table
+        eval_due = args.eval_steps and step % args.eval_steps == 0 and step < args.num_training_steps
+        if run.eval_rows and eval_due:
+            evaluate(run, args, step)
+        # 6. Checkpoint
+        run.checkpointer.maybe_save(
+            step,
+            models={"model": model},
+            optimizers={"model": optimizer},
+            state={"step": step, "metrics": metrics},
+        )
+    progress.close()
+    final = metrics | {"train_seconds": time.time() - start} | {f"data/{k}": v for k, v in run.counts.items()}
+    if run.eval_rows:
+        final |= evaluate(run, args, step)
+
+    # 7. Save the backbone as a causal-LM directory and the heads beside it
+    save(run, args, final)
+    run.tracker.close()
     utils.run.end_run(accelerator)
     return final
 
