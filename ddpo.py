@@ -1,12 +1,11 @@
-# DDPO: Black, Janner, Du, Kostrikov, Levine, "Training Diffusion Models with Reinforcement Learning" (2023)
-"""Denoising Diffusion Policy Optimization (DDPO) for Stable-Diffusion text-to-image models.
+"""Denoising Diffusion Policy Optimization (DDPO) for Stable-Diffusion text-to-image models, in one file.
 
-https://arxiv.org/abs/2305.13301. Denoising is a multi-step decision process: with DDIM sampling at
-eta > 0 each step x_t -> x_{t-1} is a Gaussian with a known density, so a reward on the final image can
-be maximised with a policy gradient. Every epoch samples images keeping each latent, timestep and step
-log-probability; scores them; turns rewards into advantages normalised per prompt; then runs PPO-style
-clipped updates on the denoising steps, recomputing each step's log-probability under the current UNet
-(LoRA adapters by default).
+Black, Janner, Du, Kostrikov, Levine, "Training Diffusion Models with Reinforcement Learning" (2023),
+https://arxiv.org/abs/2305.13301. Denoising is a multi-step decision process: with DDIM sampling at eta > 0
+each step x_t -> x_{t-1} is a Gaussian with a known density, so a reward on the final image can be maximised
+with a policy gradient. Every epoch samples images keeping each latent, timestep and step log-probability;
+scores them; normalises the rewards per prompt into advantages; then runs PPO-style clipped updates on the
+denoising steps under the current UNet (LoRA adapters by default).
 
 Offline example on CPU (a tiny random pipeline, a few minutes):
     python benchmark/tiny_diffusion.py --output_dir /tmp/tiny-sd
@@ -30,21 +29,22 @@ import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
 import tyro
 from PIL import Image, ImageDraw
 
-import utils
+import utils.checkpoint
+import utils.run
+import utils.tracking
 
-# Built-in prompts: the "simple animals" setting of the paper.
 ANIMALS = (
     "cat dog horse cow pig sheep goat rabbit fox wolf bear lion tiger zebra giraffe elephant monkey panda "
     "koala kangaroo deer owl eagle duck swan penguin frog turtle snake whale dolphin shark octopus crab "
     "butterfly squirrel hedgehog camel llama raccoon"
-).split()
+).split()  # the built-in prompts: the paper's "simple animals"
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the UNet's attention projections
 STD_EPS = 1e-6  # added to a standard deviation before dividing by it
 TRAJECTORY_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (B, T, ...) tensors, one per step
@@ -52,71 +52,71 @@ TRAJECTORY_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (B, T
 
 @dataclass
 class Args:
-    # --- experiment ---
+    # Run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run name starts with it)"""
     seed: int = 0
-    """seed of the experiment; with it a CPU run is reproducible"""
+    """seed of the experiment (a CPU run is reproducible)"""
     run_name: str | None = None
-    """names the run and its TensorBoard directory runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""
+    """TensorBoard directory runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""
     track: bool = False
-    """also log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    """also log to Weights & Biases (WANDB_MODE=offline: without network)"""
     wandb_project_name: str = "ddpo"
     """W&B project name"""
     wandb_entity: str | None = None
-    """W&B entity (team); None uses the default one"""
+    """W&B entity (team); None: the default one"""
     output_dir: str = "models/ddpo"
-    """where the trained LoRA weights (or the whole pipeline), a model card and checkpoints/ are written"""
+    """where the LoRA weights (or the whole pipeline), a model card and checkpoints/ are written"""
     overwrite_output_dir: bool = False
-    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
+    """start over in a non-empty --output_dir (its contents moved to <output_dir>.replaced-<time>)"""
     push_to_hub: bool = False
     """push --output_dir (without checkpoints/) to a hub repository named like it, at the end"""
     num_epochs: int = 100
-    """number of epochs; each samples a batch of images and then trains on it"""
+    """epochs; each samples images and then trains on them"""
     save_steps: Annotated[int, tyro.conf.arg(aliases=("--save_freq",))] = 1
-    """save a checkpoint every this many epochs (in <output_dir>/checkpoints/checkpoint_<epoch>; alias --save_freq)"""
+    """checkpoint every this many epochs into <output_dir>/checkpoints/checkpoint_<epoch>"""
     save_total_limit: Annotated[int, tyro.conf.arg(aliases=("--num_checkpoint_limit",))] = 5
-    """keep only the newest this many checkpoints (alias --num_checkpoint_limit)"""
+    """keep only the newest this many checkpoints"""
     resume_from_checkpoint: Annotated[str | None, tyro.conf.arg(aliases=("--resume_from",))] = None
-    """a checkpoint directory, a checkpoints/ directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    """a checkpoint, a checkpoints/ directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     mixed_precision: Literal["no", "fp16", "bf16"] = "fp16"
-    """mixed precision of the frozen weights and the forward passes; fp16 falls back to "no" without a GPU"""
+    """precision of the frozen weights and forward passes; fp16 falls back to "no" without a GPU"""
     allow_tf32: bool = True
     """allow TF32 matrix multiplications on Ampere or newer GPUs"""
     num_logged_images: int = 8
-    """how many sampled images, with prompt and reward, go into each epoch's logged grid"""
+    """sampled images (with prompt and reward) in each epoch's logged grid"""
 
-    # --- model ---
+    # Models
     pretrained_model: str = "runwayml/stable-diffusion-v1-5"
-    """Stable-Diffusion pipeline: a hub id or a local directory saved with save_pretrained"""
+    """Stable-Diffusion pipeline: a hub id or a directory saved with save_pretrained"""
     pretrained_revision: str = "main"
     """revision of --pretrained_model on the hub"""
     use_lora: bool = True
-    """train LoRA adapters on the UNet's attention projections; --no_use_lora trains the whole UNet"""
+    """train LoRA adapters on the UNet's attention projections; --no_use_lora: the whole UNet"""
     lora_rank: int = 4
     """rank (and alpha) of the LoRA adapters"""
 
-    # --- prompts and reward ---
+    # Prompts and reward
     prompt_file: str | None = None
-    """text file with one prompt per line; None uses the built-in list of simple animal names"""
+    """text file with one prompt per line; None: the built-in simple animal names"""
     negative_prompts: str = ""
-    """prompt of the unconditional branch of classifier-free guidance (the empty prompt by default)"""
+    """prompt of the unconditional branch of classifier-free guidance"""
     reward_fn: str = "jpeg_compressibility"
     """jpeg_compressibility, jpeg_incompressibility, aesthetic, or file.py:function(pil_images, prompts)"""
     aesthetic_clip_model: str = "openai/clip-vit-large-patch14"
-    """CLIP model (hub id or local directory) whose image features the aesthetic head scores"""
+    """CLIP model (hub id or directory) whose image features the aesthetic head scores"""
     aesthetic_head_path: str | None = None
-    """local .pth state dict of the LAION aesthetic MLP head; required by --reward_fn aesthetic"""
+    """local .pth state dict of the LAION aesthetic MLP head (for --reward_fn aesthetic)"""
     async_reward_computation: bool = False
-    """compute rewards in a thread pool while the next batch is being sampled"""
+    """compute rewards in a thread pool while the next batch is sampled"""
     max_workers: int = 2
     """threads of the reward pool when --async_reward_computation"""
 
-    # --- sampling ---
+    # Sampling
     sample_num_steps: int = 50
     """number of DDIM denoising steps"""
     sample_eta: float = 1.0
-    """DDIM eta; must be > 0 so that every step is stochastic and has a log-probability"""
+    """DDIM eta; > 0, so that every step is stochastic and has a log-probability"""
     sample_guidance_scale: float = 5.0
     """classifier-free guidance scale (no guidance at 1.0 or below)"""
     sample_batch_size: int = 1
@@ -124,7 +124,7 @@ class Args:
     sample_num_batches_per_epoch: int = 2
     """sampling batches per epoch, per process"""
 
-    # --- training ---
+    # Algorithm (training)
     train_batch_size: int = 1
     """samples per training forward pass, per process"""
     train_use_8bit_adam: bool = False
@@ -140,44 +140,41 @@ class Args:
     train_adam_epsilon: float = 1e-8
     """Adam epsilon"""
     train_gradient_accumulation_steps: int = 1
-    """training batches summed into one optimizer step (each batch over all its trained steps)"""
+    """training batches (each over all its trained steps) per optimizer step"""
     train_max_grad_norm: float = 1.0
     """gradients are clipped to this global norm"""
     train_num_inner_epochs: int = 1
     """passes over each epoch's samples"""
     train_cfg: bool = True
-    """use classifier-free guidance in training as in sampling (else the recomputed log-probs differ)"""
+    """classifier-free guidance in training as in sampling (else the recomputed log-probs differ)"""
     train_adv_clip_max: float = 5.0
     """advantages are clipped to [-train_adv_clip_max, train_adv_clip_max]"""
     train_clip_range: float = 1e-4
-    """PPO clip range of the probability ratio (tiny: log-probs are per-element means)"""
+    """PPO clip range of the ratio (tiny: log-probs are per-element means)"""
     train_timestep_fraction: float = 1.0
-    """fraction of each trajectory's denoising steps trained on, drawn at random per sample"""
+    """fraction of each trajectory's denoising steps trained on (random per sample)"""
     per_prompt_stat_tracking: bool = True
-    """normalise rewards by a running mean/std per prompt (else by the statistics of the whole batch)"""
+    """normalise rewards by a running mean/std per prompt (else over the whole batch)"""
     per_prompt_stat_tracking_buffer_size: int = 16
     """rewards kept per prompt for its running statistics"""
     per_prompt_stat_tracking_min_count: int = 16
-    """a prompt with fewer rewards than this is normalised by the statistics of the whole batch"""
+    """a prompt with fewer rewards than this is normalised over the whole batch"""
 
-    # --- filled in at runtime ---
+    # Filled in at runtime
     world_size: int = 0
     """number of processes (filled in at runtime)"""
     samples_per_epoch: int = 0
     """images sampled per epoch over all processes (filled in at runtime)"""
     num_train_timesteps: int = 0
-    """denoising steps trained per sample: int(sample_num_steps * train_timestep_fraction) (runtime)"""
+    """denoising steps trained per sample (filled in at runtime)"""
 
 
-# ---------------------------------------------------------------- the math
+# ---- the math ----------------------------------------------------------------------------------------------
 
 
 def ddim_step_coefficients(scheduler, timestep: torch.Tensor):
-    """alpha_bar_t, alpha_bar_prev and the DDIM variance sigma_t^2 / eta^2 (Song et al. 2021, eq. 16).
-
-    `timestep` (B,) holds each sample's own timestep; the previous one is t - num_train_timesteps // steps.
-    Returns three (B,) tensors.
-    """
+    """alpha_bar_t, alpha_bar_prev and the DDIM variance sigma_t^2 / eta^2 (Song et al. 2021, eq. 16),
+    each (B,) for the per-sample timesteps (B,); the previous timestep is t - num_train_timesteps // steps."""
     alphas_cumprod = scheduler.alphas_cumprod.to(timestep.device)
     prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
     alpha_t = alphas_cumprod[timestep]
@@ -193,13 +190,12 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
 
 
 def ddim_step_with_logprob(scheduler, model_output, timestep, latents, eta: float, prev_latents=None):
-    """One DDIM step x_t -> x_{t-1} and the log-probability of x_{t-1} under the step's Gaussian.
+    """One DDIM step x_t -> x_{t-1} and the log-probability of x_{t-1} under the step's Gaussian:
 
     x_{t-1} ~ N(sqrt(a_prev) x0_pred + sqrt(1 - a_prev - sigma^2) eps_pred, sigma^2), sigma = eta * sqrt(var),
-    with x0_pred and eps_pred from the UNet output (epsilon or v prediction). Draws x_{t-1} unless
-    `prev_latents` is given (training recomputes the density of a sampled step). latents (B, C, H, W),
-    timestep (B,). Returns (x_{t-1}, log_prob (B,)); log_prob is the MEAN over the C*H*W elements, as in
-    the reference implementations: it is what makes a clip range of 1e-4 sensible.
+    x0_pred and eps_pred from the UNet output (epsilon or v prediction). Draws x_{t-1} unless `prev_latents`
+    is given (training). latents (B, C, H, W), timestep (B,) -> (x_{t-1}, log_prob (B,)); log_prob is the MEAN
+    over the C*H*W elements, as in the reference implementations (hence a clip range of 1e-4).
     """
     model_output, latents = model_output.float(), latents.float()
     alpha_t, alpha_prev, variance = (c.view(-1, 1, 1, 1) for c in ddim_step_coefficients(scheduler, timestep))
@@ -220,11 +216,8 @@ def ddim_step_with_logprob(scheduler, model_output, timestep, latents, eta: floa
 
 
 class PerPromptStatTracker:
-    """Advantages (r - mean) / (std + STD_EPS) from a running mean/std of each prompt's last rewards.
-
-    Each prompt keeps its last `buffer_size` rewards; while it has fewer than `min_count`, the mean and
-    (population) std of the whole batch passed to `update` are used instead.
-    """
+    """Advantages (r - mean) / (std + STD_EPS) over each prompt's last `buffer_size` rewards; while a prompt
+    has fewer than `min_count`, over the whole batch passed to `update` (population std)."""
 
     def __init__(self, buffer_size: int, min_count: int):
         self.buffer_size, self.min_count = buffer_size, min_count
@@ -255,11 +248,11 @@ def batch_advantages(rewards: np.ndarray) -> np.ndarray:
 
 
 def ddpo_loss(log_probs, old_log_probs, advantages, clip_range: float, adv_clip_max: float):
-    """PPO clipped surrogate for one denoising step of a batch (all (B,) tensors).
+    """PPO clipped surrogate for one denoising step of a batch (all (B,) tensors):
 
     A = clip(advantages, -adv_clip_max, adv_clip_max), ratio = exp(log_probs - old_log_probs),
-    loss = mean(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_range))).
-    Also returns approx_kl = mean((log_probs - old_log_probs)^2) / 2 and the fraction of clipped ratios.
+    loss = mean(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_range))),
+    with approx_kl = mean((log_probs - old_log_probs)^2) / 2 and the fraction of clipped ratios.
     """
     advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
     ratio = torch.exp(log_probs - old_log_probs)
@@ -270,7 +263,8 @@ def ddpo_loss(log_probs, old_log_probs, advantages, clip_range: float, adv_clip_
     return loss, approx_kl, clipfrac
 
 
-# ---------------------------------------------------------------- rewards: f(PIL images, prompts) -> floats
+# ---- rewards -----------------------------------------------------------------------------------------------
+# f(PIL images, prompts) -> one float per image
 
 
 def jpeg_size_kb(image: Image.Image) -> float:
@@ -306,9 +300,15 @@ class AestheticScorer:
             ) from None
         linear, dropout = torch.nn.Linear, torch.nn.Dropout
         self.head = torch.nn.Sequential(
-            linear(self.clip.config.projection_dim, 1024), dropout(0.2), linear(1024, 128), dropout(0.2),
-            linear(128, 64), dropout(0.1), linear(64, 16), linear(16, 1),
-        )  # fmt: skip
+            linear(self.clip.config.projection_dim, 1024),
+            dropout(0.2),
+            linear(1024, 128),
+            dropout(0.2),
+            linear(128, 64),
+            dropout(0.1),
+            linear(64, 16),
+            linear(16, 1),
+        )
         state = torch.load(head_path, map_location="cpu", weights_only=True)  # keys layers.<i>.weight/bias
         self.head.load_state_dict({key.removeprefix("layers."): value for key, value in state.items()})
         self.head.eval().to(device)
@@ -335,7 +335,7 @@ def make_reward_fn(args: Args, device: torch.device):
     return getattr(module, name)
 
 
-# ---------------------------------------------------------------- sampling
+# ---- rollout -----------------------------------------------------------------------------------------------
 
 
 def encode_prompts(tokenizer, text_encoder, prompts: list[str]) -> torch.Tensor:
@@ -356,11 +356,8 @@ def predict_noise(unet, latents, timesteps, prompt_embeds, negative_embeds, guid
 
 @torch.no_grad()
 def sample_trajectories(unet, vae, scheduler, prompt_embeds, negative_embeds, args: Args) -> dict:
-    """Sample images with DDIM keeping every step: the trajectories DDPO trains on.
-
-    Returns timesteps (B, T), latents x_t and next_latents x_{t-1} (B, T, C, H, W), log_probs (B, T)
-    and images (B, 3, H', W') in [0, 1].
-    """
+    """DDIM samples keeping every step, the trajectories DDPO trains on: timesteps (B, T), latents x_t and
+    next_latents x_{t-1} (B, T, C, H, W), log_probs (B, T), and images (B, 3, H', W') in [0, 1]."""
     config = (unet.module if hasattr(unet, "module") else unet).config
     shape = (len(prompt_embeds), config.in_channels, config.sample_size, config.sample_size)
     latents = torch.randn(shape, device=prompt_embeds.device)
@@ -378,7 +375,7 @@ def sample_trajectories(unet, vae, scheduler, prompt_embeds, negative_embeds, ar
 
 
 def step_log_prob(unet, scheduler, batch: dict, step: int, negative_embeds, args: Args) -> torch.Tensor:
-    """Log-probability (B,) under the current UNet of each sample's step number `step` of its trajectory."""
+    """Log-probability (B,) under the current UNet of each sample's step `step` of its trajectory."""
     latents, timesteps = batch["latents"][:, step], batch["timesteps"][:, step]
     guidance, prompt_embeds = args.sample_guidance_scale, batch["prompt_embeds"]
     cfg = args.train_cfg and guidance > 1.0
@@ -405,7 +402,7 @@ def image_grid(images: list[Image.Image], captions: list[str], tile: int = 128, 
     return grid
 
 
-# ---------------------------------------------------------------- checks, checkpoints, output
+# ---- checks and sizes --------------------------------------------------------------------------------------
 
 
 def read_prompts(args: Args) -> list[str]:
@@ -421,9 +418,9 @@ def read_prompts(args: Args) -> list[str]:
 
 
 def find_checkpoint(path: str, output_dir: str) -> str | None:
-    """`path` itself if it is a checkpoint, else the newest complete and readable checkpoint_<epoch> inside it
-    (`latest`: inside <output_dir>/checkpoints; each damaged one skipped is named, and with none the run starts
-    from scratch: None). A damaged checkpoint named by its path is refused in one sentence."""
+    """`path` if it is a checkpoint, else the newest complete checkpoint_<epoch> inside it (`latest`: in
+    <output_dir>/checkpoints, where none means starting from scratch: None); damaged ones skipped are named.
+    A damaged checkpoint named by its path is refused in one sentence."""
     latest, notes = path == "latest", []
     path = os.path.join(output_dir, "checkpoints") if latest else path
     if os.path.isfile(os.path.join(path, "checkpoint.pt")):
@@ -456,8 +453,8 @@ def find_checkpoint(path: str, output_dir: str) -> str | None:
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """Why a checkpoint_<epoch> folder is not complete and readable (utils.checkpoint.checkpoint_problem on the
-    sizes recorded in its trainer_state.json; older checkpoints without one: the zip of checkpoint.pt), or None."""
+    """Why a checkpoint_<epoch> folder is incomplete (by the sizes in its trainer_state.json; an older
+    checkpoint without one: by the zip of checkpoint.pt), or None."""
     if os.path.isfile(os.path.join(path, utils.checkpoint.STATE_FILE)):
         return utils.checkpoint.checkpoint_problem(path)
     return None if zipfile.is_zipfile(os.path.join(path, "checkpoint.pt")) else "checkpoint.pt is cut short"
@@ -470,13 +467,13 @@ def check_resumable(args: Args) -> None:
     mismatch = utils.checkpoint.definition_mismatch(saved, utils.checkpoint.run_definition(args))
     if mismatch:
         raise ValueError(
-            f"--resume_from_checkpoint {args.resume_from_checkpoint} belongs to another run ({mismatch}); resume "
-            "with its flags, or start over with --overwrite_output_dir or another --output_dir."
+            f"--resume_from_checkpoint {args.resume_from_checkpoint} belongs to another run ({mismatch}); "
+            "resume with its flags, or start over with --overwrite_output_dir or another --output_dir."
         )
 
 
 def holds_something(output_dir: str) -> bool:
-    """Whether --output_dir holds anything but unfinished checkpoint writes (checkpoints/tmp_checkpoint_<epoch>)."""
+    """Whether --output_dir holds anything but unfinished checkpoint writes."""
     if not os.path.isdir(output_dir):
         return False
     names = set(os.listdir(output_dir))
@@ -486,15 +483,22 @@ def holds_something(output_dir: str) -> bool:
     return bool(names)
 
 
-def check_args(args: Args) -> list[str]:
-    """Reject impossible flag values and missing files before any model is loaded; returns the prompts."""
+def fill_sizes(args: Args, world_size: int | None = None) -> Args:
+    """Check the flags and fill in the sizes (the per-epoch ones once the world size is known)."""
     if args.sample_eta <= 0:
         raise ValueError(f"--sample_eta must be > 0 (got {args.sample_eta}): an eta-0 step has no log-prob.")
     args.num_train_timesteps = int(args.sample_num_steps * args.train_timestep_fraction)
     if not (args.train_timestep_fraction <= 1 and args.num_train_timesteps >= 1):
         raise ValueError("--train_timestep_fraction must be <= 1 and keep at least one denoising step.")
-    sizes = ("num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch",
-             "train_batch_size", "train_gradient_accumulation_steps", "train_num_inner_epochs")  # fmt: skip
+    sizes = (
+        "num_epochs",
+        "sample_num_steps",
+        "sample_batch_size",
+        "sample_num_batches_per_epoch",
+        "train_batch_size",
+        "train_gradient_accumulation_steps",
+        "train_num_inner_epochs",
+    )
     for flag in sizes:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
@@ -508,6 +512,15 @@ def check_args(args: Args) -> list[str]:
         raise ValueError("--per_prompt_stat_tracking_min_count must not exceed its buffer size.")
     if min(args.save_steps, args.save_total_limit, args.max_workers, args.lora_rank) < 1:
         raise ValueError("--save_steps, --save_total_limit, --max_workers and --lora_rank must be >= 1.")
+    if world_size is not None:
+        args.world_size = world_size
+        args.samples_per_epoch = samples * world_size
+    return args
+
+
+def check_args(args: Args) -> list[str]:
+    """Reject impossible flag values and missing files before any model is loaded; returns the prompts."""
+    fill_sizes(args)
     head = args.aesthetic_head_path
     if args.reward_fn == "aesthetic" and not (head and os.path.isfile(head)):
         raise ValueError(f"--reward_fn aesthetic needs --aesthetic_head_path, a .pth file (got {head}).")
@@ -528,29 +541,31 @@ def check_args(args: Args) -> list[str]:
     return read_prompts(args)
 
 
-def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Args, epoch: int, step: int,
-                    definition: dict):  # fmt: skip
-    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states (JSON, no pickle): an
-    exact restart. Written to tmp_checkpoint_<epoch> and renamed when complete, so a kill never leaves a
-    half-written checkpoint that a resume would pick."""
+# ---- checkpoints and output --------------------------------------------------------------------------------
+
+
+def save_checkpoint(run, args: Args, epoch: int, step: int) -> str:
+    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states (JSON, no pickle), for
+    an exact restart; written to tmp_checkpoint_<epoch> and renamed when complete (a kill leaves no half)."""
+    accelerator = run.accelerator
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     directory = os.path.join(checkpoints, f"tmp_checkpoint_{epoch}")
     if accelerator.is_main_process:
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-        params = accelerator.unwrap_model(unet).named_parameters()
+        params = accelerator.unwrap_model(run.unet).named_parameters()
         state = {"trained": {n: p.detach().cpu() for n, p in params if p.requires_grad}, "epoch": epoch}
-        tracker_state = tracker.state_dict() if tracker else None
-        state.update(optimizer=optimizer.state_dict(), global_step=step, tracker=tracker_state)
+        tracker_state = run.stat_tracker.state_dict() if run.stat_tracker else None
+        state.update(optimizer=run.optimizer.state_dict(), global_step=step, tracker=tracker_state)
         torch.save(state, os.path.join(directory, "checkpoint.pt"))
     accelerator.wait_for_everyone()
-    version, internal, gauss = prompt_rng.getstate()
+    version, internal, gauss = run.prompt_rng.getstate()
     rng = utils.checkpoint.rng_state({}) | {"prompts": [version, list(internal), gauss]}
     with open(os.path.join(directory, f"rng_state_{accelerator.process_index}.json"), "w") as f:
         json.dump(rng, f)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # what defines the run, and every file's size (a resume checks both)
-        record = {"epoch": epoch, "run": definition}
+        record = {"epoch": epoch, "run": run.definition}
         record["files"] = utils.checkpoint.file_sizes(directory)
         with open(os.path.join(directory, utils.checkpoint.STATE_FILE), "w") as f:
             json.dump(record, f, indent=1)
@@ -565,26 +580,27 @@ def save_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, args: Arg
     return os.path.join(checkpoints, f"checkpoint_{epoch}")
 
 
-def load_checkpoint(accelerator, unet, optimizer, tracker, prompt_rng, directory: str) -> tuple[int, int]:
+def load_checkpoint(run, directory: str) -> tuple[int, int]:
     """Restore what save_checkpoint wrote; returns (first epoch to run, global step)."""
+    accelerator = run.accelerator
     rng_path = os.path.join(directory, f"rng_state_{accelerator.process_index}.json")
     if not os.path.isfile(rng_path):
         raise ValueError(f"{directory} lacks {rng_path}: resume with as many processes.")
     state = torch.load(os.path.join(directory, "checkpoint.pt"), map_location="cpu", weights_only=True)
-    params = dict(accelerator.unwrap_model(unet).named_parameters())
+    params = dict(accelerator.unwrap_model(run.unet).named_parameters())
     if set(state["trained"]) != {n for n, p in params.items() if p.requires_grad}:
         raise ValueError(f"{directory} holds other weights than those trained here (see --use_lora).")
     with torch.no_grad():
         for name, value in state["trained"].items():
             params[name].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
-    if tracker is not None:
-        tracker.load_state_dict(state["tracker"] or {})
+    run.optimizer.load_state_dict(state["optimizer"])
+    if run.stat_tracker is not None:
+        run.stat_tracker.load_state_dict(state["tracker"] or {})
     with open(rng_path) as f:
         rng = json.load(f)
     utils.checkpoint.set_rng_state(rng, {})
     version, internal, gauss = rng["prompts"]
-    prompt_rng.setstate((version, tuple(internal), gauss))
+    run.prompt_rng.setstate((version, tuple(internal), gauss))
     return state["epoch"] + 1, state["global_step"]
 
 
@@ -606,28 +622,73 @@ Final metrics:
         f.write(card + "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items()))
 
 
-# ---------------------------------------------------------------- training
+def save(run, args: Args, metrics: dict) -> None:
+    """The trained weights, loadable into the pipeline (LoRA or the whole pipeline), a model card, the hub."""
+    unwrapped = run.accelerator.unwrap_model(run.unet)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.use_lora:
+        from diffusers import StableDiffusionPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        lora_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))
+        StableDiffusionPipeline.save_lora_weights(args.output_dir, unet_lora_layers=lora_layers)
+    else:
+        run.pipeline.unet = unwrapped
+        run.pipeline.save_pretrained(args.output_dir)
+    write_model_card(args, metrics)
+    if args.push_to_hub:
+        from huggingface_hub import HfApi
+
+        api, name = HfApi(), os.path.basename(os.path.abspath(args.output_dir))
+        repo_id = api.create_repo(name, exist_ok=True).repo_id
+        api.upload_folder(repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoints/*"])
 
 
-def main(args: Args) -> None:
-    prompts = check_args(args)  # before the heavy imports: bad input fails at once
-    definition = utils.checkpoint.run_definition(
-        args
-    )  # as check_args compared it with a resumed checkpoint's
-    from accelerate.utils import broadcast_object_list, gather_object, set_seed
+# ---- training ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What a run holds fixed, from setup() to the save."""
+
+    accelerator: Any
+    pipeline: Any  # its VAE, text encoder and tokenizer are frozen; its UNet is the unprepared one
+    unet: Any
+    scheduler: Any
+    optimizer: Any
+    negative_embeds: torch.Tensor
+    reward_fn: Any
+    prompts: list[str]
+    prompt_rng: random.Random
+    stat_tracker: PerPromptStatTracker | None
+    writer: Any  # TensorBoard, on the main process only
+    run_dir: str
+    stop: Any
+    executor: ThreadPoolExecutor | None
+    definition: dict
+    first_epoch: int = 0
+    global_step: int = 0
+
+
+def setup(args: Args) -> Run:
+    """Everything before the first epoch; bad input fails before the heavy imports."""
+    prompts = check_args(args)
+    # what defines the run, as check_args compared it with a resumed checkpoint's
+    definition = utils.checkpoint.run_definition(args)
+    from accelerate.utils import broadcast_object_list, set_seed
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from torch.utils.tensorboard import SummaryWriter
-    from tqdm.auto import tqdm
 
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         print("fp16 needs a GPU: running in float32 (--mixed_precision no).")
         args.mixed_precision = "no"
-    # one optimizer step per train_gradient_accumulation_steps batches, each over all its trained timesteps
+    # each training batch accumulates over all its trained timesteps
     accumulation = args.train_gradient_accumulation_steps * args.num_train_timesteps
     accelerator = utils.run.make_accelerator(args, accumulation, args.train_batch_size, args.mixed_precision)
     stop = utils.checkpoint.StopSignal(accelerator)
-    device, args.world_size = accelerator.device, accelerator.num_processes
-    args.samples_per_epoch = args.sample_batch_size * args.sample_num_batches_per_epoch * args.world_size
+    device = accelerator.device
+    fill_sizes(args, accelerator.num_processes)
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
     set_seed(args.seed, device_specific=True)  # each process draws its own noise
@@ -655,21 +716,22 @@ def main(args: Args) -> None:
         raise ValueError("a DDIM step of this scheduler has zero variance: set set_alpha_to_one to False.")
 
     run_dir = os.path.join("runs", args.run_name)  # TensorBoard, and a PNG grid of samples per epoch
+    writer = None
     if accelerator.is_main_process:
         if args.track:
             import wandb
 
-            run = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name)
-            wandb.init(**run, config=vars(args), sync_tensorboard=True, save_code=True)
+            wandb_run = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name)
+            wandb.init(**wandb_run, config=vars(args), sync_tensorboard=True, save_code=True)
         writer = SummaryWriter(run_dir)
         table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         os.makedirs(os.path.join(run_dir, "images"), exist_ok=True)
 
     # frozen VAE and text encoder; LoRA adapters (float32) or the whole UNet are trained
-    vae, text_encoder = pipeline.vae, pipeline.text_encoder
-    tokenizer, unet = pipeline.tokenizer, pipeline.unet
-    for module in (vae, text_encoder, unet):  # eval: no dropout, so training recomputes the sampling logps
+    unet = pipeline.unet
+    # eval: no dropout, so training recomputes the sampling logps
+    for module in (pipeline.vae, pipeline.text_encoder, unet):
         module.requires_grad_(False).eval().to(device)
     if args.use_lora:
         from peft import LoraConfig
@@ -693,15 +755,30 @@ def main(args: Args) -> None:
     optimizer = optimizer_class(trainable, **adam)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     with torch.no_grad():
-        negative_embeds = encode_prompts(tokenizer, text_encoder, [args.negative_prompts])
-    tracker = None
+        negative_embeds = encode_prompts(pipeline.tokenizer, pipeline.text_encoder, [args.negative_prompts])
+    stat_tracker = None
     if args.per_prompt_stat_tracking:
         buffer_size = args.per_prompt_stat_tracking_buffer_size
-        tracker = PerPromptStatTracker(buffer_size, args.per_prompt_stat_tracking_min_count)
-    first_epoch, global_step = 0, 0
+        stat_tracker = PerPromptStatTracker(buffer_size, args.per_prompt_stat_tracking_min_count)
+    run = Run(
+        accelerator=accelerator,
+        pipeline=pipeline,
+        unet=unet,
+        scheduler=scheduler,
+        optimizer=optimizer,
+        negative_embeds=negative_embeds,
+        reward_fn=reward_fn,
+        prompts=prompts,
+        prompt_rng=prompt_rng,
+        stat_tracker=stat_tracker,
+        writer=writer,
+        run_dir=run_dir,
+        stop=stop,
+        executor=None,
+        definition=definition,
+    )
     if args.resume_from_checkpoint is not None:
-        resumable = (accelerator, unet, optimizer, tracker, prompt_rng)
-        first_epoch, global_step = load_checkpoint(*resumable, args.resume_from_checkpoint)
+        run.first_epoch, run.global_step = load_checkpoint(run, args.resume_from_checkpoint)
     elif accelerator.is_main_process:  # a fresh run: --overwrite_output_dir moves the old contents aside now
         checkpoints = os.path.join(args.output_dir, "checkpoints")
         for name in utils.checkpoint.leftovers(checkpoints):
@@ -709,55 +786,74 @@ def main(args: Args) -> None:
         if args.overwrite_output_dir and holds_something(args.output_dir):
             print(utils.checkpoint.move_aside(args.output_dir, "--overwrite_output_dir"))
     accelerator.wait_for_everyone()
-    executor = ThreadPoolExecutor(args.max_workers) if args.async_reward_computation else None
+    run.executor = ThreadPoolExecutor(args.max_workers) if args.async_reward_computation else None
+    return run
+
+
+def main(args: Args) -> None:
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    run = setup(args)
+    accelerator, unet, scheduler, writer = run.accelerator, run.unet, run.scheduler, run.writer
+    vae, text_encoder, tokenizer = run.pipeline.vae, run.pipeline.text_encoder, run.pipeline.tokenizer
+    device, is_main, global_step = accelerator.device, accelerator.is_main_process, run.global_step
     final_metrics, clipping = {}, (args.train_clip_range, args.train_adv_clip_max)
     train_names = ("loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "epoch", "inner_epoch")
 
-    for epoch in tqdm(range(first_epoch, args.num_epochs), disable=not accelerator.is_main_process):
+    for epoch in tqdm(range(run.first_epoch, args.num_epochs), disable=not is_main):
         start_time = time.time()
-        # 1. sample trajectories; with --async_reward_computation the rewards are computed meanwhile
+        # 1. Sample: DDIM trajectories, every latent and step log-prob kept; async rewards meanwhile
         unet.eval()
-        batches, rewards = [], []
+        batches, pending_rewards = [], []
         for _ in range(args.sample_num_batches_per_epoch):
-            batch_prompts = [prompt_rng.choice(prompts) for _ in range(args.sample_batch_size)]
+            batch_prompts = [run.prompt_rng.choice(run.prompts) for _ in range(args.sample_batch_size)]
             with torch.no_grad(), accelerator.autocast():
                 prompt_embeds = encode_prompts(tokenizer, text_encoder, batch_prompts)
-                batch = sample_trajectories(unet, vae, scheduler, prompt_embeds, negative_embeds, args)
-            batches.append(batch | {"prompt_embeds": prompt_embeds, "prompts": batch_prompts})
-            images = to_pil(batch["images"])
-            if executor is not None:
-                rewards.append(executor.submit(reward_fn, images, batch_prompts))
+                trajectories = sample_trajectories(
+                    unet, vae, scheduler, prompt_embeds, run.negative_embeds, args
+                )
+            batches.append(trajectories | {"prompt_embeds": prompt_embeds, "prompts": batch_prompts})
+            images = to_pil(trajectories["images"])
+            if run.executor is not None:
+                pending_rewards.append(run.executor.submit(run.reward_fn, images, batch_prompts))
             else:
-                rewards.append(reward_fn(images, batch_prompts))
-        rewards = [np.asarray(r.result() if executor else r, dtype=np.float64).reshape(-1) for r in rewards]
-        local_rewards, local_prompts = np.concatenate(rewards), [p for b in batches for p in b["prompts"]]
+                pending_rewards.append(run.reward_fn(images, batch_prompts))
+
+        # 2. Score: the rewards of all processes, logged with an image grid at the sampling step
+        local_rewards = np.concatenate(
+            [
+                np.asarray(r.result() if run.executor else r, dtype=np.float64).reshape(-1)
+                for r in pending_rewards
+            ]
+        )
+        local_prompts = [p for b in batches for p in b["prompts"]]
         if len(local_rewards) != len(local_prompts):
             raise ValueError(f"--reward_fn {args.reward_fn} must return one number per image.")
-
-        # 2. advantages, from the rewards of all processes
         all_rewards = accelerator.gather(torch.tensor(local_rewards, device=device)).cpu().numpy()
-        utils.tracking.check_finite(
-            global_step, rewards=torch.as_tensor(all_rewards)
-        )  # the same on every process
-        all_prompts = gather_object(local_prompts)
-        if tracker is not None:
-            all_advantages = tracker.update(all_prompts, all_rewards)
-        else:
-            all_advantages = batch_advantages(all_rewards)
-        local_advantages = all_advantages.reshape(args.world_size, -1)[accelerator.process_index]
+        utils.tracking.check_finite(global_step, rewards=torch.as_tensor(all_rewards))  # on every process
         metrics = {"objective/reward_mean": all_rewards.mean(), "objective/reward_std": all_rewards.std()}
         final_metrics.update(metrics)
-        if accelerator.is_main_process:
+        if is_main:
             for name, value in metrics.items():
                 writer.add_scalar(name, value, global_step)
             shown = min(args.num_logged_images, len(local_prompts))
-            images = to_pil(torch.cat([b["images"] for b in batches])[:shown])
+            shown_images = to_pil(torch.cat([b["images"] for b in batches])[:shown])
             captions = [f"{prompt[:12]} {reward:.3g}" for prompt, reward in zip(local_prompts, local_rewards)]
-            grid = image_grid(images, captions[:shown])
-            grid.save(os.path.join(run_dir, "images", f"epoch_{epoch:04d}.png"))
+            grid = image_grid(shown_images, captions[:shown])
+            grid.save(os.path.join(run.run_dir, "images", f"epoch_{epoch:04d}.png"))
             writer.add_image("images/samples", np.asarray(grid), global_step, dataformats="HWC")
 
-        # 3. PPO updates on the denoising steps
+        # 3. Advantages
+        # ALGO LOGIC: rewards normalised per prompt by running statistics (or over the whole batch)
+        all_prompts = gather_object(local_prompts)
+        if run.stat_tracker is not None:
+            all_advantages = run.stat_tracker.update(all_prompts, all_rewards)
+        else:
+            all_advantages = batch_advantages(all_rewards)
+        local_advantages = all_advantages.reshape(args.world_size, -1)[accelerator.process_index]
+
+        # 4. Update: PPO on the denoising steps, each sample's own random subset in random order
         samples = {key: torch.cat([b[key] for b in batches]) for key in TRAJECTORY_KEYS + ("prompt_embeds",)}
         samples["advantages"] = torch.tensor(local_advantages, dtype=torch.float32, device=device)
         num_samples = len(local_advantages)
@@ -765,68 +861,61 @@ def main(args: Args) -> None:
         for inner_epoch in range(args.train_num_inner_epochs):
             perm = torch.randperm(num_samples, device=device)
             samples = {key: value[perm] for key, value in samples.items()}
-            # each sample trains on its own random subset (train_timestep_fraction) of steps, in random order
             order = torch.rand(num_samples, args.sample_num_steps, device=device).argsort(dim=1)
             rows = torch.arange(num_samples, device=device)[:, None]
             samples.update({key: samples[key][rows, order] for key in TRAJECTORY_KEYS})
             step_stats = []
-            for start in range(0, num_samples, args.train_batch_size):
-                batch = {key: value[start : start + args.train_batch_size] for key, value in samples.items()}
-                for step in range(args.num_train_timesteps):
+            for mb_start in range(0, num_samples, args.train_batch_size):
+                mb_samples = {
+                    key: value[mb_start : mb_start + args.train_batch_size] for key, value in samples.items()
+                }
+                for denoising_step in range(args.num_train_timesteps):
                     with accelerator.accumulate(unet):
+                        # ALGO LOGIC: the step's log-prob under the current UNet, PPO-clipped against the old
                         with accelerator.autocast():
-                            log_prob = step_log_prob(unet, scheduler, batch, step, negative_embeds, args)
-                        old_log_prob, advantages = batch["log_probs"][:, step], batch["advantages"]
-                        loss, approx_kl, clipfrac = ddpo_loss(log_prob, old_log_prob, advantages, *clipping)
+                            log_prob = step_log_prob(
+                                unet, scheduler, mb_samples, denoising_step, run.negative_embeds, args
+                            )
+                        old_log_prob = mb_samples["log_probs"][:, denoising_step]
+                        loss, approx_kl, clipfrac = ddpo_loss(
+                            log_prob, old_log_prob, mb_samples["advantages"], *clipping
+                        )
                         accelerator.backward(loss)
                         utils.run.clip_grad_norm(accelerator, unet, args.train_max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad()
+                        run.optimizer.step()
+                        run.optimizer.zero_grad()
                     step_stats.append(torch.stack([loss, approx_kl, clipfrac]).detach())
                     if accelerator.sync_gradients:  # an optimizer step was taken: log its averages
                         means = accelerator.reduce(torch.stack(step_stats).mean(0), reduction="mean").tolist()
                         step_stats, global_step = [], global_step + 1
                         utils.tracking.check_finite(global_step, accelerator, loss=means[0])
                         final_metrics.update(zip(train_names, means + [epoch, inner_epoch]))
-                        if accelerator.is_main_process:
+                        if is_main:
                             for name in train_names:
                                 writer.add_scalar(name, final_metrics[name], global_step)
-        if accelerator.is_main_process:
+
+        # 5. Metrics
+        if is_main:
             speed = args.samples_per_epoch / (time.time() - start_time)
             writer.add_scalar("time/samples_per_second", speed, global_step)
-        stopping = stop.requested()
+
+        # 6. Checkpoint
+        stopping = run.stop.requested()
         if (epoch + 1) % args.save_steps == 0 or stopping:
-            path = save_checkpoint(
-                accelerator, unet, optimizer, tracker, prompt_rng, args, epoch, global_step, definition
-            )
+            path = save_checkpoint(run, args, epoch, global_step)
             if stopping:
-                raise stop.interrupt(path, epoch)
+                raise run.stop.interrupt(path, epoch)
 
-    # 4. the trained weights, loadable into the pipeline, and a model card
-    if executor is not None:
-        executor.shutdown()
+    # 7. Save the trained weights, loadable into the pipeline, and a model card
+    if run.executor is not None:
+        run.executor.shutdown()
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(unet)
-        os.makedirs(args.output_dir, exist_ok=True)
-        if args.use_lora:
-            from diffusers.utils import convert_state_dict_to_diffusers
-            from peft.utils import get_peft_model_state_dict
-
-            lora_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))
-            StableDiffusionPipeline.save_lora_weights(args.output_dir, unet_lora_layers=lora_layers)
-        else:
-            pipeline.unet = unwrapped
-            pipeline.save_pretrained(args.output_dir)
-        write_model_card(args, {name: float(value) for name, value in final_metrics.items()})
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            api, name = HfApi(), os.path.basename(os.path.abspath(args.output_dir))
-            repo_id = api.create_repo(name, exist_ok=True).repo_id
-            api.upload_folder(repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoints/*"])
+    if is_main:
+        save(run, args, {name: float(value) for name, value in final_metrics.items()})
         writer.close()
         if args.track:
+            import wandb
+
             wandb.finish()
     utils.run.end_run(accelerator)
 
