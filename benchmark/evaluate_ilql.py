@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from evaluate_tldr import judge_with_gold  # noqa: E402
 
 import ilql  # noqa: E402
-import utils  # noqa: E402
+import utils.chat  # noqa: E402
+import utils.data  # noqa: E402
+import utils.loading  # noqa: E402
 
 
 @dataclass

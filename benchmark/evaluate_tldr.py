@@ -21,7 +21,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import utils  # noqa: E402
+import utils.chat  # noqa: E402
+import utils.data  # noqa: E402
+import utils.generation  # noqa: E402
+import utils.loading  # noqa: E402
 
 
 @dataclass
