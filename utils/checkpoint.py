@@ -1,29 +1,8 @@
-"""Checkpoints that let a long run survive preemption: periodic, atomic, exact to resume, safe to load.
+"""Checkpoints that survive preemption: periodic, atomic, exact to resume, no pickle (but DeepSpeed's own).
 
-`{output_dir}/checkpoint-{step}/` holds
-- `{name}.safetensors`: each trained model's weights (under DeepSpeed: DeepSpeed's own checkpoint folder
-  `{name}/`, which also holds the sharded optimizer state);
-- `{name}_optimizer.pt`: each optimizer's state (tensors, numbers and lists only: loaded with
-  `weights_only=True`);
-- `rng-{rank}.json`: every random state of each process (python, numpy, torch, the script's generators);
-- `trainer_state.json`: the step, the run name, the number of processes, the flags that define the run
-  (`run_definition`: model, data, algorithm and batch flags; not output, logging or save flags), the size of
-  every other file of the checkpoint, the number of lines metrics.jsonl had, and whatever the script passes as
-  `state` (counters, the data-order position, the adaptive KL controller, running moments...).
-
-A checkpoint is written to `tmp-checkpoint-{step}` and renamed when complete, so a kill in the middle of a
-write never leaves a folder that `--resume_from_checkpoint latest` would pick; `latest` also checks every file
-against the recorded sizes (and the safetensors and zip headers) and skips, naming it, a damaged checkpoint; with
-no complete one it starts the run from scratch in the same folder, the damaged ones moved to
-`{output_dir}.damaged-{time}`, and says so. A resumed run names the checkpoint it loaded; the trainer state carries
-the seconds trained so far (`elapsed_seconds`), so a resumed run's total counts every part. Resuming refuses, in one sentence naming the flags,
-a checkpoint of another run. `--overwrite_output_dir` on a fresh run moves what --output_dir held aside (to
-`{output_dir}.replaced-{time}`) when the run first writes there (its first checkpoint or its final model), so old
-checkpoints are never resumed or rotated by mistake and a run that fails before writing leaves it as it was.
-SIGTERM and SIGINT are caught: the script finishes its current step, saves, and stops with a line naming the
-checkpoint.
-
-Nothing here unpickles Python objects, except DeepSpeed's own checkpoint format under DeepSpeed.
+`checkpoint-{step}/` holds `{name}.safetensors` (DeepSpeed: its folder `{name}/`), `{name}_optimizer.pt`,
+`rng-{rank}.json` and `trainer_state.json` (step, run name, defining flags, file sizes, the script's `state`).
+Written to `tmp-checkpoint-{step}`, then renamed; `latest` skips a damaged one. SIGTERM/SIGINT save and stop.
 """
 
 from __future__ import annotations
@@ -47,8 +26,8 @@ from utils.run import TrainingInterrupted, bare
 
 STATE_FILE = "trainer_state.json"
 _LAST_SAVED: list[str] = []
-_RESUMED: dict = {}  # the trainer state this process resumed from (the Tracker reads metrics_lines in it)
-_START_OVER: set[str] = set()  # output dirs whose old contents go aside at the run's first write there
+_RESUMED: dict = {}  # the Tracker reads metrics_lines in it
+_START_OVER: set[str] = set()  # moved aside at the run's first write there
 
 
 def last_saved() -> str | None:
@@ -62,7 +41,7 @@ def resumed_state() -> dict:
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
-    """Checkpoints in `output_dir` that were renamed into place (complete when written), oldest first."""
+    """Checkpoints renamed into place in `output_dir`, oldest first."""
     if not os.path.isdir(output_dir):
         return []
     found = []
@@ -74,13 +53,13 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 def leftovers(output_dir: str) -> list[str]:
-    """Temporary folders of checkpoint writes that were cut short (never resumed from; removed when a run starts)."""
+    """Unfinished checkpoint writes (tmp-checkpoint-N), never resumed from."""
     if not os.path.isdir(output_dir):
         return []
     return sorted(n for n in os.listdir(output_dir) if re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n))
 
 
-# Flags that do not change what a run computes: where it writes, what it logs, when it saves, how it is tracked.
+# Flags that change where a run writes or what it logs, not what it computes.
 NOT_DEFINING = frozenset(
     """output_dir overwrite_output_dir logging_dir run_name exp_name track wandb_project_name wandb_entity
     push_to_hub hub_model_id save_steps save_total_limit resume_from_checkpoint logging_steps eval_strategy
@@ -91,8 +70,7 @@ NOT_DEFINING = frozenset(
 
 
 def run_definition(args) -> dict:
-    """The flags that define a run (model, data, algorithm, batch sizes), JSON-safe, local paths made absolute:
-    what a checkpoint must share with the command that resumes it."""
+    """{flag: JSON-safe value} of the flags a resuming command must share with the checkpoint."""
     names = [f.name for f in dataclasses.fields(args)] if dataclasses.is_dataclass(args) else list(vars(args))
     definition = {}
     for name in names:
@@ -110,8 +88,7 @@ def run_definition(args) -> dict:
 
 
 def definition_mismatch(saved: dict | None, current: dict) -> str | None:
-    """The flags whose values differ between a checkpoint's run and this one, as a phrase (None if none).
-    A flag the checkpoint did not record (an older checkpoint, a newer script) is not compared."""
+    """The differing flags as a phrase, or None; flags the checkpoint did not record are not compared."""
     differing = [
         f"--{name} {saved[name]} there, {value} here"
         for name, value in current.items()
@@ -139,9 +116,7 @@ def _safetensors_problem(path: str) -> str | None:
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """Why `path` is not a complete, readable checkpoint (a phrase), or None when it is: its trainer_state.json
-    parses, every file it lists has the recorded size, every safetensors file is whole, every .pt zip has its
-    central directory."""
+    """Why `path` is not a complete checkpoint (a phrase: bad state, wrong size, cut-short file), or None."""
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
@@ -167,10 +142,8 @@ def checkpoint_problem(path: str) -> str | None:
 
 
 def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:
-    """The checkpoint folder `--resume_from_checkpoint` names, and notes for the log. `latest`: the newest
-    complete and readable checkpoint-N in `output_dir` (each one skipped is named with the reason; None when
-    there is none: the run starts from scratch). A path: that checkpoint, or a one-sentence ValueError when it
-    is not one or is damaged."""
+    """(checkpoint folder or None, notes for the log). `latest`: the newest complete one (None: from scratch);
+    a path: that checkpoint, or a ValueError when it is not one or is damaged."""
     if resume_from == "latest":
         notes = []
         for path in reversed(list_checkpoints(output_dir)):
@@ -211,8 +184,7 @@ def file_sizes(path: str) -> dict[str, int]:
 
 
 def move_aside(path: str, what: str, suffix: str = "replaced") -> str | None:
-    """Move everything in the folder `path` into `{path}.{suffix}-{time}` (nothing is deleted); returns a line
-    saying so, or None when `path` held nothing."""
+    """Move what `path` holds into `{path}.{suffix}-{time}`; a line saying so, or None when it was empty."""
     if not os.path.isdir(path) or not os.listdir(path):
         return None
     names = sorted(os.listdir(path))
@@ -228,7 +200,7 @@ def move_aside(path: str, what: str, suffix: str = "replaced") -> str | None:
 
 
 def metrics_lines(args) -> int | None:
-    """How many lines the run's metrics.jsonl holds now (None without one)."""
+    """Lines in the run's metrics.jsonl (None without one)."""
     path = os.path.join(getattr(args, "logging_dir", "") or "", str(args.run_name), "metrics.jsonl")
     if not getattr(args, "logging_dir", None) or not os.path.isfile(path):
         return None
@@ -269,28 +241,28 @@ def set_rng_state(state: dict, generators: dict[str, torch.Generator]) -> None:
 # Stop signals
 # ----------------------------------------------------------------------------------------------------------------
 class StopSignal:
-    """Catches SIGTERM and SIGINT (preemption, Ctrl-C) so the run can finish its step and save first."""
+    """Catches SIGTERM and SIGINT so the run finishes its step and saves first."""
 
     def __init__(self, accelerator):
         self.accelerator, self.name = accelerator, None
         try:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
-        except ValueError:  # not the main thread (e.g. a notebook runner): no handlers
+        except ValueError:  # not the main thread: no handlers
             pass
 
     def _on_signal(self, signum, frame) -> None:
         self.name = signal.Signals(signum).name
 
     def requested(self) -> bool:
-        """True on every process when any process received a signal (they must save together)."""
+        """True on every process when any got a signal: they must save together."""
         flag = torch.tensor([float(self.name is not None)], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             flag = self.accelerator.reduce(flag, reduction="sum")
         return flag.item() > 0
 
     def interrupt(self, path: str, step: int) -> TrainingInterrupted:
-        """The exception that ends the run after the checkpoint `path` was written."""
+        """The exception that ends the run after saving `path`."""
         return TrainingInterrupted(
             f"{self.name or 'a signal'} received; saved {path} at step {step}; continue with "
             f"--resume_from_checkpoint {path}",
@@ -302,14 +274,10 @@ class StopSignal:
 # The checkpointer
 # ----------------------------------------------------------------------------------------------------------------
 class Checkpointer:
-    """Saves and restores a run's checkpoints; reads `args.output_dir`, `args.save_steps` (0 or None: only on
-    a signal), `args.save_total_limit` (None: keep all) and `args.resume_from_checkpoint` (a path or `latest`).
+    """Saves, restores checkpoints (args: output_dir, save_steps, save_total_limit, resume_from_checkpoint).
 
-    Building it checks the resume path (before any model is loaded): the checkpoint must be complete, written by
-    as many processes and by a run with the same defining flags (`run_definition`); it takes the run name of the
-    checkpoint so logs continue in the same folder, and installs the SIGTERM/SIGINT handlers. A fresh run (no
-    resume, or `latest` finding nothing) must have an empty --output_dir or --overwrite_output_dir, in which case
-    the old contents are moved aside at the run's first write there (`start_over`)."""
+    Built before any model loads: it refuses a checkpoint of another run or world size and takes its run name;
+    a fresh run needs an empty --output_dir or --overwrite_output_dir."""
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -355,9 +323,8 @@ class Checkpointer:
     # -- resume
     def resume(self, models: dict[str, nn.Module], optimizers: dict | None = None,
                generators: dict[str, torch.Generator] | None = None) -> dict | None:  # fmt: skip
-        """Load the checkpoint given by --resume_from_checkpoint into the (prepared) models and optimizers and
-        restore every random state; returns the saved state (with its `step`), or None when not resuming. Called
-        when training starts: unfinished tmp-checkpoint-N folders are removed here."""
+        """Load the checkpoint into the prepared models and optimizers, restore every random state; the saved
+        state (with `step`), or None when not resuming. Removes unfinished tmp-checkpoint-N folders."""
         self._clear_the_way()
         self.started = time.time()
         if self.resume_path is None:
@@ -370,13 +337,13 @@ class Checkpointer:
                     continue
                 from safetensors.torch import load_model
 
-                device = self.accelerator.device  # "cpu:0" (MULTI_CPU) is not a device name safetensors takes
+                device = self.accelerator.device  # safetensors does not take "cpu:0"
                 load_model(
                     bare(model),
                     os.path.join(path, f"{name}.safetensors"),
                     device=str(device) if device.type != "cpu" else "cpu",
                 )
-            if self.accelerator.state.deepspeed_plugin is None:  # DeepSpeed's checkpoint held the optimizers
+            if self.accelerator.state.deepspeed_plugin is None:  # else in DeepSpeed's checkpoint
                 for name, optimizer in optimizers.items():
                     state = torch.load(
                         os.path.join(path, f"{name}_optimizer.pt"), map_location="cpu", weights_only=True
@@ -389,7 +356,7 @@ class Checkpointer:
             RuntimeError,
             KeyError,
             ValueError,
-        ) as error:  # damaged after the checks, or another model
+        ) as error:  # another model
             reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise ValueError(
                 f"--resume_from_checkpoint {path} could not be loaded into this run's models ({reason})."
@@ -405,11 +372,11 @@ class Checkpointer:
         return state
 
     def elapsed_seconds(self) -> float:
-        """Seconds this run has trained, over every resume: the checkpoint's count plus this process's time."""
+        """Seconds trained over every resume."""
         return float(_RESUMED.get("elapsed_seconds", 0.0)) + time.time() - self.started
 
     def _clear_the_way(self) -> None:
-        """On the main process: remove unfinished checkpoint writes; every process waits for it."""
+        """Remove unfinished checkpoint writes (main process; all wait)."""
         if self.accelerator.is_main_process:
             for name in leftovers(self.output_dir):
                 shutil.rmtree(os.path.join(self.output_dir, name), ignore_errors=True)
@@ -419,8 +386,8 @@ class Checkpointer:
     def maybe_save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
                    generators: dict[str, torch.Generator] | None = None,
                    state: dict | None = None) -> str | None:  # fmt: skip
-        """At every `save_steps`-th step, and whenever a stop signal arrived, save a checkpoint; after a signal,
-        raise TrainingInterrupted naming it. Every process must call this at the same steps."""
+        """Save every `save_steps` steps and on a signal (then raise TrainingInterrupted).
+        Every process must call it at the same steps."""
         stop = self.stop.requested()
         path = None
         if stop or (self.save_steps and step % self.save_steps == 0):
@@ -432,7 +399,7 @@ class Checkpointer:
     def save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
              generators: dict[str, torch.Generator] | None = None,
              state: dict | None = None) -> str:  # fmt: skip
-        """Write checkpoint-{step} atomically (every process takes part) and keep the newest save_total_limit."""
+        """Write checkpoint-{step} atomically on every process; keep the newest save_total_limit."""
         accelerator, optimizers, generators = self.accelerator, optimizers or {}, generators or {}
         start_over(accelerator, self.output_dir)
         final = os.path.join(self.output_dir, f"checkpoint-{step}")
@@ -442,15 +409,15 @@ class Checkpointer:
             os.makedirs(tmp)
         accelerator.wait_for_everyone()
         for name, model in models.items():
-            if accelerator.state.deepspeed_plugin is not None:  # sharded weights and optimizer state
+            if accelerator.state.deepspeed_plugin is not None:  # sharded, with the optimizer
                 model.save_checkpoint(os.path.join(tmp, name), tag="state")
                 continue
-            if accelerator.is_main_process:  # the processes hold the same weights
+            if accelerator.is_main_process:  # same weights on every process
                 from safetensors.torch import save_model
 
                 save_model(bare(model), os.path.join(tmp, f"{name}.safetensors"))
         if accelerator.state.deepspeed_plugin is None and accelerator.is_main_process:
-            for name, optimizer in optimizers.items():  # (under DeepSpeed they are in its checkpoint)
+            for name, optimizer in optimizers.items():
                 torch.save(optimizer.state_dict(), os.path.join(tmp, f"{name}_optimizer.pt"))
         with open(os.path.join(tmp, f"rng-{accelerator.process_index}.json"), "w") as f:
             json.dump(rng_state(generators), f)
@@ -472,12 +439,10 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The output folder: refused when full, moved aside on --overwrite_output_dir (utils/saving.py's final save may
-# be a run's first write there)
+# The output folder: refused when full, moved aside on --overwrite_output_dir
 # ----------------------------------------------------------------------------------------------------------------
 def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
-    """Refuse, before any work, to write into a non-empty `output_dir` unless `overwrite` is set. Unfinished
-    checkpoint writes (tmp-checkpoint-N, left by a kill) do not count: they are removed when the run starts."""
+    """ValueError for a non-empty `output_dir` without `overwrite`; unfinished checkpoints do not count."""
     held = [n for n in os.listdir(output_dir) if not re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n)] if (
         output_dir and os.path.isdir(output_dir)) else []  # fmt: skip
     if held and not overwrite:
@@ -487,9 +452,7 @@ def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
 
 
 def check_writable(output_dir: str) -> None:
-    """Refuse, before any work, an --output_dir this process cannot write into (a read-only or foreign folder, a
-    path through a file): otherwise the run trains and then fails at its first checkpoint. Writes and removes a
-    probe in the folder, or in the nearest folder above it that exists (nothing is left behind)."""
+    """ValueError, before training, for an --output_dir this user cannot write (probes the nearest folder)."""
     import tempfile
 
     where = os.path.abspath(output_dir)
@@ -510,11 +473,9 @@ def check_writable(output_dir: str) -> None:
 
 
 def set_aside_damaged(accelerator, output_dir: str) -> None:
-    """`--resume_from_checkpoint latest` found no usable checkpoint: when --output_dir holds nothing but damaged
-    checkpoints (and unfinished writes), they go to `{output_dir}.damaged-{time}` (said in one line), so the run
-    starts from scratch in the same folder and a requeue loop keeps going. Anything else there is left alone
-    (the fresh run then refuses the non-empty folder). Every process must call it."""
-    accelerator.wait_for_everyone()  # every process has looked for its checkpoint before they move
+    """`latest` found nothing usable: a folder of only damaged checkpoints goes to
+    `{output_dir}.damaged-{time}` so a requeue loop restarts there. Every process must call it."""
+    accelerator.wait_for_everyone()  # all have looked before anything moves
     names = set(os.listdir(output_dir)) if os.path.isdir(output_dir) else set()
     damaged = {name for name in names if re.fullmatch(r"checkpoint-\d+", name)}
     if damaged and names <= damaged | set(leftovers(output_dir)) and accelerator.is_main_process:
@@ -524,8 +485,8 @@ def set_aside_damaged(accelerator, output_dir: str) -> None:
 
 
 def start_over(accelerator, output_dir: str) -> None:
-    """Before a fresh run with --overwrite_output_dir first writes into `output_dir`: its old contents go to
-    `{output_dir}.replaced-{time}` (said in one line). Every process must call it."""
+    """At a fresh --overwrite_output_dir run's first write: old contents to `{output_dir}.replaced-{time}`.
+    Every process must call it."""
     if os.path.normpath(output_dir) not in _START_OVER:
         return
     if accelerator.is_main_process:

@@ -1,6 +1,6 @@
-"""Data formats: TRL's standard and conversational datasets turned into the text and token ids the scripts train on.
+"""TRL's standard and conversational datasets turned into the texts and token ids the scripts train on.
 
-A dataset's *type* is read from its columns and its *format* from its values (TRL's names):
+A dataset's type comes from its columns, its format from its values (TRL's names):
 
     type                 standard (strings)                      conversational (lists of {role, content})
     language modeling    text (--dataset_text_field)             messages
@@ -9,9 +9,7 @@ A dataset's *type* is read from its columns and its *format* from its values (TR
     preference           prompt, chosen, rejected                prompt, chosen, rejected
       implicit prompt    chosen, rejected (sharing the prompt)   chosen, rejected (sharing the first turns)
 
-Any other column is ignored. Conversations are rendered with the tokenizer's chat template (utils/chat.py, which
-also says how EOS and BOS are placed). An implicit prompt is the longest shared beginning of chosen and
-rejected (whole messages for conversations; for strings, up to the start of the first word where they differ).
+Other columns are ignored; conversations are rendered with the chat template (utils/chat.py).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ FORMATS = (
 # Loading
 # ----------------------------------------------------------------------------------------------------------------
 def is_local(name_or_path: str) -> bool:
-    """Whether `name_or_path` names a local path (which must then exist) rather than a hub id."""
+    """Whether `name_or_path` is a local path (which must exist) rather than a hub id."""
     return (
         os.path.exists(name_or_path)
         or name_or_path.startswith((".", "/", "~"))
@@ -42,11 +40,9 @@ def is_local(name_or_path: str) -> bool:
 
 
 def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
-    """A `datasets.Dataset` from a hub id, a `save_to_disk` directory, a directory of `{split}.jsonl/json/parquet`
-    files, or one json/jsonl/parquet/csv file (whose only split, named 'train' or like the file, is its content;
-    any other split name is refused, so a test split never silently holds the training rows). A dataset
-    configuration (--dataset_config) is the hub's configuration name, or for a local folder the sub-folder of
-    that name (a folder per configuration, like the hub's). Anything missing or empty is one ValueError."""
+    """A `datasets.Dataset` from a hub id, a `save_to_disk` folder, a folder of `{split}.jsonl` files or one
+    json/jsonl/parquet/csv file (split 'train' only). `config` is a sub-folder for a local folder. Anything
+    missing or empty is a ValueError."""
     import datasets
 
     if config is not None and os.path.exists(name_or_path):
@@ -70,7 +66,7 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
                 f"{flag} {name_or_path}: unknown file type {ext!r}; use json, jsonl, parquet or csv."
             )
         stem = os.path.splitext(os.path.basename(name_or_path))[0]
-        if split not in ("train", stem):  # one file is one split: never evaluate on the training rows
+        if split not in ("train", stem):  # never evaluate on the training rows
             raise ValueError(
                 f"{flag} {name_or_path} is one file, whose only split is 'train' (or {stem!r}), not {split!r}; "
                 "turn evaluation off (--eval_strategy no or --dataset_test_split None) or pass a folder of "
@@ -117,14 +113,13 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
                 f"({type(error).__name__}); without network pass a save_to_disk directory or json/jsonl/parquet "
                 "files."
             ) from None
-    if len(dataset) == 0:  # a script would fail later with an index error
+    if len(dataset) == 0:  # else an index error later
         raise ValueError(f"{flag} {name_or_path}: split {split!r} has no rows.")
     return dataset
 
 
 def bad_json_line(path: str) -> tuple[int, str] | None:
-    """(line number, JSON error) of the first line of a JSON-lines file that does not parse (a line cut short,
-    say); for a file holding one JSON array, where that array stops parsing. None when it all parses."""
+    """(line number, JSON error) of the first line that does not parse, or None."""
     import json
 
     with open(path, errors="replace") as f:
@@ -145,8 +140,7 @@ def bad_json_line(path: str) -> tuple[int, str] | None:
 
 
 def _load_from_disk(path: str, flag: str):
-    """`datasets.load_from_disk`, with one sentence for a split saved with no rows (datasets fails on its zero
-    shards with an IndexError)."""
+    """`datasets.load_from_disk`; a ValueError for a split with no rows (datasets raises IndexError)."""
     import datasets
 
     try:
@@ -156,7 +150,7 @@ def _load_from_disk(path: str, flag: str):
 
 
 def check_columns(dataset, required: Sequence[str], where: str) -> None:
-    """Raise a ValueError naming the expected and the found columns when `dataset` lacks one of `required`."""
+    """ValueError naming expected and found columns when `dataset` lacks one of `required`."""
     missing = [c for c in required if c not in dataset.column_names]
     if missing:
         raise ValueError(
@@ -178,7 +172,7 @@ def is_conversation(value) -> bool:
     )
 
 
-# The columns each type reads, in the order a dataset's type is recognised (the first whose columns are all there).
+# The columns each type reads; the first type whose columns are all there wins.
 TYPE_COLUMNS = {
     "preference": ("prompt", "chosen", "rejected"),
     "implicit_preference": ("chosen", "rejected"),
@@ -191,12 +185,9 @@ TYPE_COLUMNS = {
 def detect_format(
     dataset, where: str, text_field: str = "text", accepted: Sequence[str] | None = None
 ) -> tuple[str, bool]:
-    """(type, conversational) of a dataset from its columns and first row; type is one of "language_modeling",
-    "prompt_only", "prompt_completion", "preference", "implicit_preference". With `accepted` (the types the
-    caller reads), the type is the first of those the columns allow, and only its columns are looked at: a
-    column the caller ignores never decides anything (e.g. the conversational `chosen` beside a string `prompt`
-    that an RL script samples from). A ValueError names the columns found when they match no type, or when the
-    columns read are neither all strings nor all conversations."""
+    """(type, conversational) from the columns and first row; type is a key of TYPE_COLUMNS. Only the columns
+    of the first `accepted` type that fits are read, so an ignored column decides nothing. ValueError when
+    none fits or the columns mix strings and conversations."""
     columns = set(dataset.column_names)
     if len(dataset) == 0:
         raise ValueError(f"{where} is empty.")
@@ -224,7 +215,7 @@ def detect_format(
 
 
 def check_type(dataset, kind: str, accepted: Sequence[str], where: str, text_field: str = "text") -> None:
-    """A ValueError naming the missing, expected and found columns when a script cannot read this type."""
+    """ValueError naming missing, expected and found columns when `kind` is not `accepted`."""
     if kind in accepted:
         return
     required = {
@@ -245,9 +236,8 @@ def check_type(dataset, kind: str, accepted: Sequence[str], where: str, text_fie
 
 
 def shared_prefix(chosen, rejected):
-    """(prompt, chosen rest, rejected rest) of an implicit-prompt pair: the longest shared beginning, in whole
-    messages for conversations; for strings it stops at the start of the first differing word, so both
-    completions keep their leading space. Raises ValueError when nothing is shared or nothing is left."""
+    """(prompt, chosen rest, rejected rest): the longest shared beginning, whole messages or (strings) up to
+    the first differing word, so completions keep their leading space. ValueError if none or nothing left."""
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
@@ -268,18 +258,18 @@ def shared_prefix(chosen, rejected):
 # Datasets to texts, by type
 # ----------------------------------------------------------------------------------------------------------------
 def column(dataset, name: str) -> list:
-    """A column as a Python list, read at once (iterating a datasets Column row by row is ~1000x slower)."""
+    """A column as a Python list, read at once (row by row is far slower)."""
     return dataset[name][:]
 
 
 def columns(dataset) -> dict[str, list]:
-    """Every column of a dataset as a list: what a TRL-style reward function gets, row by row."""
+    """{name: list} of every column: what a TRL-style reward function gets."""
     return {name: column(dataset, name) for name in dataset.column_names}
 
 
 def columns_of_rows(columns: dict[str, list], examples, rows) -> dict[str, list]:
-    """The dataset `columns` of completion rows `rows` (a LongTensor) of a completion-major batch of
-    P = len(examples) prompts: row i belongs to prompt i % P, which is dataset row examples[i % P]."""
+    """`columns` at completion rows `rows` [N] of a completion-major batch: row i is dataset row
+    examples[i % len(examples)]."""
     P = len(examples)
     return {name: [values[examples[r % P]] for r in rows.tolist()] for name, values in columns.items()}
 
@@ -292,9 +282,8 @@ def _prepare(dataset, tokenizer, where: str, accepted: Sequence[str], text_field
 
 
 def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
-    """The prompts of a dataset with a `prompt` column (prompt-only, prompt-completion or preference), standard
-    or rendered with the generation prompt: what the RL scripts sample completions for."""
-    kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_only"])  # the prompt alone is read
+    """The `prompt` column as texts, conversations rendered with the generation prompt: RL's prompts."""
+    kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_only"])  # other columns ignored
     prompts = column(dataset, "prompt")
     if not conversational:
         return prompts
@@ -302,7 +291,7 @@ def prompt_texts(dataset, tokenizer, where: str) -> list[str]:
 
 
 def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
-    """(prompts, completions) of a prompt-completion dataset, standard or conversational (rendered)."""
+    """(prompts, completions) texts of a prompt-completion dataset."""
     kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_completion"])
     if not conversational:
         return column(dataset, "prompt"), column(dataset, "completion")
@@ -314,7 +303,7 @@ def prompt_completion_texts(dataset, tokenizer, where: str) -> tuple[list[str], 
 
 
 def _raw_preference_rows(dataset, kind: str, where: str) -> list[tuple]:
-    """(prompt, chosen, rejected) values of each row, an implicit prompt split off by `shared_prefix`."""
+    """(prompt, chosen, rejected) of each row, an implicit prompt split off."""
     prompts = column(dataset, "prompt") if kind == "preference" else [None] * len(dataset)
     rows = []
     for i, (prompt, chosen, rejected) in enumerate(
@@ -330,8 +319,7 @@ def _raw_preference_rows(dataset, kind: str, where: str) -> list[tuple]:
 
 
 def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
-    """{prompt, chosen, rejected} texts of a preference dataset, explicit or implicit prompt, standard or
-    conversational. Each chosen/rejected text is the continuation of its prompt text."""
+    """{prompt, chosen, rejected} texts of a preference dataset; chosen and rejected continue the prompt."""
     kind, conversational = _prepare(dataset, tokenizer, where, ["preference", "implicit_preference"])
     out: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
     for prompt, chosen, rejected in _raw_preference_rows(dataset, kind, where):
@@ -346,13 +334,10 @@ def preference_texts(dataset, tokenizer, where: str) -> dict[str, list[str]]:
 
 
 def reward_ids(dataset, tokenizer, where: str, names: Sequence[str]) -> dict[str, list[list[int]]]:
-    """{prompt, *names} token ids a reward model trains on; prompt + completion is one sequence, read at its
-    last token. `names`: ["chosen", "rejected"] (preference, explicit or implicit prompt) or ["completion"].
+    """{prompt, *names} token ids for a reward model; `names` is ["chosen", "rejected"] or ["completion"].
 
-    Standard: the prompt encoded as a leading piece (`encode`), each completion with an EOS unless it ends with
-    one. Conversational, as TRL's RewardTrainer and RewardScorer: prompt + completion rendered whole and encoded
-    at once, nothing added or dropped (the template's newline after the end of turn stays); the prompt is the
-    ids that every rendering of the row shares with the prompt's own rendering."""
+    Standard: completions get an EOS unless they end with one. Conversational (as TRL): each whole rendering
+    encoded at once, nothing added; the prompt is the ids every rendering shares with the prompt's own."""
     if list(names) == ["completion"]:
         kind, conversational = _prepare(dataset, tokenizer, where, ["prompt_completion"])
         rows = list(zip(column(dataset, "prompt"), column(dataset, "completion")))
@@ -371,7 +356,7 @@ def reward_ids(dataset, tokenizer, where: str, names: Sequence[str]) -> dict[str
         prompt_text = render(tokenizer, prompt, generation_prompt=completions[0][0]["role"] == "assistant")
         texts = [prompt_text] + [render(tokenizer, prompt + completion) for completion in completions]
         prompt_ids, *wholes = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        # the prompt's own rendering can end differently (a merge across the cut): keep what all share
+        # a token can merge across the cut: keep what all share
         shared = min(common_prefix_length(prompt_ids, whole) for whole in wholes)
         out["prompt"].append(prompt_ids[:shared])
         for name, whole in zip(names, wholes):
@@ -394,15 +379,8 @@ def sft_examples(
     text_field: str = "text",
     assistant_only_loss: bool = False,
 ) -> tuple[str, list[tuple]]:
-    """SFT examples of a dataset, by type, every sequence ending with the EOS (added unless it is there):
-
-    - prompt-completion (standard or conversational): ("prompt_completion", [(prompt ids, completion ids,
-      completion loss mask)]);
-    - language modeling (text or messages): ("language_modeling", [(ids, loss mask)]).
-
-    The loss masks are all ones, except with `assistant_only_loss` (conversations only): ones on the assistant
-    turns (content and end of turn) only. The scripts' truncation rules come after.
-    """
+    """("prompt_completion", [(prompt ids, completion ids, loss mask)]) or ("language_modeling", [(ids, loss
+    mask)]), each ending with EOS. Masks are all ones, or with `assistant_only_loss` assistant turns only."""
     kind, conversational = _prepare(
         dataset, tokenizer, where, ["prompt_completion", "language_modeling"], text_field
     )
@@ -419,11 +397,11 @@ def sft_examples(
             encode(tokenizer, prompts, True), encode(tokenizer, completions, False)
         ):
             rows.append((prompt_ids, *with_eos(completion_ids, [1] * len(completion_ids))))
-    elif kind == "prompt_completion":  # the prompt never carries loss; the completion's assistant turns do
+    elif kind == "prompt_completion":  # the prompt never carries loss
         for prompt, completion in zip(column(dataset, "prompt"), column(dataset, "completion")):
             prompt_chars = len(split_rendering(tokenizer, prompt, completion)[0])
             ids, mask, ends = _encode_pieces(tokenizer, turn_segments(tokenizer, prompt + completion))
-            cut = ends.get(prompt_chars)  # the prompt ends at a piece boundary (the assistant's opening)
+            cut = ends.get(prompt_chars)
             if cut is None:
                 raise ValueError("the chat template renders a prompt that does not end where a turn does.")
             rows.append((ids[:cut], *with_eos(ids[cut:], mask[cut:])))
@@ -446,8 +424,7 @@ def sft_examples(
 
 
 def _encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int], dict[int, int]]:
-    """Token ids of the pieces, encoded one by one; a mask with 1 on the ids of the assistant pieces; and, for
-    the character offset where each piece ends, the number of ids up to there."""
+    """(ids, mask of assistant pieces, {character offset of a piece end: ids up to there})."""
     ids, mask, ends, chars = [], [], {0: 0}, 0
     for i, (text, is_assistant) in enumerate(pieces):
         piece = encode(tokenizer, [text], leading=i == 0)[0]
@@ -459,9 +436,8 @@ def _encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int]
 
 
 def sample_prompts(dataset, tokenizer, where: str, count: int, text_field: str = "text") -> tuple[list, list]:
-    """Up to `count` (prompt text, reference text) pairs for sample tables: the prompt and completion of
-    prompt-completion data; for conversations, everything before the last assistant turn and that turn. Data
-    with no prompt (plain text) gives none."""
+    """Up to `count` (prompts, references) for sample tables: prompt and completion, or a conversation cut
+    before its last assistant turn; none for plain text."""
     head = dataset.select(range(min(count, len(dataset))))
     kind, conversational = detect_format(head, where, text_field, ["prompt_completion", "language_modeling"])
     if kind == "prompt_completion":
@@ -485,9 +461,8 @@ def sample_prompts(dataset, tokenizer, where: str, count: int, text_field: str =
 def prompt_batches(
     num_prompts: int, per_process: int, world_size: int, rank: int, seed: int
 ) -> Iterator[list[int]]:
-    """Endless batches of prompt indices for this process: a fresh seeded shuffle every pass (the same on every
-    process), cut into batches of `per_process * world_size`, process `rank` taking its slice; the incomplete
-    batch at the end of a pass is dropped."""
+    """Endless batches of `per_process` prompt indices for `rank`: a shuffle seeded by seed + pass, the same
+    on every process; the incomplete batch of a pass is dropped."""
     per_update, epoch = per_process * world_size, 0
     while True:
         order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
@@ -499,11 +474,8 @@ def prompt_batches(
 def shuffled_micro_batch(
     num_rows: int, m: int, micro: int, world_size: int, rank: int, seed: int
 ) -> list[int]:
-    """Row indices of this process's m-th micro-batch of a supervised run: every epoch a fresh shuffle seeded by
-    seed + epoch (the same on every process), cut into global micro-batches of `micro * world_size` rows,
-    process `rank` taking its slice; the incomplete tail of an epoch is dropped. A pure function of m, so a
-    resumed run finds any step again, and one process accumulating k micro-batches sees the rows that k
-    processes see at once."""
+    """Row indices of `rank`'s m-th micro-batch: a shuffle seeded by seed + epoch, tail dropped. A pure
+    function of m, so a resume finds any step, and k accumulated micro-batches equal k processes."""
     per_epoch = num_rows // (micro * world_size)
     epoch, i = divmod(m, per_epoch)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))

@@ -1,5 +1,4 @@
-"""Loading models and tokenizers from the hub or a local folder, with one-sentence errors, and the settings every
-script gives a freshly loaded model (dropout off, gradient checkpointing)."""
+"""Models and tokenizers from the hub or a local folder with one-sentence errors; dropout off."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from utils.data import is_local
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Turn off every dropout (modules, attention-probability dropout, config) so logprobs are deterministic."""
+    """Turn off every dropout (modules, attention, config) so logprobs are deterministic."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -27,7 +26,7 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
-    """`cls.from_pretrained(name_or_path)` with a one-sentence error for a missing path or an unreachable hub."""
+    """`cls.from_pretrained`, with a ValueError for a missing path or an unreachable hub."""
     if is_local(name_or_path) and not os.path.exists(name_or_path):
         raise ValueError(f"{flag} {name_or_path} does not exist.")
     try:
@@ -42,8 +41,7 @@ def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute activations in the backward pass, with PyTorch's non-reentrant checkpointing (transformers 5.20
-    renamed the method; the old name still works there, with a warning)."""
+    """Non-reentrant activation checkpointing, under the method's new name when transformers has it."""
     options = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
@@ -52,9 +50,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None = None):
-    """The tokenizer of `name_or_path`, padding with EOS when it has no pad token (safe: every mask in these
-    scripts comes from lengths, never from comparing ids with the pad id), with the Jinja chat template of
-    `chat_template_path` when given (utils.chat.set_chat_template)."""
+    """The tokenizer, padding with EOS when it has none (masks come from lengths, never from the pad id), with
+    the chat template of `chat_template_path` when given."""
     from transformers import AutoTokenizer
 
     tokenizer = from_pretrained(AutoTokenizer, name_or_path, flag)
@@ -68,13 +65,12 @@ POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_s
 
 
 def model_positions(name_or_path: str) -> int | None:
-    """How many positions the model's config gives it (max_position_embeddings, or GPT-2's n_positions...),
-    read from the config alone; None when the config cannot be read or names none."""
+    """The model's positions from its config alone (POSITION_ATTRIBUTES); None when unknown."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError):  # the model's own loading gives the sentence for a bad path later
+    except (OSError, ValueError):  # loading the model reports a bad path later
         return None
     config = getattr(config, "text_config", None) or config
     for name in POSITION_ATTRIBUTES:
@@ -87,9 +83,8 @@ def model_positions(name_or_path: str) -> int | None:
 def check_context_length(
     name_or_path: str, length: int, flags: str, flag: str = "--model_name_or_path"
 ) -> None:
-    """Refuse, in one sentence naming the `flags` to lower, a run whose sequences reach `length` tokens when
-    the model has fewer positions: a rotary model would otherwise train silently on positions it never had
-    (a learned-position one fails mid-run). Reads the config only: call it before loading the model."""
+    """ValueError naming `flags` when sequences of `length` tokens exceed the model's positions (a rotary
+    model would train silently on unseen positions). Reads the config only: call it before loading."""
     positions = model_positions(name_or_path)
     if positions is not None and length > positions:
         raise ValueError(

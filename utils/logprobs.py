@@ -1,5 +1,4 @@
-"""Forward passes and log-probabilities of given tokens, the algorithm's side: logprobs of responses and
-completions, entropies. The tiled LM head behind token_logprobs is plumbing, in utils/lm_head.py.
+"""Forward passes, logprobs of given tokens, entropies (the tiled LM head is in utils/lm_head.py).
 Shapes: B batch, T sequence length, R response length, V vocabulary.
 """
 
@@ -15,12 +14,12 @@ from utils import lm_head
 # Forward passes
 # ----------------------------------------------------------------------------------------------------------------
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, as generation does for left-padded rows: [B, T]."""
+    """Positions [B, T] counted over real tokens, as generation does for left padding."""
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """Forward a causal LM on padded rows with the attention mask and the matching position ids."""
+    """Forward a causal LM on padded rows with matching position ids."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -36,7 +35,7 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution at each position: [B, T, V] -> [B, T]."""
+    """Entropy at each position: [B, T, V] -> [B, T]."""
     logits = logits.float()
     probs = logits.softmax(-1)
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
@@ -50,10 +49,9 @@ def token_logprobs(
     temperature: float = 1.0,
     with_stats: bool = False,
 ):
-    """Logprobs [B, T-1] of tokens 1..T-1 of `input_ids` [B, T] at `temperature`: entry t is
-    log softmax(logits_t / temperature)[input_ids[:, t + 1]], where `score_mask` [B, T-1] is true (0 elsewhere).
-    With `with_stats`, (logprobs, entropy, mean logit), each [B, T-1]. The head runs on scored positions only,
-    tile by tile (utils/lm_head.py); the same numbers as `_plain_token_logprobs`."""
+    """Logprobs [B, T-1]: entry t is log softmax(logits_t / temperature)[input_ids[:, t + 1]] where
+    `score_mask` [B, T-1] is true, 0 elsewhere. `with_stats`: (logprobs, entropy, mean logit), each [B, T-1].
+    The LM head sees scored positions only."""
     score_mask = score_mask.bool()
     targets = input_ids[:, 1:][score_mask]
     out = lm_head.swapped_head_logprobs(
@@ -67,7 +65,7 @@ def token_logprobs(
 
 
 def _plain_token_logprobs(model, input_ids, attention_mask, score_mask, targets, temperature, with_stats):
-    """token_logprobs through the full logits [N, V]: the reference, and models that transform their head's output."""
+    """token_logprobs through the full logits [N, V]: the reference, and for heads the tiling cannot swap."""
     logits = forward(model, input_ids, attention_mask).logits[:, :-1][score_mask].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     logprobs = lm_head.scatter(
@@ -90,8 +88,7 @@ def response_logits(
     context_length: int,
     temperature: float,
 ) -> torch.Tensor:
-    """The full logits / temperature [B, R, V] that predict the response tokens (positions context_length..T-1),
-    for what needs the whole distribution (the exact KL of ppo.py's --kl_estimator full); logprobs alone come
+    """logits / temperature [B, R, V] predicting the response tokens, for an exact KL; logprobs alone come
     cheaper from response_logprobs."""
     logits = forward(model, query_responses, attention_mask).logits[:, context_length - 1 : -1].float()
     return logits / (temperature if temperature > 0 else 1.0)
@@ -105,9 +102,8 @@ def response_logprobs(
     temperature: float,
     with_stats: bool = False,
 ):
-    """Logprobs [B, R] of the response tokens (positions context_length..T-1 of `query_responses` [B, T]) under
-    logits / temperature, as sampling computed them; with `with_stats` also their entropy and mean logit [B, R].
-    Only the R response positions reach the LM head."""
+    """Logprobs [B, R] of the response tokens (positions context_length..T-1 of `query_responses` [B, T])
+    under logits / temperature; `with_stats` adds entropy and mean logit [B, R]."""
     score_mask = torch.zeros_like(query_responses[:, 1:], dtype=torch.bool)
     score_mask[:, context_length - 1 :] = True
     out = token_logprobs(model, query_responses, attention_mask, score_mask, temperature, with_stats)
@@ -125,7 +121,7 @@ def batched_response_logprobs(
     temperature: float,
     chunk_size: int,
 ) -> torch.Tensor:
-    """Logprobs [B, R] of the response tokens under `model`, in chunks of `chunk_size` rows (no gradient)."""
+    """response_logprobs [B, R] in chunks of `chunk_size` rows, no gradient."""
     out = []
     for i in range(0, query_responses.size(0), chunk_size):
         qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]

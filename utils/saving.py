@@ -1,5 +1,4 @@
-"""The trained model: the final save (weights as a plain transformers checkpoint, tokenizer, model card) and the
-push to the hub. Resumable checkpoints and the output folder's guards are utils/checkpoint.py's."""
+"""The final save (transformers checkpoint, tokenizer, model card) and the push to the hub."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ from utils.checkpoint import start_over
 
 def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
                      title: str | None = None) -> None:  # fmt: skip
-    """Write `output_dir/README.md`: the algorithm, base model, dataset, the full command and final metrics. The
-    title is `title`, by default the folder's name (pass the final name when writing into a temporary folder)."""
+    """Write `output_dir/README.md`: algorithm, base model, dataset, command, final metrics; `title` defaults
+    to the folder's name."""
     import shlex
     import sys
 
@@ -42,8 +41,7 @@ def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: 
 
 
 def push_to_hub(args) -> None:
-    """Upload --output_dir (without its resumable checkpoints) to the hub repository --hub_model_id, by default
-    named like the output folder; the repository is created if needed."""
+    """Upload --output_dir, without its checkpoints, to --hub_model_id (default: the folder's name)."""
     from huggingface_hub import HfApi
 
     api = HfApi()
@@ -56,9 +54,8 @@ def push_to_hub(args) -> None:
 
 def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
                submodule: str | None = None) -> None:  # fmt: skip
-    """Save the trained `model` to --output_dir as a plain transformers checkpoint with its tokenizer and a model
-    card, then push it with --push_to_hub. Every process must call it: under ZeRO-3 the state dict gathers the
-    shards. `submodule`: save only that attribute of the model (the policy of a policy-and-value model)."""
+    """Save `model` (or its attribute `submodule`) with tokenizer and card to --output_dir; push with
+    --push_to_hub. Every process must call it: under ZeRO-3 the state dict gathers the shards."""
     accelerator.wait_for_everyone()
     start_over(accelerator, args.output_dir)
     state_dict = accelerator.get_state_dict(model)

@@ -1,4 +1,4 @@
-"""Masked statistics over the valid tokens of padded [B, T] tensors (the RL scripts' advantages and KL)."""
+"""Masked statistics over the valid tokens of padded [B, T] tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `values` over the positions where `mask` is true (over `dim`, or over everything)."""
+    """Mean of `values` where `mask` is true, over `dim` or everything."""
     mask = mask.to(values.dtype)
     if dim is None:
         return (values * mask).sum() / mask.sum()
@@ -14,7 +14,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of the masked entries; with `unbiased`, Bessel's correction (needs at least two entries)."""
+    """Variance of the masked entries; `unbiased`: Bessel's correction (two entries at least)."""
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
     if unbiased:
@@ -26,7 +26,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(values - mean) / sqrt(var + 1e-8) over the masked entries; with `shift_mean=False` the mean is kept."""
+    """(values - mean) / sqrt(var + 1e-8) over the masked entries; `shift_mean=False` keeps the mean."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean

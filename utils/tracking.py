@@ -1,5 +1,4 @@
-"""What a run reports: metrics to TensorBoard, metrics.jsonl and W&B, tables of samples, and the guard that stops
-a run on a NaN or an infinity, naming the last good checkpoint."""
+"""Metrics to TensorBoard, metrics.jsonl and W&B, sample tables, and the guard that stops a run on NaN."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from utils.run import NonFiniteError
 
 
 def print_samples(columns: dict[str, list], title: str = "samples", max_rows: int = 8) -> None:
-    """Print a rich table of sample completions (one column per key)."""
+    """Print a rich table, one column per key."""
     from rich.console import Console
     from rich.table import Table
 
@@ -26,13 +25,10 @@ def print_samples(columns: dict[str, list], title: str = "samples", max_rows: in
 
 
 class Tracker:
-    """Metrics of the run, written by the main process to TensorBoard ({logging_dir}/{run_name}),
-    metrics.jsonl beside it (one JSON object per logged step, with its `step`) and W&B with --track.
+    """The main process's metrics: TensorBoard and metrics.jsonl in {logging_dir}/{run_name}; W&B, --track.
 
-    Resuming from a checkpoint at `start_step` continues the same files: the lines of metrics.jsonl after
-    that step (logged by the interrupted run after its last checkpoint) are dropped and TensorBoard purges
-    its events after it, so no step appears twice or goes missing. A fresh run whose {logging_dir}/{run_name}
-    already holds logs (an explicit --run_name used before) moves them aside first, saying where."""
+    A resume at `start_step` drops what was logged after that checkpoint, so no step appears twice; a fresh
+    run moves an earlier run's logs of the same name aside."""
 
     def __init__(self, args, accelerator, start_step: int = 0):
         self.active = accelerator.is_main_process
@@ -43,17 +39,14 @@ class Tracker:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        if (
-            not start_step
-        ):  # a fresh run never writes into (or truncates) an earlier run's logs of the same name
+        if not start_step:  # never truncate an earlier run's logs
             moved = checkpoint.move_aside(self.run_dir, f"run name {args.run_name}")
             if moved:
                 print(moved, flush=True)
         os.makedirs(self.run_dir, exist_ok=True)
         kept = []
         if start_step and os.path.exists(self.path):
-            # The lines the checkpoint saw (what was logged after it, e.g. a final evaluation cut short, goes);
-            # an older checkpoint without that count: the lines up to its step.
+            # Keep the lines the checkpoint saw (an older checkpoint: those up to its step).
             resumed = checkpoint.resumed_state()
             same = resumed.get("step") == start_step and resumed.get("run_name") == args.run_name
             count = resumed.get("metrics_lines") if same else None
@@ -87,7 +80,7 @@ class Tracker:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def samples(self, columns: dict[str, list], title: str) -> None:
-        """Print a table of sampled completions (one list per column) and, with --track, log it to W&B."""
+        """Print a table of samples (one list per column); with --track, log it to W&B."""
         if not self.active:
             return
         print_samples(columns, title=title)
@@ -113,9 +106,8 @@ class Tracker:
 
 
 def check_finite(step: int, accelerator=None, **values) -> None:
-    """Raise NonFiniteError naming the step and the quantity when one of `values` (numbers or tensors) is NaN
-    or infinite. With `accelerator`, every process raises together when any process found one (otherwise the
-    others would wait forever in the next collective)."""
+    """NonFiniteError naming the step and the quantity when one of `values` is NaN or inf. With `accelerator`,
+    all processes raise together, else the others hang in the next collective."""
     bad = []
     for name, value in values.items():
         if value is None:
