@@ -1,21 +1,16 @@
-"""Group Relative Policy Optimization (GRPO) for language models, in one file, with the variants that matter.
+"""Group Relative Policy Optimization (GRPO) for language models, in one file, with its main variants.
 
-Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models" (2024),
+Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
 https://arxiv.org/abs/2402.03300. Variants: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476:
-clip-higher and the token-level loss), Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783: no std
-scaling, loss summed over tokens and divided by a constant), two-sided clipping `--delta` (INTELLECT-2, 2025).
+clip-higher, token-level loss), Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783: no std scaling,
+a constant loss normalizer), two-sided clipping `--delta` (INTELLECT-2, 2025).
 
-For each prompt the policy samples a group of `--num_generations` completions. A completion's reward is the
-weighted sum of reward functions and/or a reward model; its advantage is its reward minus the mean of its
-group, divided by the group's std (`--scale_rewards group`), the batch's (`batch`) or nothing (`none`).
-Every token of the completion gets that advantage; the loss is PPO's clipped surrogate per token plus `beta`
-times the k3 estimate of the KL to the reference model (beta = 0 by default: no reference model is loaded).
-`--loss_type` decides how the per-token losses are averaged (see `aggregate_loss`). There is no critic and,
-unlike PPO/RLOO, no KL in the reward. The flags mean what TRL 1.16's GRPOConfig means by them.
-
-Batch layout, completion-major: the G*P completions of one generation are rows `g * P + p` (completion g of
-prompt p), i.e. `rewards.view(G, P)`. Prompts are stored once ([P, Q]); the rows are built at forward time.
-Each process samples whole groups for its own prompts, so a group is never split across processes.
+The policy samples a group of `--num_generations` completions per prompt. A completion's reward is a
+weighted sum of reward functions and/or a reward model; its advantage, on all its tokens, is (reward - group
+mean) / std (`--scale_rewards`). The loss is PPO's clipped surrogate per token, averaged per `--loss_type`,
+plus `beta` times the k3 KL to the reference. No critic, no KL in the reward. Rows are completion-major:
+completion g of prompt p is row `g * P + p`; a group stays on one process. Flags mean what TRL 1.16's
+GRPOConfig means.
 
     python grpo.py --model_name_or_path models/sft --dataset_name data/prompts \
         --reward_funcs rewards.py:exact --num_generations 8 --per_device_train_batch_size 32 \
@@ -51,25 +46,25 @@ import utils.vllm
 class Args:
     # Run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
+    """name of this experiment"""
     seed: int = 1
-    """seed of sampling and shuffling (model init is the checkpoint's)"""
+    """seed of sampling and shuffling"""
     run_name: str | None = None
-    """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
+    """TensorBoard / W&B run name; None: {exp_name}__{seed}__{unix time}"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard"""
+    """also log to Weights & Biases"""
     wandb_project_name: str = "rlhf-reference"
-    """the W&B project"""
+    """W&B project"""
     wandb_entity: str | None = None
-    """the W&B entity (team)"""
+    """W&B entity (team)"""
     logging_dir: str = "runs"
     """TensorBoard logs and metrics.jsonl go to {logging_dir}/{run_name}"""
     output_dir: str = "models/grpo"
-    """where the trained policy (weights, tokenizer, model card) and the checkpoints are saved"""
+    """where the trained policy and the checkpoints go"""
     overwrite_output_dir: bool = False
-    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
+    """start over in a non-empty --output_dir (moved to <output_dir>.replaced-<time>)"""
     push_to_hub: bool = False
-    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    """push the policy (no checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int = 0
@@ -77,61 +72,61 @@ class Args:
     save_total_limit: int | None = None
     """keep only the newest this-many checkpoints (None: keep all)"""
     resume_from_checkpoint: str | None = None
-    """a checkpoint folder to continue from, or 'latest' for the newest one in --output_dir"""
+    """a checkpoint folder, or 'latest' in --output_dir, to continue from"""
 
     # Models and data
     model_name_or_path: str | None = None
-    """the policy to start from and its tokenizer (hub id or local dir); also the reference when beta > 0"""
+    """the initial policy and its tokenizer; also the reference when beta > 0"""
     reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
-    """a sequence classifier (one label) as a reward, before the --reward_funcs (TRL's order)"""
+    """sequence classifier (one label) as a reward, before the --reward_funcs (TRL's order)"""
     reward_tokenizer_path: str | None = None
-    """the reward model's tokenizer if not the policy's (None: the one in --reward_model_path)"""
+    """the reward model's tokenizer if not the policy's (None: --reward_model_path's)"""
     reward_funcs: Annotated[list[str] | None, tyro.conf.arg(aliases=("--reward_fn",))] = None
-    """reward functions, path/to/file.py:function or module.function, one float (or None) per completion"""
+    """path/to/file.py:function or module.function: one float (or None) per completion"""
     reward_weights: list[float] | None = None
-    """one weight per reward (the reward model first, then the --reward_funcs); None: all 1"""
+    """one weight per reward, the reward model first; None: all 1"""
     dataset_name: str = "trl-lib/tldr"
-    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file, with a `prompt` column"""
+    """hub id, save_to_disk folder, or json/jsonl/parquet files with a `prompt` column"""
     dataset_config: str | None = None
-    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
+    """the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
-    """split holding the prompts"""
+    """split of the training prompts"""
     chat_template_path: str | None = None
-    """Jinja file (or tokenizer directory) whose chat template renders conversational prompts"""
+    """Jinja file (or tokenizer folder) for conversational prompts"""
     max_prompt_length: int | None = 512
-    """keep only the last this-many tokens of each prompt (None: keep all)"""
+    """keep only the last this many prompt tokens; None: all"""
     bf16: bool = False
-    """bf16 mixed precision (accelerate)"""
+    """bf16 mixed precision"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """gradient checkpointing in the policy"""
 
     # Sampling
     num_generations: int = 8
-    """completions sampled per prompt, the group (at least 2)"""
+    """completions per prompt, the group (at least 2)"""
     max_completion_length: int = 256
-    """tokens sampled per completion (then truncated after EOS); also Dr. GRPO's loss constant"""
+    """tokens sampled per completion (then truncated after EOS); Dr. GRPO's loss constant"""
     temperature: float = 1.0
-    """sampling temperature, also of the logprobs of the loss"""
+    """sampling temperature, also of the logprobs"""
     local_rollout_forward_batch_size: int = 64
-    """rows per generation / reference / reward-model forward pass"""
+    """rows per generation / reference / reward forward pass"""
     use_vllm: bool = False
-    """sample with vLLM (pip install -r requirements-vllm.txt); its logprobs weight the loss (see below)"""
+    """sample with vLLM (pip install -r requirements-vllm.txt)"""
     vllm_mode: Literal["colocate"] = "colocate"
-    """colocate: a vLLM engine in each training process, on its device (TRL's server mode is not provided)"""
+    """colocate: one vLLM engine per training process (TRL's server mode is not provided)"""
     vllm_gpu_memory_utilization: float = 0.3
-    """fraction of the GPU memory the vLLM engine takes (on CPU: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)"""
+    """share of GPU memory for vLLM (CPU: VLLM_CPU_KVCACHE_SPACE GiB, default 1)"""
     vllm_tensor_parallel_size: int = 1
-    """processes that share one vLLM engine, tensor-parallel (must divide the number of processes)"""
+    """processes sharing one vLLM engine (must divide the number of processes)"""
     vllm_importance_sampling_correction: bool = True
-    """with --use_vllm, weight each token's loss by p_train / p_vllm (see vllm_importance_weights)"""
+    """with --use_vllm, weight each token's loss by p_train / p_vllm"""
     vllm_importance_sampling_mode: Literal[
         "sequence_mask", "sequence_truncate", "token_mask", "token_truncate"
     ] = "sequence_mask"
-    """one weight per sequence or per token; out-of-range weights set to 0 (mask) or clamped (truncate)"""
+    """one weight per sequence or token; out of bounds: 0 (mask) or clamped (truncate)"""
     vllm_importance_sampling_clip_max: float | None = 3.0
-    """upper bound C_max of the importance weights (None: none)"""
+    """upper bound of the importance weights (None: none)"""
     vllm_importance_sampling_clip_min: float | None = None
-    """lower bound C_min of the importance weights (None: none)"""
+    """lower bound of the importance weights (None: none)"""
     vllm_importance_sampling_cap: float | None = None
     """deprecated (TRL 1.6): sets --vllm_importance_sampling_clip_max"""
 
@@ -139,70 +134,69 @@ class Args:
     learning_rate: float = 1e-6
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """'linear' decays the learning rate to 0 over the optimizer steps"""
+    """linear: decay to 0 over the optimizer steps"""
     max_grad_norm: float = 1.0
     """clip the gradient norm to this (0: no clipping)"""
     per_device_train_batch_size: int = 8
-    """completions per forward/backward pass per process (micro-batch)"""
+    """completions per forward/backward pass per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     generation_batch_size: int | None = None
-    """completions per generation over all processes (give it or --steps_per_generation; filled in)"""
+    """completions per generation on all processes (or --steps_per_generation)"""
     steps_per_generation: int | None = None
-    """micro-batches per process per generation, a multiple of --gradient_accumulation_steps (filled in)"""
+    """micro-batches per process per generation, a multiple of --gradient_accumulation_steps"""
     num_iterations: int = 1
-    """passes over each generation (mu in the paper); > 1 relies on the clipped ratio"""
+    """passes over each generation (mu in the paper)"""
     max_steps: int = -1
     """optimizer steps in total (-1: from --num_train_epochs)"""
     num_train_epochs: float = 3.0
-    """passes over the prompts, when --max_steps is -1"""
+    """passes over the prompts if --max_steps is -1"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the group-centred rewards by the group's std, the whole batch's std, or nothing (Dr. GRPO)"""
+    """divide the centred rewards by the group's std, the batch's, or nothing (Dr. GRPO)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
-    """how the per-token losses are averaged (see aggregate_loss); cispo and sapo also change the loss"""
+    """how the per-token losses are averaged (see aggregate_loss); cispo and sapo change the loss too"""
     epsilon: float = 0.2
-    """lower clip range of the ratio: 1 - epsilon"""
+    """lower clip range of the ratio, 1 - epsilon"""
     epsilon_high: float | None = None
-    """upper clip range of the ratio: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    """upper clip range, 1 + epsilon_high (None: epsilon; DAPO's clip-higher: 0.28)"""
     mask_truncated_completions: bool = False
-    """leave completions that reached max_completion_length without EOS out of the loss (DAPO)"""
+    """leave completions without EOS out of the loss (DAPO)"""
     delta: float | None = None
-    """two-sided clipping: cap the ratio at delta also where the advantage is negative (None: off)"""
+    """two-sided clipping: cap the ratio at delta also where A < 0 (None: off)"""
     beta: float = 0.0
-    """weight of the KL to the reference model (k3 estimator) in the loss; 0 loads no reference model"""
+    """weight of the k3 KL to the reference in the loss (0: no reference model)"""
     use_bias_correction_kl: bool = True
-    """multiply the per-token KL by the ratio to the old policy (DeepSeek-V3.2): an unbiased KL gradient"""
+    """multiply the KL by the ratio to the old policy (DeepSeek-V3.2): an unbiased gradient"""
     sapo_temperature_pos: float = 1.0
-    """sapo: temperature of the gate for tokens with a positive advantage"""
+    """sapo: temperature of the gate where A > 0"""
     sapo_temperature_neg: float = 1.05
-    """sapo: temperature of the gate for tokens with a negative advantage"""
+    """sapo: temperature of the gate where A <= 0"""
 
     # Logging
     logging_steps: int = 1
     """log metrics every this many optimizer steps"""
     num_sample_generations: int = 10
-    """print a table of sample completions at the first generation and this many times more (0: never)"""
+    """times to print sample completions after the first generation (0: never)"""
 
     # Filled in at runtime
     world_size: int = 0
-    """number of processes (filled in at runtime)"""
+    """number of processes"""
     local_generation_batch_size: int = 0
-    """completions per process per generation (filled in at runtime)"""
+    """completions per process per generation"""
     local_prompts_per_generation: int = 0
-    """prompts per process per generation = local_generation_batch_size / num_generations (filled in)"""
+    """prompts per process per generation = local_generation_batch_size / num_generations"""
     steps_per_generation_round: int = 0
-    """optimizer steps made from one generation (filled in at runtime)"""
+    """optimizer steps made from one generation"""
     total_steps: int = 0
-    """optimizer steps of the run: --max_steps, or from --num_train_epochs (filled in at runtime)"""
+    """optimizer steps of the run"""
 
 
 # ---- the math ----------------------------------------------------------------------------------------------
-ADVANTAGE_EPS = 1e-4  # added to the std before dividing (TRL's value); a group of equal rewards gets A = 0
+ADVANTAGE_EPS = 1e-4  # TRL's; a group of equal rewards gets A = 0
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Sample std (Bessel's correction) of the values that are not NaN, along `dim` (None: all); NaN where
-    fewer than 2 are."""
+    """Sample std (Bessel) of the non-NaN values along `dim` (None: all); NaN where fewer than 2."""
     if dim is None:
         values, dim = values.flatten(), 0
     count = (~values.isnan()).sum(dim, keepdim=True)
@@ -217,13 +211,11 @@ def group_advantages(
     scale_rewards: str = "group",
     batch_std: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A_i = (r_i - mean of r's group) / (std + eps). rewards [B] completion-major (row g * P + p) -> [B].
+    """A_i = (r_i - mean of r's group) / (std + eps). rewards [B] completion-major -> [B].
 
-    scale_rewards: 'group' divides by the std of the group (unbiased, as torch.std), 'batch' by the std of the
-    whole batch (`batch_std`, for a batch spread over processes; default the std of `rewards`), 'none' by
-    nothing (Dr. GRPO: the std scaling weights easy and hard prompts unequally). A NaN reward (a completion no
-    reward could score) is left out of its group's mean and std and gets A = 0, as in TRL."""
-    grouped = rewards.view(num_generations, -1)  # [G, P]: row g holds completion g of every prompt
+    std: the group's ('group'), the batch's ('batch': `batch_std`, default that of `rewards`) or 1 ('none',
+    Dr. GRPO). NaN rewards are left out of the mean and std and get A = 0."""
+    grouped = rewards.view(num_generations, -1)  # [G, P]
     centered = grouped - grouped.nanmean(0, keepdim=True)
     if scale_rewards == "group":
         centered = centered / (nanstd(grouped, 0, keepdim=True) + ADVANTAGE_EPS)
@@ -232,14 +224,14 @@ def group_advantages(
         centered = centered / (std + ADVANTAGE_EPS)
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
-    # NaN becomes 0 only in a group with an unscored completion; an overflow elsewhere stays non-finite.
+    # NaN becomes 0 only in a group with an unscored completion; an overflow elsewhere stops the run.
     partly_scored = grouped.isnan().any(0, keepdim=True)
     return centered.masked_fill(partly_scored & centered.isnan(), 0.0).flatten()
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Reward [B] = sum_f weights[f] * rewards_per_func[:, f] over the rewards that scored the completion (a
-    function's None is NaN). [B, F], [F] -> [B]; NaN, with a warning, where no reward scored it (as TRL)."""
+    """Reward [B] = sum_f w_f r_f over [B, F], NaN (a function's None) skipped; NaN, with a warning, where
+    every r_f is NaN."""
     unscored = rewards_per_func.isnan().all(1)
     if unscored.any():
         warnings.warn(
@@ -253,16 +245,15 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman 2020): exp(d) - d - 1, d = ref - logprob; >= 0."""
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman 2020): exp(d) - d - 1, d = ref - logprob."""
     diff = ref_logprobs - logprobs
     return diff.exp() - diff - 1
 
 
 def kl_penalty(logprobs, old_logprobs, ref_logprobs, use_bias_correction_kl: bool = True) -> torch.Tensor:
-    """Per-token KL term [B, R] (times beta in the loss): k3_kl(logprobs, ref_logprobs), times, with
-    `use_bias_correction_kl`, the ratio r = exp(logprobs - old_logprobs), not detached nor clipped
-    (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556): the samples come from the old policy, so r * grad k3 is
-    the unbiased gradient of KL(pi || pi_ref). On-policy r = 1, but its gradient is not 0."""
+    """KL term [B, R] = k3_kl, times r = exp(logprobs - old_logprobs) (not detached) with
+    `use_bias_correction_kl`: unbiased for the old policy's samples (DeepSeek-V3.2,
+    https://arxiv.org/abs/2512.02556)."""
     kl = k3_kl(logprobs, ref_logprobs)
     return kl * (logprobs - old_logprobs).exp() if use_bias_correction_kl else kl
 
@@ -270,9 +261,7 @@ def kl_penalty(logprobs, old_logprobs, ref_logprobs, use_bias_correction_kl: boo
 def clipped_token_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high, delta=None):
     """Per-token loss [B, R] = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - logp_old).
 
-    advantages [B] (one per completion, the same for all its tokens). With `delta` the unclipped ratio is also
-    capped at delta, so a token with A < 0 whose ratio has run away cannot give an unbounded loss (two-sided
-    clipping); DAPO's clip-higher is epsilon_high > epsilon_low."""
+    advantages [B]. `delta` also caps the unclipped r (two-sided clipping: a bounded loss where A < 0)."""
     ratio = (logprobs - old_logprobs).exp()
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
     if delta is not None:
@@ -283,15 +272,14 @@ def clipped_token_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_
 
 def cispo_token_loss(logprobs, old_logprobs, advantages, epsilon_high):
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): -sg(min(r, epsilon_high)) A logprob per token
-    [B, R]; the cap bounds the ratio's weight but never removes a token's gradient. advantages [B]."""
+    [B, R]; advantages [B]. The cap bounds a token's weight, never removes its gradient."""
     weight = (logprobs - old_logprobs).exp().clamp(max=epsilon_high).detach()
     return -weight * advantages[:, None] * logprobs
 
 
 def sapo_token_loss(logprobs, old_logprobs, advantages, temperature_pos, temperature_neg):
-    """SAPO (https://arxiv.org/abs/2511.20347): -(4 / tau) sigmoid(tau (r - 1)) A per token [B, R], tau =
-    temperature_pos where A > 0, else temperature_neg: a soft gate in place of the hard clip (its gradient at
-    r = 1 is that of r A). advantages [B]."""
+    """SAPO (https://arxiv.org/abs/2511.20347), a soft clip: -(4 / tau) sigmoid(tau (r - 1)) A per token
+    [B, R]; tau = temperature_pos where A > 0, else temperature_neg. advantages [B]."""
     advantages = advantages[:, None]
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
     ratio = (logprobs - old_logprobs).exp()
@@ -299,8 +287,7 @@ def sapo_token_loss(logprobs, old_logprobs, advantages, temperature_pos, tempera
 
 
 def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance_weights=None):
-    """The per-token policy loss [B, R] of `args.loss_type` (clipped, cispo or sapo), times the vLLM
-    importance weights ([B, R] or [B, 1], see vllm_importance_weights) if any."""
+    """Per-token loss [B, R] of --loss_type, times the vLLM importance weights ([B, R] or [B, 1]) if any."""
     if args.loss_type == "cispo":
         loss = cispo_token_loss(logprobs, old_logprobs, advantages, args.epsilon_high)
     elif args.loss_type == "sapo":
@@ -317,16 +304,15 @@ def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance
 def vllm_importance_weights(
     old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0
 ) -> torch.Tensor:
-    """Importance weights correcting for completions sampled by vLLM, whose kernels (and bf16) give another
-    distribution than the training forward's. old_logprobs (training forward), sampling_logprobs (vLLM's),
-    mask [B, R]; a NaN vLLM logprob counts as agreement. With d_t = (old_t - sampling_t) m_t:
+    """Weights correcting for vLLM's sampler. old_logprobs (training forward), sampling_logprobs (vLLM's;
+    NaN counts as agreement), mask [B, R]; d_t = (old_t - sampling_t) m_t:
 
     token_*     w_t = exp(d_t)              [B, R]
-    sequence_*  w = exp(sum_t d_t)          [B, 1]  the whole completion's probability ratio
-    *_truncate  w <- clamp(w, clip_min, clip_max)   (truncated importance sampling)
-    *_mask      w <- w if clip_min <= w <= clip_max, else 0   (masked: drop the completion or token)
+    sequence_*  w = exp(sum_t d_t)          [B, 1]
+    *_truncate  w <- clamp(w, clip_min, clip_max)
+    *_mask      w <- w if clip_min <= w <= clip_max, else 0
 
-    A bound of None is no bound. No gradient: the weights multiply the per-token policy loss."""
+    A bound of None is no bound."""
     diff = ((old_logprobs - sampling_logprobs) * mask).nan_to_num(0.0)
     if mode.startswith("sequence"):
         diff = diff.sum(-1, keepdim=True)
@@ -341,14 +327,14 @@ def vllm_importance_weights(
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of values [B, R] over the masked tokens; 0 when none is (every completion masked as truncated)."""
+    """Mean of values [B, R] over the masked tokens; 0 if none."""
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 def clip_fractions(ratio, advantages, mask, epsilon_low, epsilon_high):
-    """Fractions of the masked tokens whose gradient the clip removed: (low, high, region). Low: r < 1 -
-    eps_low with A < 0; high: r > 1 + eps_high with A > 0; region: either. ratio, mask [B, R]; A [B]."""
+    """Fractions of masked tokens clipped: low (r < 1 - eps_low, A < 0), high (r > 1 + eps_high, A > 0),
+    region (either). ratio, mask [B, R]; advantages [B]."""
     advantages = advantages[:, None]
     low = (ratio < 1 - epsilon_low) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
@@ -356,18 +342,16 @@ def clip_fractions(ratio, advantages, mask, epsilon_low, epsilon_high):
 
 
 def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_items=None):
-    """One number from the per-token losses [B, R] of the kept tokens (mask), L = max_completion_length:
+    """The loss from per-token losses [B, R] of the masked tokens, L = max_completion_length:
 
-    grpo    (1/B) sum_i (1/|o_i|) sum_t l_it       each completion weighs the same (Shao et al. 2024);
-                                                    long completions' tokens weigh less (a length bias)
+    grpo    (1/B) sum_i (1/|o_i|) sum_t l_it       each completion weighs the same (a length bias)
     bnpo    sum_it l_it / sum_i |o_i|               token mean of this micro-batch
-    dr_grpo sum_it l_it / (B * L)                   a constant normalizer (Liu et al. 2025)
-    dapo    sum_it l_it / num_items                 token mean over every token of the optimizer step, all
-                                                    micro-batches and processes (Yu et al. 2025); `num_items`
-                                                    is that count (default: this micro-batch's tokens)"""
+    dr_grpo sum_it l_it / (B * L)                   a constant normalizer (Dr. GRPO)
+    dapo    sum_it l_it / num_items                 token mean over the optimizer step's tokens on all
+                                                    processes (default: this micro-batch's)"""
     mask = mask.to(per_token_loss.dtype)
     total = (per_token_loss * mask).sum()
-    loss_type = {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # their averaging, as TRL's
+    loss_type = {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # as TRL
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     if loss_type == "bnpo":
@@ -382,16 +366,15 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sample(args, run, queries, query_mask):
-    """num_generations completions of each prompt [P, Q], completion-major, truncated after EOS: (responses,
-    lengths, response_mask [G * P, R], logprobs of sampling). Calls of `chunk` rows draw their noise from
-    run.sampling_generator in turn. With --use_vllm, vLLM samples them and its logprobs are returned."""
+    """(responses, lengths, response_mask [G * P, R], sampling logprobs): G = num_generations per prompt
+    [P, Q], completion-major, cut after EOS. Calls draw noise from run.sampling_generator in turn."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     R, T = args.max_completion_length, args.temperature
     responses, logprobs = [], []
-    run.policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
-    if run.engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+    run.policy.eval()  # keeps the KV cache on under gradient checkpointing
+    if run.engine is not None:  # outside the gathering below
         run.engine.sync_weights(run.policy, run.accelerator)
-    # vLLM's own logprobs of its samples: the importance weights compare them with the training forward's.
+    # vLLM's own logprobs, for the importance weights.
     generate = (
         functools.partial(run.engine.generate, engine_logprobs=True)
         if run.engine is not None
@@ -411,8 +394,7 @@ def sample(args, run, queries, query_mask):
 
 
 def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
-    """Rewards [B, F] of the rows from each reward model / function, the reward model first (TRL's order);
-    kwargs: the RewardScorer's prompts, columns and trainer_state."""
+    """Rewards [B, F] of the rows, one column per scorer."""
     return torch.stack(
         [score(query_responses, mask, context_length, chunk, **kwargs) for score in scorers], 1
     )
@@ -420,8 +402,7 @@ def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) 
 
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
-    """The rewards [B, F] of the sampled rows, the policy's logprobs from a forward pass when off-policy (else
-    None) and the reference's (None when beta = 0); `examples`: the P prompts' dataset rows."""
+    """(old logprobs or None on-policy, reference logprobs or None, rewards [B, F]) of the sampled rows."""
     chunk, Q, T, P = args.local_rollout_forward_batch_size, queries.size(1), args.temperature, queries.size(0)
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
@@ -455,9 +436,8 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
 
 
 def reward_metrics(rewards_per_func, rewards, num_generations, names, num_processes=1) -> dict[str, float]:
-    """TRL's reward metrics of one generation from rewards_per_func [W * B, F] and rewards [W * B] of all W
-    processes (NaN: not scored): nan-mean and nan-std of the batch and of each reward; frac_reward_zero_std,
-    the fraction of groups whose rewards are all equal."""
+    """TRL's reward metrics of all W processes (rewards_per_func [W * B, F], rewards [W * B]): NaN-mean and
+    NaN-std, frac_reward_zero_std."""
     group_std = nanstd(rewards.view(num_processes, num_generations, -1), 1)
     per_reward = {
         f"rewards/{name}/{stat}": fn(rewards_per_func[:, f]).item()
@@ -473,8 +453,7 @@ def reward_metrics(rewards_per_func, rewards, num_generations, names, num_proces
 
 
 def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, accelerator) -> dict:
-    """TRL's sampling/* metrics of the vLLM correction: |training - vLLM| logprob difference over the real
-    tokens (mean, max) and the importance weights (min, mean, max; per token or per sequence)."""
+    """TRL's sampling/* metrics: |training - vLLM| logprob (mean, max), weights (min, mean, max)."""
     mask = mask.bool()
     delta = (old_logprobs - sampling_logprobs).abs()[mask]
     delta = delta[~delta.isnan()]
@@ -492,8 +471,7 @@ def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def check_importance_sampling_flags(args: Args) -> None:
-    """TRL's checks of the --vllm_importance_sampling_* flags (made with or without --use_vllm, as TRL does);
-    the deprecated --vllm_importance_sampling_cap becomes --vllm_importance_sampling_clip_max."""
+    """TRL's checks of the --vllm_importance_sampling_* flags (even without --use_vllm); _cap: _clip_max."""
     if args.vllm_importance_sampling_cap is not None:
         warnings.warn(
             "--vllm_importance_sampling_cap is deprecated; use --vllm_importance_sampling_clip_max.",
@@ -519,7 +497,7 @@ def check_importance_sampling_flags(args: Args) -> None:
 
 
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags and compute the derived batch sizes; ValueError with one sentence on a bad value."""
+    """Check the flags and fill in the batch sizes; ValueError with one sentence."""
     if args.num_generations < 2:
         raise ValueError(
             f"--num_generations must be at least 2 (a group needs a mean), got {args.num_generations}."
@@ -557,7 +535,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         )
     if args.max_steps == 0 or args.max_steps < -1 or (args.max_steps == -1 and args.num_train_epochs <= 0):
         raise ValueError("set --max_steps to a positive number, or -1 with a positive --num_train_epochs.")
-    if not args.world_size:  # the first call sees the flags as given; a later one the sizes it filled in
+    if not args.world_size:  # the first call sees the flags as given
         given = (args.generation_batch_size, args.steps_per_generation)
         global_micro_batch = args.per_device_train_batch_size * world_size
         if None not in given:
@@ -615,9 +593,8 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
 
 
 def recomputes_old_logprobs(args: Args) -> bool:
-    """Whether the old logprobs come from a forward pass after sampling, as in TRL: when the update is
-    off-policy (several passes or optimizer steps per generation) or corrects for vLLM's sampler. Otherwise
-    each micro-batch's own logprobs, detached, are the old ones, so the ratio is exactly 1."""
+    """Old logprobs from a forward pass after sampling when off-policy or correcting vLLM (as TRL); else
+    each micro-batch's own, detached (ratio 1)."""
     on_policy = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
     return not on_policy or (args.use_vllm and args.vllm_importance_sampling_correction)
 
@@ -625,7 +602,7 @@ def recomputes_old_logprobs(args: Args) -> bool:
 # ---- training ----------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """What a run holds fixed from setup to save."""
+    """What a run holds from setup to save."""
 
     accelerator: object
     tokenizer: object
@@ -657,15 +634,15 @@ def gathered_mean(accelerator, values: torch.Tensor) -> float:
 
 
 def reward_name(spec: str) -> str:
-    """The name a reward is logged under: the function's name, or the reward model folder's."""
+    """A reward's logged name: the function's, or the reward model folder's."""
     return spec.rpartition(":")[2] if ":" in spec else os.path.basename(os.path.normpath(spec))
 
 
 def setup(args: Args) -> Run:
-    """Flags, data, tokenizer, models, optimizer, vLLM engine, scorers, resume and tracker, in that order."""
+    """Flags, data, tokenizer, models, optimizer, vLLM engine, scorers, resume and tracker."""
     from transformers import AutoModelForCausalLM
 
-    # Everything that can be checked before a model is loaded.
+    # Checks before any model is loaded.
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size
     )
@@ -680,19 +657,19 @@ def setup(args: Args) -> Run:
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
 
-    # Tokenizer and prompts.
+    # Tokenizer and prompts
     tokenizer = utils.loading.load_tokenizer(
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
-    longest = max(map(len, prompt_ids)) + args.max_completion_length  # the longest sequence sampled
+    longest = max(map(len, prompt_ids)) + args.max_completion_length
     utils.loading.check_context_length(
         args.model_name_or_path, longest, "--max_prompt_length or --max_completion_length"
     )
 
-    # Models: dropout off, so the training forward's logprobs equal sampling's; a reference only if beta > 0
+    # Models: dropout off, so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(
         AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
     )
@@ -723,11 +700,11 @@ def setup(args: Args) -> Run:
         )
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
     weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=accelerator.device)
-    # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
+    # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
-    raw_prompts = utils.data.column(dataset, "prompt")  # what reward models and functions read
+    raw_prompts = utils.data.column(dataset, "prompt")  # the text or the messages
 
-    # Resume: weights, optimizer and random generators; the prompt order is replayed to where it stopped.
+    # Resume: weights, optimizer, random generators; the prompt order is replayed.
     rank = accelerator.process_index
     batches = utils.data.prompt_batches(
         len(prompt_ids), args.local_prompts_per_generation, args.world_size, rank, args.seed
@@ -784,8 +761,8 @@ def main(args: Args) -> None:
     start_generation, start_time, metrics = generation, time.time(), {}
     progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
     while step < args.total_steps:
-        # 1. Sample: P prompts stored once [P, Q], G * P completions completion-major (row i <- prompt i % P).
-        examples = next(run.batches)  # dataset indices of this process's P prompts
+        # 1. Sample: G completions of each of P prompts, completion-major (row i <- prompt i % P).
+        examples = next(run.batches)  # dataset indices
         queries, query_mask = utils.generation.left_pad(
             [run.prompt_ids[i] for i in examples], run.pad_id, device
         )
@@ -798,7 +775,7 @@ def main(args: Args) -> None:
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
 
-        # 2. Score: old logprobs (unless on-policy), rewards (NaN where none scored), reference logprobs.
+        # 2. Score: rewards, old (unless on-policy) and reference logprobs.
         trainer_state = utils.scoring.TrainerState(
             global_step=step,
             max_steps=args.total_steps,
@@ -808,12 +785,12 @@ def main(args: Args) -> None:
             old_logprobs, ref_logprobs, rewards_per_func = score(
                 args, run, queries, query_mask, responses, response_mask, examples, trainer_state
             )
-        all_rewards_per_func = accelerator.gather(rewards_per_func)  # [processes * B, F], for the batch's std
+        all_rewards_per_func = accelerator.gather(rewards_per_func)  # for the batch's std
         all_rewards = combine_rewards(all_rewards_per_func, run.weights)
         rewards = all_rewards.view(args.world_size, B)[rank]
 
         # 3. Advantages
-        # ALGO LOGIC: A = (reward - mean of its group) / (std + eps), the same for every token of a completion
+        # ALGO LOGIC: A = (reward - mean of its group) / (std + eps), one per completion
         batch_std = nanstd(all_rewards) if args.scale_rewards == "batch" else None
         advantages = group_advantages(rewards, G, args.scale_rewards, batch_std)
         loss_mask = response_mask & has_eos[:, None] if args.mask_truncated_completions else response_mask
@@ -827,7 +804,7 @@ def main(args: Args) -> None:
                 args.vllm_importance_sampling_clip_min,
                 args.vllm_importance_sampling_clip_max,
             )
-        logged = {}  # what TRL-style reward functions reported with log_metric, averaged over processes
+        logged = {}  # reward functions' log_metric values, averaged over processes
         for scorer in run.scorers:
             logged.update(scorer.take_logged())
         names = sorted(set(gather_object(list(logged)))) if args.world_size > 1 else sorted(logged)
@@ -846,7 +823,7 @@ def main(args: Args) -> None:
                 )
             )
 
-        # 4. Update: num_iterations shuffled passes over the generation; ga micro-batches per optimizer step.
+        # 4. Update: num_iterations shuffled passes over the generation.
         policy.train()
         orders = [
             torch.randperm(B, generator=run.shuffle_generator).to(device) for _ in range(args.num_iterations)
@@ -861,8 +838,7 @@ def main(args: Args) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             step_batches = micro_batches[first : first + ga]
-            # DAPO divides by the step's tokens on all processes; the backward averages over micro-batches and
-            # processes, so each micro-batch divides by count / (ga * processes).
+            # dapo: the step's tokens / (ga * processes), since the backward averages over both.
             step_tokens = accelerator.reduce(sum(loss_mask[idx].sum().float() for idx in step_batches), "sum")
             num_items = step_tokens.item() / (ga * args.world_size)
             stats = torch.zeros(7, device=device)  # loss, kl, entropy, clip low, high, region, ratio
@@ -873,7 +849,7 @@ def main(args: Args) -> None:
                     logprobs, entropy, _ = utils.logprobs.response_logprobs(
                         policy, query_responses, attention_mask, context_length, T, with_stats=True
                     )
-                    # ALGO LOGIC: the per-token clipped surrogate (+ beta * KL), averaged by --loss_type
+                    # ALGO LOGIC: the clipped surrogate per token (+ beta * KL), averaged by --loss_type
                     mb_mask = loss_mask[idx]
                     mb_old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
                     mb_weights = importance_weights[idx] if importance_weights is not None else None
@@ -894,7 +870,7 @@ def main(args: Args) -> None:
                 with torch.no_grad():
                     ratio = (logprobs - mb_old_logprobs).exp()
                     clipped = clip_fractions(ratio, advantages[idx], mb_mask, args.epsilon, args.epsilon_high)
-                    if args.loss_type == "cispo":  # the tokens whose weight the cap lowered
+                    if args.loss_type == "cispo":  # tokens whose weight the cap lowered
                         capped = (ratio > args.epsilon_high) & (advantages[idx, None] > 0)
                         clipped = (token_mean(capped.float(), mb_mask), 0.0, 0.0)
                     mb_stats = [
@@ -910,11 +886,11 @@ def main(args: Args) -> None:
             grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
             utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
 
-            # 5. Metrics, averaged over processes, under TRL's names.
+            # 5. Metrics, averaged over processes.
             if step % args.logging_steps == 0 or step == args.total_steps:
                 low_high = accelerator.gather(stats[3:5][None]).view(-1, 2)
                 stats = accelerator.reduce(stats, reduction="mean")
-                clip_metrics = {}  # TRL's names; sapo has no clip
+                clip_metrics = {}  # sapo has no clip
                 if args.loss_type == "cispo":
                     clip_metrics = {"cispo_clip_ratio": stats[3].item()}
                 elif args.loss_type != "sapo":
@@ -940,13 +916,13 @@ def main(args: Args) -> None:
                 }
                 run.tracker.log(metrics, step)
 
-        # 6. Checkpoint and samples: checkpoints fall between generations, so a resumed run starts a new one.
+        # 6. Checkpoint and samples: between generations (a resume starts a new one).
         run.checkpointer.maybe_save(step, **run.checkpointed, state={"generation": generation})
         if args.num_sample_generations and (generation % sample_every == 0 or generation == 1):
             sample_table(args, run, generation, step, queries, responses, response_mask, rewards, advantages)
     progress.close()
 
-    # 7. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     utils.saving.save_model(
         accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, metrics
     )

@@ -1,21 +1,17 @@
 """REINFORCE Leave-One-Out (RLOO) for language models, in one file.
 
-Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback
-in LLMs" (2024), https://arxiv.org/abs/2402.14740; the estimator is from Kool et al., "Buy 4 REINFORCE
-Samples, Get a Baseline for Free!" (2019).
+Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+Feedback in LLMs", https://arxiv.org/abs/2402.14740; the estimator is from Kool et al. 2019, "Buy 4 REINFORCE
+Samples, Get a Baseline for Free!".
 
-For each prompt the policy samples `--rloo_k` completions. A completion's reward is its score (reward model or
-reward functions) minus `kl_coef` times its summed KL to the frozen SFT model; its baseline is the mean
-reward of the other k-1 completions of the same prompt, so no critic is needed. By default the whole
-completion is one action; `--token_level_kl` puts the KL on every token and the score on the EOS token
-(REINFORCE++ style). With several epochs or mini-batches the update is PPO's clipped objective.
+The policy samples `--rloo_k` completions per prompt. A completion's reward is its score minus `kl_coef`
+times its summed KL to the frozen SFT model; its baseline is the mean reward of the prompt's other k-1
+completions, so there is no critic. `--token_level_kl` puts the KL on every token instead (REINFORCE++ style).
+Several epochs or mini-batches use PPO's clipped objective. Rows are completion-major: completion c of prompt
+p is row `c * P + p`.
 
-Batch layout, completion-major: the k*P completions of one update are rows `c * P + p` (completion c of prompt
-p), i.e. `rewards.view(k, P)`. Prompts are stored once ([P, Q]); the rows are built at forward time.
-
-Two versions of TRL's flags: TRL 0.19's RLOOConfig (`--rloo_k`, `--kl_coef`, `--total_episodes`, ...) and TRL
-1.16's (`--num_generations`, `--beta`, `--max_steps`, `--reward_funcs`, ...; see TRL_RENAMED and TRL1_ONLY). A
-command line that sets a TRL-1.16-only flag gets TRL 1.16's defaults and meanings; any other keeps TRL 0.19's.
+The flags are TRL 0.19's RLOOConfig or TRL 1.16's (TRL_RENAMED, TRL1_ONLY): a command line that sets a
+TRL-1.16-only flag gets TRL 1.16's defaults and meanings.
 
     python rloo.py --sft_model_path models/sft --reward_model_path models/reward \
         --dataset_name data/tldr/prompts --rloo_k 2 --per_device_train_batch_size 16 \
@@ -52,25 +48,25 @@ import utils.vllm
 class Args:
     # Run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
+    """name of this experiment"""
     seed: int | None = None
-    """seed of sampling and shuffling (model init is the checkpoint's); None: 1 / 42 (TRL 0.19's / 1.16's)"""
+    """seed of sampling and shuffling; None: 1 / 42 (TRL 0.19 / 1.16)"""
     run_name: str | None = None
-    """name of the run (TensorBoard folder, W&B run); None -> {exp_name}__{seed}__{unix time}"""
+    """TensorBoard / W&B run name; None: {exp_name}__{seed}__{unix time}"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard"""
+    """also log to Weights & Biases"""
     wandb_project_name: str = "rlhf-reference"
-    """the W&B project"""
+    """W&B project"""
     wandb_entity: str | None = None
-    """the W&B entity (team)"""
+    """W&B entity (team)"""
     logging_dir: str = "runs"
     """TensorBoard logs and metrics.jsonl go to {logging_dir}/{run_name}"""
     output_dir: str = "models/rloo"
-    """where the trained policy (weights, tokenizer, model card) and the checkpoints are saved"""
+    """where the trained policy and the checkpoints go"""
     overwrite_output_dir: bool = False
-    """start over in a non-empty --output_dir: its contents are moved aside to <output_dir>.replaced-<time>"""
+    """start over in a non-empty --output_dir (moved to <output_dir>.replaced-<time>)"""
     push_to_hub: bool = False
-    """push --output_dir (without its checkpoints) to the Hugging Face hub at the end"""
+    """push the policy (no checkpoints) to the Hugging Face hub at the end"""
     hub_model_id: str | None = None
     """hub repository for --push_to_hub; None: named like --output_dir"""
     save_steps: int | None = None
@@ -78,45 +74,45 @@ class Args:
     save_total_limit: int | None = None
     """keep only the newest this-many checkpoints (None: keep all)"""
     resume_from_checkpoint: str | None = None
-    """a checkpoint folder to continue from, or 'latest' for the newest one in --output_dir"""
+    """a checkpoint folder, or 'latest' in --output_dir, to continue from"""
 
     # Models and data
     model_name_or_path: str | None = None
-    """the policy to start from and its tokenizer (hub id or local dir); --sft_model_path overrides weights"""
+    """the policy's tokenizer, and its weights unless --sft_model_path"""
     sft_model_path: str | None = None
-    """the SFT policy to start from; also the frozen reference model of the KL penalty"""
+    """the initial policy and the frozen reference of the KL penalty"""
     reward_model_path: str | None = None
-    """a sequence classifier (one label) as a reward, before the --reward_funcs (TRL's order)"""
+    """sequence classifier (one label) as a reward, before the --reward_funcs (TRL's order)"""
     reward_model_name_or_path: str | None = None
     """TRL 1.16's name of --reward_model_path"""
     reward_tokenizer_path: str | None = None
-    """the reward model's tokenizer if not the policy's (None: the one in --reward_model_path)"""
+    """the reward model's tokenizer if not the policy's (None: --reward_model_path's)"""
     reward_fn: str | None = None
-    """TRL 0.19: one reward function, as --reward_funcs takes them"""
+    """TRL 0.19: one reward function (as in --reward_funcs)"""
     reward_funcs: list[str] | None = None
-    """reward functions, path/to/file.py:function or module.function, one float (or None) per completion"""
+    """path/to/file.py:function or module.function: one float (or None) per completion"""
     reward_weights: list[float] | None = None
-    """one weight per reward (the reward model first, then the --reward_funcs); None: all 1"""
+    """one weight per reward, the reward model first; None: all 1"""
     dataset_name: str = "trl-lib/tldr"
-    """hub id, save_to_disk directory, folder of {split}.jsonl/parquet, or one file, with a `prompt` column"""
+    """hub id, save_to_disk folder, or json/jsonl/parquet files with a `prompt` column"""
     dataset_config: str | None = None
-    """dataset configuration: the hub's config name, or the sub-folder of a local dataset"""
+    """the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
-    """split holding the prompts"""
+    """split of the training prompts"""
     dataset_test_split: str | None = None
-    """split whose first prompts are completed for the sample table (None: the table shows the rollout)"""
+    """split of the sample table's prompts (None: the table shows the rollout)"""
     chat_template_path: str | None = None
-    """Jinja file (or tokenizer directory) whose chat template renders conversational prompts"""
+    """Jinja file (or tokenizer folder) for conversational prompts"""
     max_prompt_length: int | None = None
-    """keep only the last this-many tokens of each prompt (None: keep all)"""
+    """keep only the last this many prompt tokens; None: all"""
     bf16: bool = False
-    """bf16 mixed precision (accelerate)"""
+    """bf16 mixed precision"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """gradient checkpointing in the policy"""
 
     # Sampling
     rloo_k: int | None = None
-    """completions sampled per prompt (at least 2: the baseline is the mean of the other k-1); None: 2"""
+    """completions per prompt (at least 2); None: 2"""
     num_generations: int | None = None
     """TRL 1.16's name of --rloo_k"""
     response_length: int | None = None
@@ -124,112 +120,111 @@ class Args:
     max_completion_length: int | None = None
     """TRL 1.16's name of --response_length"""
     temperature: float | None = None
-    """sampling temperature, also of the logprobs of policy and reference; None: 0.7 / 1.0"""
+    """sampling temperature, also of the logprobs; None: 0.7 / 1.0"""
     stop_token: Literal["eos"] | None = None
-    """'eos' truncates completions after the EOS token; None: no stop / 'eos' (unless --stop_token_id)"""
+    """eos: truncate after the EOS; None: no stop / eos (unless --stop_token_id)"""
     stop_token_id: int | None = None
     """truncate completions after this token id"""
     local_rollout_forward_batch_size: int = 64
-    """rows per generation / reference / reward-model forward pass"""
+    """rows per generation / reference / reward forward pass"""
     use_vllm: bool = False
-    """sample with vLLM (pip install -r requirements-vllm.txt); old logprobs still from a training forward"""
+    """sample with vLLM (pip install -r requirements-vllm.txt); old logprobs from a training forward"""
     vllm_mode: Literal["colocate"] = "colocate"
-    """colocate: a vLLM engine in each training process, on its device (TRL's server mode is not provided)"""
+    """colocate: one vLLM engine per training process (TRL's server mode is not provided)"""
     vllm_gpu_memory_utilization: float = 0.3
-    """fraction of the GPU memory the vLLM engine takes (on CPU: VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set)"""
+    """share of GPU memory for vLLM (CPU: VLLM_CPU_KVCACHE_SPACE GiB, default 1)"""
     vllm_tensor_parallel_size: int = 1
-    """processes that share one vLLM engine, tensor-parallel (must divide the number of processes)"""
+    """processes sharing one vLLM engine (must divide the number of processes)"""
     recompute_old_logprobs: Literal["auto", "true", "false"] = "auto"
-    """old logprobs from a training forward pass, not sampling's (they differ in bf16); auto: under bf16"""
+    """old logprobs from the training forward pass, not sampling's; auto: under bf16"""
 
     # Algorithm
     trl_defaults: Literal["auto", "0.19", "1.16"] = "auto"
-    """whose defaults fill the flags left None (TRL 0.19's / 1.16's); auto: 1.16's if a 1.16-only flag is"""
+    """whose defaults fill unset flags (TRL 0.19 / 1.16); auto: 1.16 if a 1.16-only flag is set"""
     learning_rate: float | None = None
-    """Adam learning rate; None: 3e-6 / 1e-6"""
+    """AdamW learning rate; None: 3e-6 / 1e-6"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """'linear' decays the learning rate to 0 over the updates"""
+    """linear: decay to 0 over the updates"""
     max_grad_norm: float | None = None
     """clip the gradient norm to this (0: no clipping); None: 0 / 1.0"""
     per_device_train_batch_size: int = 8
-    """completions per forward/backward pass per process (micro-batch)"""
+    """completions per forward/backward pass per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     num_mini_batches: int | None = None
-    """optimizer steps per epoch over one update's batch; None: 1"""
+    """optimizer steps per epoch over an update's batch; None: 1"""
     generation_batch_size: int | None = None
-    """TRL 1.16: completions per rollout over all processes = batch_size"""
+    """TRL 1.16: completions per rollout on all processes = batch_size"""
     steps_per_generation: int | None = None
     """TRL 1.16: micro-batches per rollout = gradient_accumulation_steps * num_mini_batches"""
     num_ppo_epochs: int | None = None
-    """epochs over each batch of completions (> 1 relies on the clipped objective); None: 4 / 1"""
+    """epochs over each batch (> 1 relies on the clipped objective); None: 4 / 1"""
     num_iterations: int | None = None
     """TRL 1.16's name of --num_ppo_epochs"""
     max_steps: int | None = None
     """TRL 1.16: optimizer steps, rounded up to whole updates (-1: from --num_train_epochs); None: -1"""
     num_train_epochs: float | None = None
-    """TRL 1.16: passes over the prompts (incomplete last batch dropped), when --max_steps is -1; None: 3"""
+    """TRL 1.16: passes over the prompts if --max_steps is -1; None: 3"""
     total_episodes: int | None = None
-    """TRL 0.19: completions to train on in total (None: every prompt once)"""
+    """TRL 0.19: completions to train on (None: each prompt once)"""
     kl_coef: float | None = None
-    """weight of the KL penalty to the reference model, subtracted from the reward; None: 0.05"""
+    """weight of the KL penalty subtracted from the reward; None: 0.05"""
     beta: float | None = None
     """TRL 1.16's name of --kl_coef"""
     cliprange: float | None = None
-    """clip range of the probability ratio; None: 0.2"""
+    """clip range of the ratio; None: 0.2"""
     epsilon: float | None = None
     """TRL 1.16's name of --cliprange"""
     epsilon_high: float | None = None
-    """TRL 1.16: upper clip range of the ratio, 1 + epsilon_high (DAPO); None: --cliprange"""
+    """TRL 1.16: upper clip range, 1 + epsilon_high (DAPO); None: --cliprange"""
     mask_truncated_completions: bool = False
-    """TRL 1.16: completions without a stop token get no gradient and no KL (but count in the baselines)"""
+    """TRL 1.16: completions without a stop token get no gradient and no KL"""
     token_level_kl: bool = False
-    """KL penalty on every token and the score on the EOS token, every token an action (REINFORCE++ style)"""
+    """KL penalty on every token, the score on the EOS token (REINFORCE++ style)"""
     whiten_rewards: bool = False
-    """whiten the rewards (variance 1, mean kept) over the batch before the advantages"""
+    """whiten the rewards over the batch (variance 1, mean kept)"""
     normalize_reward: bool = False
-    """normalize the scores to mean 0, std 1 over the batch, then clip them to +-reward_clip_range"""
+    """scores to mean 0, std 1 over the batch, clipped to +-reward_clip_range"""
     reward_clip_range: tuple[float, ...] | None = None
-    """one value: clip range of normalized scores (None: 10); two (TRL 1.16): clamp the reward to [min,max]"""
+    """one value: clip of normalized scores (None: 10); two (TRL 1.16): clamp the reward"""
     normalize_advantage: bool = False
-    """TRL 0.19: whiten the advantages over the batch (tokens with --token_level_kl), / sqrt(var + 1e-8)"""
+    """TRL 0.19: whiten the advantages over the batch, / sqrt(var + 1e-8)"""
     normalize_advantages: bool = False
-    """TRL 1.16: normalize the advantages over the batch, (A - mean) / (std + 1e-4), unscorable left out"""
+    """TRL 1.16: (A - mean) / (std + 1e-4) over the batch, unscorable left out"""
     missing_eos_penalty: float | None = None
-    """subtracted from the score of completions without an EOS token"""
+    """subtracted from the score of completions without EOS"""
 
     # Logging
     num_sample_generations: int = 10
-    """print a table of sample completions at the first update and this many times more (0: never)"""
+    """times to print sample completions after the first update (0: never)"""
     eval_strategy: Literal["no", "steps"] = "steps"
-    """no: no sample tables; steps: --num_sample_generations tables, or one every --eval_steps updates"""
+    """no: no sample tables; steps: --num_sample_generations or --eval_steps tables"""
     eval_steps: int | None = None
-    """print the sample table every this many updates (replaces --num_sample_generations' spacing)"""
+    """print the sample table every this many updates instead"""
 
     # Filled in at runtime
     dialect: str = ""
-    """the TRL version whose flags and defaults the run uses, 0.19 or 1.16 (filled in at runtime)"""
+    """TRL version of the flags and defaults: 0.19 or 1.16"""
     world_size: int = 0
-    """number of processes (filled in at runtime)"""
+    """number of processes"""
     local_batch_size: int = 0
-    """completions per process per update (filled in at runtime)"""
+    """completions per process per update"""
     batch_size: int = 0
-    """completions per update over all processes = local_batch_size * world_size (filled in at runtime)"""
+    """completions per update on all processes"""
     local_mini_batch_size: int = 0
-    """completions per process per optimizer step (filled in at runtime)"""
+    """completions per process per optimizer step"""
     mini_batch_size: int = 0
-    """completions per optimizer step over all processes (filled in at runtime)"""
+    """completions per optimizer step on all processes"""
     local_dataloader_batch_size: int = 0
-    """prompts per process per update = local_batch_size / rloo_k (filled in at runtime)"""
+    """prompts per process per update = local_batch_size / rloo_k"""
     num_total_batches: int = 0
-    """number of updates = ceil(total_episodes / batch_size) (filled in at runtime)"""
+    """number of updates"""
 
 
 # ---- the math ----------------------------------------------------------------------------------------------
 def rloo_baseline(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """Leave-one-out baseline [B]: mean_{c' != c} rewards[c' * P + p] for completion c of prompt p. A NaN
-    reward (unscorable, TRL 1.16) is left out of its siblings' means; NaN where no sibling has one."""
-    grouped = rewards.view(k, -1)  # [k, P]: row c holds completion c of every prompt
+    """Baseline [B] = mean_{c' != c} rewards[c' * P + p] for row c * P + p, NaN rewards left out."""
+    grouped = rewards.view(k, -1)  # [k, P]
     if not grouped.isnan().any():
         return ((grouped.sum(0, keepdim=True) - grouped) / (k - 1)).flatten()
     scored = (~grouped.isnan()).sum(0, keepdim=True)
@@ -237,62 +232,56 @@ def rloo_baseline(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """A_i = R_i - mean of the other k-1 rewards of the same prompt. rewards [B] completion-major -> [B]."""
+    """A_i = R_i - mean of the other k-1 rewards of its prompt. rewards [B] completion-major -> [B]."""
     return rewards - rloo_baseline(rewards, k)
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Reward [B] = sum_f w_f * r_f over the F rewards [B, F], a NaN (a function's None) counting as absent;
-    NaN where all are absent (TRL 1.16: an unscorable completion)."""
+    """Reward [B] = sum_f w_f r_f over [B, F], NaN (a function's None) skipped; NaN where every r_f is NaN."""
     total = (rewards_per_func * weights).nansum(1)
     return total.masked_fill(rewards_per_func.isnan().all(1), math.nan)
 
 
 def standardize_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """TRL 1.16's normalize_advantages: (A - mean) / (std + 1e-4) over the actions where mask [B] or [B, R] is
-    set, std with Bessel's correction; NaN (unscorable) entries are left out of both and stay NaN."""
+    """(A - mean) / (std + 1e-4) over the actions in mask ([B] or [B, R]), NaN entries left out and kept."""
     kept = advantages[mask.bool() & ~advantages.isnan()]
     return (advantages - kept.mean()) / (kept.std() + 1e-4) * mask
 
 
 def sequence_level_rewards(scores, kl, mask, kl_coef):
-    """Whole-completion reward [B]: score - kl_coef * sum_t kl_t over the response tokens (mask [B, R])."""
+    """R [B] = score - kl_coef * sum_t kl_t over the response tokens (kl, mask [B, R])."""
     return scores - kl_coef * (kl * mask).sum(1)
 
 
 def token_level_rewards(scores, kl, lengths, kl_coef):
-    """Per-token rewards [B, R]: -kl_coef * kl_t on every response token, plus the score on the last kept
-    token (index lengths - 1: the EOS when there is one). Zero on padding."""
+    """r_t [B, R] = -kl_coef * kl_t, plus the score at t = lengths - 1 (the EOS if any); 0 on padding."""
     mask = utils.generation.lengths_to_mask(lengths, kl.size(1))
     rewards = -kl_coef * kl * mask
     return rewards.scatter_add(1, (lengths - 1)[:, None], scores[:, None].to(rewards.dtype))
 
 
 def token_level_advantages(rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
-    """A_t [B, R] = G_t - leave-one-out mean of the other completions' G_0, with G_t = sum_{s >= t} r_s the
-    reward-to-go: at t = 0 it is rloo_advantages of the summed rewards. Zero on padding."""
+    """A_t [B, R] = G_t - mean of the other k-1 completions' G_0, G_t = sum_{s >= t} r_s; 0 on padding."""
     rewards = rewards * mask
     returns = rewards.flip(1).cumsum(1).flip(1)
     return (returns - rloo_baseline(returns[:, 0], k)[:, None]) * mask
 
 
 def finished(responses: torch.Tensor, lengths: torch.Tensor, finished_ids: torch.Tensor) -> torch.Tensor:
-    """[B] True where the last kept token is one of `finished_ids` (stop, EOS or pad token): the completion
-    was not cut at the length limit (TRL 1.16's test for --mask_truncated_completions)."""
+    """[B] True where the last kept token is in `finished_ids` (stop, EOS, pad): not truncated."""
     return torch.isin(responses.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1), finished_ids)
 
 
 def normalize_scores(scores: torch.Tensor, clip_range: float) -> torch.Tensor:
-    """(scores - mean) / std over the batch, then clipped to [-clip_range, clip_range]."""
+    """(scores - mean) / std over the batch, clipped to [-clip_range, clip_range]."""
     return ((scores - scores.mean()) / (scores.std() + 1e-8)).clamp(-clip_range, clip_range)
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange, cliprange_high=None):
-    """PPO's clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps_high) A), averaged over the actions.
+    """L = mean over actions of -min(r A, clip(r, 1 - eps, 1 + eps_high) A); logprobs, mask [B, R].
 
-    new/old_logprobs, mask [B, R]. With advantages [B] an action is a whole completion (r = exp of the summed
-    log-ratio); with advantages [B, R] it is a token. eps_high: `cliprange_high`, else `cliprange`.
-    Returns (loss, ratio of each action, clip fraction, approximate KL 0.5 * E[log-ratio^2])."""
+    An action is a completion for advantages [B] (r of the summed log-ratio), a token for [B, R].
+    Returns (loss, ratio per action, clip fraction, approximate KL 0.5 * E[log-ratio^2])."""
     log_ratio = (new_logprobs - old_logprobs) * mask
     weights = mask.float()
     if advantages.dim() == 1:
@@ -309,12 +298,11 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange, clipran
 
 
 def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: values, rank=0):
-    """Phase 3 for this process's B completions: scores [B] clamped (two-value --reward_clip_range) or
-    normalized (--normalize_reward), minus kl_coef times the KL (kl, mask [B, R]), leave-one-out advantages,
-    then the flags' normalizations, with the statistics of every process (`gather`). NaN scores are left out
-    of every statistic and get advantage 0. Returns (advantages [B] or [B, R], action mask, scores)."""
+    """Scores [B] (clamped or normalized) - kl_coef * KL (kl, mask [B, R]) -> leave-one-out advantages,
+    normalized per the flags over every process (`gather`); NaN scores get A = 0.
+    Returns (advantages [B] or [B, R], action mask, scores)."""
     B, k = scores.size(0), args.rloo_k
-    # Only a group with an unscorable completion may turn NaN into 0; any other NaN (an overflow) stops the run.
+    # NaN becomes 0 only in a group with an unscored completion; an overflow elsewhere stops the run.
     unscorable = scores.isnan().view(k, -1).any(0, keepdim=True).expand(k, -1).flatten()
 
     def local(values):
@@ -333,10 +321,10 @@ def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: valu
         scored = ~all_scores.isnan()
         all_scores[scored] = normalize_scores(all_scores[scored], args.reward_clip_range[0])
         scores = local(all_scores)
-    if args.token_level_kl:  # every token is an action
+    if args.token_level_kl:
         rewards = token_level_rewards(scores, kl, lengths, args.kl_coef)
         action_mask = mask
-    else:  # the whole completion is one action
+    else:
         rewards = sequence_level_rewards(scores, kl, mask, args.kl_coef)
         action_mask = torch.ones_like(rewards, dtype=torch.bool)
     if args.whiten_rewards:
@@ -356,22 +344,20 @@ def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: valu
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sample(args, run, queries, query_mask, num_completions, key, first_prompt, engine=None):
-    """`num_completions` completions of each prompt [P, Q], completion-major, truncated after the stop token:
-    (responses, lengths, response_mask [num_completions * P, R], logprobs of sampling). A generation call
-    samples every completion of chunk // num_completions prompts; prompt p of the call draws the noise of
-    (seed, *key, first_prompt + p), first_prompt being this process's offset in the update's global batch.
-    With `engine` (--use_vllm), vLLM samples them."""
+    """(responses, lengths, response_mask [n * P, R], sampling logprobs): n = num_completions per prompt
+    [P, Q], completion-major, cut after the stop token. A call from prompt p uses noise (seed, *key,
+    first_prompt + p)."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     prompts_per_call = max(1, chunk // num_completions)
-    responses, logprobs = [], []  # per call: [num_completions, prompts of the call, R]
-    if engine is not None:  # vLLM gets the policy's current weights (outside the gathering below)
+    responses, logprobs = [], []
+    if engine is not None:  # outside the gathering below
         engine.sync_weights(run.policy, run.accelerator)
     generate = engine.generate if engine is not None else utils.generation.generate
-    run.policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
+    run.policy.eval()  # keeps the KV cache on under gradient checkpointing
     with utils.run.gathered_for_generation(run.policy, run.accelerator) as model:
         for start in range(0, P, prompts_per_call):
             prompt = torch.arange(start, min(start + prompts_per_call, P), device=queries.device)
-            rows = prompt.repeat(num_completions)  # completion-major within the call
+            rows = prompt.repeat(num_completions)
             noise = utils.generation.sampling_generator(
                 args.seed, *key, first_prompt + start, device=queries.device
             )
@@ -393,8 +379,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
 
 
 def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
-    """Rewards [B, F] of the rows from each reward model / function, the reward model first (TRL's order);
-    kwargs: the RewardScorer's prompts, columns and trainer_state."""
+    """Rewards [B, F] of the rows, one column per scorer."""
     return torch.stack(
         [score(query_responses, mask, context_length, chunk, **kwargs) for score in scorers], 1
     )
@@ -402,8 +387,7 @@ def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) 
 
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
-    """The reference's logprobs, the rewards [B, F] and, with --recompute_old_logprobs, the policy's logprobs
-    from a training forward pass (else None) of the sampled rows; `examples`: the P prompts' dataset rows."""
+    """(recomputed old logprobs or None, reference logprobs [B, R], rewards [B, F]) of the sampled rows."""
     chunk, Q, T, P = args.local_rollout_forward_batch_size, queries.size(1), args.temperature, queries.size(0)
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
@@ -414,7 +398,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         ref_logprobs.append(
             utils.logprobs.batched_response_logprobs(run.ref_policy, query_responses, mask, Q, T, chunk)
         )
-        if run.recompute_old_logprobs:  # the bare policy: the same forward as training, without DDP's hooks
+        if run.recompute_old_logprobs:  # bare: training's forward without DDP's hooks
             bare = utils.run.bare(run.policy)
             recomputed = utils.logprobs.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk)
             recomputed_logprobs.append(recomputed)
@@ -436,8 +420,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
 
 
 def logged_means(accelerator, scorers) -> dict[str, float]:
-    """What TRL-style reward functions reported through log_metric: each name's mean over the processes that
-    reported it."""
+    """What reward functions logged (log_metric), each name averaged over the processes that logged it."""
     from accelerate.utils import gather_object
 
     logged = {name: value for scorer in scorers for name, value in scorer.take_logged().items()}
@@ -451,7 +434,7 @@ def logged_means(accelerator, scorers) -> dict[str, float]:
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
 VERSIONS = ("0.19", "1.16")
-# TRL 0.19's name (the field the script reads) -> TRL 1.16's name of the same setting
+# TRL 0.19's name (the field read) -> TRL 1.16's name
 TRL_RENAMED = {
     "rloo_k": "num_generations",
     "kl_coef": "beta",
@@ -460,10 +443,10 @@ TRL_RENAMED = {
     "response_length": "max_completion_length",
     "reward_model_path": "reward_model_name_or_path",
 }
-# Flags only TRL 1.16 has: one of them (or a 1.16 name above) makes the command line TRL 1.16's
+# TRL 1.16-only flags: one of them (or a 1.16 name above) makes the command line TRL 1.16's
 TRL1_ONLY = """reward_funcs reward_weights epsilon_high normalize_advantages mask_truncated_completions
 num_train_epochs max_steps steps_per_generation generation_batch_size""".split()
-# flag: (default with TRL 0.19's flags, default with TRL 1.16's)
+# flag: (TRL 0.19's default, TRL 1.16's)
 TRL_DEFAULTS = {
     "rloo_k": (2, 2),
     "kl_coef": (0.05, 0.05),
@@ -480,19 +463,18 @@ TRL_DEFAULTS = {
 
 
 def flag(args: Args, name: str) -> str:
-    """`--name` as the command line's TRL version calls it."""
+    """`--name` in the command line's TRL version."""
     return utils.trl_flags.flag_name(name, TRL_RENAMED, args.dialect, VERSIONS)
 
 
 def read_trl_flags(args: Args) -> Args:
-    """Settle which TRL version's flags the command line speaks (args.dialect) and fill every flag not given
-    with that version's default; contradicting flags are refused in one sentence. Runs once."""
+    """Set args.dialect and fill unset flags with that TRL version's defaults; refuse contradictions."""
     if args.dialect:
         return args
     clip = args.reward_clip_range
     if clip is not None and (len(clip) not in (1, 2) or (len(clip) == 2 and clip[0] > clip[1])):
         raise ValueError(f"--reward_clip_range takes one value or two (min <= max), got {clip}.")
-    two_values = clip is not None and len(clip) == 2  # TRL 1.16's (min, max)
+    two_values = clip is not None and len(clip) == 2
     choice = "1.16" if args.trl_defaults == "auto" and two_values else args.trl_defaults
     version = utils.trl_flags.speaks(args, TRL_RENAMED, TRL1_ONLY, choice, VERSIONS)
     utils.trl_flags.read_sizes(args)
@@ -531,7 +513,7 @@ def read_trl_flags(args: Args) -> Args:
 
 
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Read the TRL flags, check them and compute the derived batch sizes; ValueError with one sentence."""
+    """Check the flags and fill in the batch sizes; ValueError with one sentence."""
     read_trl_flags(args)
     if args.rloo_k < 2:
         k = flag(args, "rloo_k")
@@ -583,7 +565,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
                 f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_update} of one update; "
                 "lower the batch flags or use a larger split."
             )
-        if args.max_steps is not None:  # TRL 1.16: optimizer steps, or epochs, of whole updates
+        if args.max_steps is not None:  # TRL 1.16: whole updates
             steps_per_update = args.num_ppo_epochs * args.num_mini_batches
             updates_per_epoch = num_prompts // prompts_per_update
             args.num_total_batches = utils.trl_flags.num_updates(
@@ -601,7 +583,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
 # ---- training ----------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """What a run holds fixed from setup to save."""
+    """What a run holds from setup to save."""
 
     accelerator: object
     tokenizer: object
@@ -632,17 +614,17 @@ class Run:
 
 
 def gathered_mean(accelerator, values: torch.Tensor) -> float:
-    """Mean over every process's values; NaN entries (unscorable completions, TRL 1.16) left out."""
+    """Mean over every process's values, NaN left out."""
     values = accelerator.gather(values.float())
     return (values.nanmean() if values.isnan().any() else values.mean()).item()
 
 
 def setup(args: Args) -> Run:
-    """Flags, data, tokenizer, models, optimizer, scorers, vLLM engine, resume and tracker, in that order."""
+    """Flags, data, tokenizer, models, optimizer, scorers, vLLM engine, resume and tracker."""
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM
 
-    # Everything that can be checked before a model is loaded.
+    # Checks before any model is loaded.
     fill_sizes(args, 1)
     utils.vllm.check_args(args)
     accelerator = utils.run.make_accelerator(
@@ -651,9 +633,9 @@ def setup(args: Args) -> Run:
     reward_fns = [utils.scoring.load_reward_fn(spec) for spec in args.reward_funcs or []]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
-    # A TRL-style reward function (with **kwargs) gets every dataset column of its rows, e.g. a `solution`.
+    # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
-    raw_prompts = list(dataset["prompt"])  # what reward models and functions read: the text or the messages
+    raw_prompts = list(dataset["prompt"])  # the text or the messages
     if args.eval_steps is not None and args.eval_steps < 1:
         raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
     eval_dataset = None
@@ -671,14 +653,14 @@ def setup(args: Args) -> Run:
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     overwrite = args.overwrite_output_dir or bool(args.resume_from_checkpoint)
     utils.checkpoint.check_output_dir(args.output_dir, overwrite)
-    # The checkpointer checks the resume path and takes the run name of the checkpoint.
+    # The checkpointer takes the resumed run's name.
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
     recompute_old_logprobs = args.recompute_old_logprobs == "true" or (
         args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
     )
     set_seed(args.seed)
 
-    # Tokenizer and prompts: the tokenizer from --model_name_or_path; --sft_model_path, if given, the weights.
+    # Tokenizer and prompts
     if args.sft_model_path:
         policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
     else:
@@ -697,7 +679,7 @@ def setup(args: Args) -> Run:
         eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
         eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
 
-    # Models: dropout off, so the training forward's logprobs equal sampling's; frozen ones in policy dtype.
+    # Models: dropout off, so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
@@ -711,7 +693,6 @@ def setup(args: Args) -> Run:
     max_model_len = max(map(len, prompt_ids)) + args.response_length
     engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len) if args.use_vllm else None
     reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
-    # The reward model reads the policy's ids, or its own tokenizer's encoding of the decoded text.
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
     reward_names = [getattr(fn, "__name__", "reward") for fn in reward_fns]
@@ -722,7 +703,7 @@ def setup(args: Args) -> Run:
     for scorer in scorers:
         accelerator.print(scorer.describe())
 
-    # Resume: weights, optimizer and shuffling generator; the prompt order is replayed to where it stopped.
+    # Resume: weights, optimizer, shuffling generator; the prompt order is replayed.
     rank = accelerator.process_index
     shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
     checkpointed = dict(
@@ -788,8 +769,8 @@ def main(args: Args) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # 1. Sample: P prompts stored once [P, Q], k * P completions completion-major (row i <- prompt i % P).
-        examples = next(run.batches)  # dataset indices of this process's P prompts
+        # 1. Sample: k completions of each of P prompts, completion-major (row i <- prompt i % P).
+        examples = next(run.batches)  # dataset indices
         queries, query_mask = utils.generation.left_pad(
             [run.prompt_ids[i] for i in examples], run.pad_id, device
         )
@@ -799,8 +780,7 @@ def main(args: Args) -> dict:
                 args, run, queries, query_mask, args.rloo_k, (update,), rank * P, run.engine
             )
 
-        # 2. Score: rewards, reference logprobs and the KL, in the policy's precision.
-        # Reward functions see TRL's trainer state: optimizer steps done and planned, passes over the prompts.
+        # 2. Score: rewards, reference logprobs and the KL.
         trainer_state = utils.scoring.TrainerState(
             global_step=(update - 1) * steps_per_update,
             max_steps=args.num_total_batches * steps_per_update,
@@ -812,7 +792,7 @@ def main(args: Args) -> dict:
             )
         old_logprobs = sampled_logprobs if recomputed_logprobs is None else recomputed_logprobs
         scores = combine_rewards(rewards_per_func, run.weights)
-        # TRL 1.16 leaves a completion no reward scored (NaN) out; under TRL 0.19's flags a NaN stops the run.
+        # TRL 1.16 leaves an unscored completion (NaN) out; under TRL 0.19 a NaN stops the run.
         checked = scores.nan_to_num(0.0) if args.dialect == "1.16" else scores
         utils.tracking.check_finite(update, accelerator, scores=checked)
         rows_at = functools.partial(
@@ -821,24 +801,24 @@ def main(args: Args) -> dict:
         has_eos = ((responses == run.eos_id) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
-        loss_mask = response_mask  # TRL 1.16: a completion cut at the length limit gets no gradient and no KL
+        loss_mask = response_mask
         if args.mask_truncated_completions:
             loss_mask = response_mask & finished(responses, lengths, finished_ids)[:, None]
         kl = (old_logprobs - ref_logprobs) * loss_mask  # k1 estimator per token
 
-        # 3. Advantages: leave-one-out, with batch statistics over every process's completions.
-        # ALGO LOGIC: reward = score - kl_coef * KL; A = reward - mean reward of the other k-1 completions
+        # 3. Advantages
+        # ALGO LOGIC: reward = score - kl_coef * KL; A = reward - mean of the other k-1 rewards
         advantages, action_mask, shaped_scores = batch_advantages(
             args, scores, kl, loss_mask, lengths, accelerator.gather, rank
         )
         non_score_reward = -args.kl_coef * kl.sum(1)
         rlhf_reward = shaped_scores + non_score_reward
 
-        # 4. Update: epochs over the shuffled batch; gradient_accumulation_steps micro-batches per step.
-        utils.run.release_freed_host_memory()  # the rollout's freed blocks, before training allocates
+        # 4. Update: num_ppo_epochs shuffled passes over the batch.
+        utils.run.release_freed_host_memory()  # the rollout's, before training allocates
         policy.train()
-        stats = torch.zeros(4, device=device)  # sums over micro-batches: loss, approxkl, clipfrac, entropy
-        ratio_sums = torch.zeros(3, device=device)  # sums of ratio - 1, (ratio - 1)^2 (exact near 1), count
+        stats = torch.zeros(4, device=device)  # loss, approxkl, clipfrac, entropy
+        ratio_sums = torch.zeros(3, device=device)  # ratio - 1, (ratio - 1)^2 (exact near 1), count
         grad_norms, num_micro_batches = [], 0
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(B, generator=run.shuffle_generator).to(device)
@@ -848,7 +828,7 @@ def main(args: Args) -> dict:
                     logprobs, entropy, _ = utils.logprobs.response_logprobs(
                         policy, query_responses, attention_mask, context_length, T, with_stats=True
                     )
-                    # ALGO LOGIC: the clipped surrogate of the leave-one-out advantages
+                    # ALGO LOGIC: the clipped surrogate
                     mb_old_logprobs, mb_advantages, mb_mask = (
                         old_logprobs[idx],
                         advantages[idx],
@@ -870,7 +850,7 @@ def main(args: Args) -> dict:
                     ratio_sums += torch.stack([shift.sum(), (shift**2).sum(), shift.new_tensor(len(shift))])
                 num_micro_batches += 1
 
-        # 5. Metrics, gathered over processes; a non-finite loss or gradient norm stops the run before a save.
+        # 5. Metrics; a non-finite loss or gradient norm stops the run.
         with torch.no_grad():
             stats = accelerator.reduce(stats / num_micro_batches, reduction="mean")
             ratio_sums = accelerator.reduce(ratio_sums, reduction="sum")
@@ -900,25 +880,24 @@ def main(args: Args) -> dict:
                 metrics["grad_norm"] = grad_norm
             if utils.run.zero_stage(accelerator) == 3:
                 metrics["zero3/local_param_share"] = utils.run.local_param_share(policy)
-            # Rows re-encoded for the reward model and cut to its length.
             if not run.scorers[0].same_tokenizer:
                 truncated = torch.tensor(run.scorers[0].take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
-            if len(run.scorers) > 1:  # each reward's mean, TRL's names
+            if len(run.scorers) > 1:
                 all_rewards_per_func = accelerator.gather(rewards_per_func)
                 for f, name in enumerate(run.reward_names):
                     metrics[f"rewards/{name}/mean"] = all_rewards_per_func[:, f].nanmean().item()
             metrics.update(logged_means(accelerator, run.scorers))
         run.tracker.log(metrics, update)
 
-        # 6. Checkpoint and samples: held-out prompts (--dataset_test_split), else this rollout's.
+        # 6. Checkpoint and samples
         if args.num_sample_generations and (update % sample_every == 0 or update == 1):
             sample_table(args, run, update, queries, responses, response_mask, scores, trainer_state)
         run.checkpointer.maybe_save(
             update, **run.checkpointed, state={"episode": episode, "prompt_batches": update}
         )
 
-    # 7. Save the policy (every process takes part, so ZeRO-3 can gather its shards) and a model card.
+    # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     utils.saving.save_model(accelerator, policy, run.tokenizer, args, "RLOO", run.policy_path, metrics)
     run.tracker.close()
     utils.run.end_run(accelerator)
@@ -926,8 +905,7 @@ def main(args: Args) -> dict:
 
 
 def sample_table(args, run, update, queries, responses, response_mask, scores, trainer_state) -> None:
-    """Print completions of the held-out prompts (the same noise every time), or else the first of this
-    rollout. Every process samples (ZeRO-3 gathers), the main one prints."""
+    """Print completions of the --dataset_test_split prompts (same noise each time), else this rollout's."""
     device, shown_scores = run.accelerator.device, scores
     shown = torch.arange(min(args.local_dataloader_batch_size, 4), device=device)
     shown_queries, shown_responses, shown_mask = queries, responses, response_mask
