@@ -1,9 +1,7 @@
-"""Chat templates and tokenizing: conversations rendered to text, text to ids with the right EOS and BOS.
+"""Chat templates and tokenizing: conversations to text, text to ids with the right EOS and BOS.
 
-A prompt is rendered with the generation prompt and its completion is the rest of the whole rendering. A
-completion ends with the tokenizer's EOS; when a template's end of turn is the EOS, the whitespace after it is
-dropped, so the model learns to stop where sampling stops (reward rows keep it: utils.data.reward_ids). A BOS
-starts a sequence only when the tokenizer adds one itself, never twice."""
+A completion is the whole rendering after the prompt's (with its generation prompt), cut at the EOS so the
+model learns to stop where sampling stops. A BOS starts a sequence only if the tokenizer adds one, once."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from collections.abc import Sequence
 # Tokenizer settings: chat template, EOS, BOS
 # ----------------------------------------------------------------------------------------------------------------
 def set_chat_template(tokenizer, path: str | None) -> None:
-    """Give the tokenizer the template of `path` (--chat_template_path): a Jinja file or a tokenizer folder."""
+    """Set the template from `path` (--chat_template_path): a Jinja file or a tokenizer folder."""
     if path is None:
         return
     if os.path.isfile(path):
@@ -36,7 +34,7 @@ def set_chat_template(tokenizer, path: str | None) -> None:
 
 
 def require_chat_template(tokenizer, where: str) -> None:
-    """One sentence when conversational data meets a tokenizer without a chat template."""
+    """Refuse conversational data with a tokenizer that has no chat template."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"{where} is conversational but the tokenizer has no chat template; pass --chat_template_path "
@@ -45,7 +43,7 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 
 def set_eos_token(tokenizer, token: str) -> None:
-    """Make `token` (sft.py's --eos_token) the tokenizer's EOS; it must be one known token."""
+    """Make `token` (sft.py's --eos_token), one known token, the EOS."""
     ids = tokenizer.convert_tokens_to_ids([token])
     if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id and token != tokenizer.unk_token:
         raise ValueError(f"--eos_token {token!r} is not a token of the tokenizer's vocabulary.")
@@ -53,7 +51,7 @@ def set_eos_token(tokenizer, token: str) -> None:
 
 
 def adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts a BOS at the start of what it encodes."""
+    """Whether the tokenizer starts what it encodes with a BOS."""
     bos = tokenizer.bos_token_id
     if bos is None:
         return False
@@ -65,8 +63,7 @@ def adds_bos(tokenizer) -> bool:
 
 
 def encode(tokenizer, texts: Sequence[str], leading: bool) -> list[list[int]]:
-    """Ids of each text with no special token, except a BOS at the start of a `leading` text when the tokenizer
-    adds one itself and the text lacks it."""
+    """Ids of each text without special tokens, but a BOS before `leading` texts if the tokenizer adds one."""
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
     if leading and adds_bos(tokenizer):
         bos = tokenizer.bos_token_id
@@ -77,7 +74,7 @@ def encode(tokenizer, texts: Sequence[str], leading: bool) -> list[list[int]]:
 def tokenize_prompts(
     tokenizer, prompts: Sequence[str], max_prompt_length: int | None = None
 ) -> list[list[int]]:
-    """Ids of rendered prompts (`encode`), keeping the last `max_prompt_length` tokens."""
+    """Ids of rendered prompts, the last `max_prompt_length` tokens."""
     ids = encode(tokenizer, prompts, leading=True)
     return [row[-max_prompt_length:] if max_prompt_length else row for row in ids]
 
@@ -89,7 +86,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    """The template's text for `messages` (with the assistant's opening when `generation_prompt`); unknown roles refused."""
+    """The template's text of `messages` (and the assistant's opening when `generation_prompt`)."""
     for message in messages:
         if message.get("role") not in ROLES:
             raise ValueError(
@@ -105,8 +102,8 @@ def end_at_eos(text: str, eos_token: str | None) -> str:
 
 
 def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
-    """(prompt text, completion text) of a conversation cut after `prompt`: the prompt with the generation
-    prompt when the completion is the assistant's, the completion the rest of the whole (ending at the EOS)."""
+    """(prompt text, completion text): the prompt with the generation prompt when the assistant answers, the
+    completion the rest of the whole rendering, ending at the EOS."""
     prompt_text = render(tokenizer, prompt, generation_prompt=completion[0]["role"] == "assistant")
     whole = render(tokenizer, prompt + completion)
     if not whole.startswith(prompt_text):
@@ -118,8 +115,8 @@ def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tu
 
 
 def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """The rendered conversation as (text, is_assistant) pieces: each assistant turn's content and end of
-    turn is an assistant piece; the rest (other turns, the assistant's opening, whitespace after an EOS) is not."""
+    """The rendering as (text, is_assistant) pieces: an assistant turn's content and end of turn are True;
+    other turns, the assistant's opening and whitespace after an EOS are False."""
     pieces, done = [], ""
     for i, message in enumerate(messages):
         full = render(tokenizer, messages[: i + 1])
@@ -137,7 +134,7 @@ def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
             pieces.append((head[len(done) :], False))
         text = full[len(head) :]
         if message["role"] == "assistant":
-            # its end of turn is the EOS: the separator after it is not its own
+            # the separator after its EOS is not the assistant's to learn
             turn = end_at_eos(text, tokenizer.eos_token)
             pieces += [(turn, True), (text[len(turn) :], False)]
         else:
@@ -145,6 +142,6 @@ def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
         done = full
     pieces = [p for p in pieces if p[0]]
     if len(pieces) > 1 and not pieces[-1][1] and not pieces[-1][0].strip():
-        pieces.pop()  # the template's whitespace after the final end of turn, dropped like end_at_eos does
+        pieces.pop()  # whitespace after the final end of turn, as in end_at_eos
     pieces[-1] = (end_at_eos(pieces[-1][0], tokenizer.eos_token), pieces[-1][1])
     return pieces

@@ -1,5 +1,4 @@
-"""Padding, truncation and sampling: prompts in, completions (and their sampling logprobs) out.
-Shapes: B batch, Q query (prompt) length, R response length, V vocabulary."""
+"""Padding, truncation and sampling. Shapes: B batch, Q query (prompt), R response, V vocabulary."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from utils.run import inner_model
 # Padding and truncation
 # ----------------------------------------------------------------------------------------------------------------
 def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> torch.Tensor:
-    """Stack token lists of different lengths into a LongTensor [B, max_len], padding on `side`."""
+    """Token lists as a LongTensor [B, max_len], padded on `side`."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
     width = max((len(s) for s in sequences), default=0)
@@ -35,14 +34,14 @@ def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right")
 def left_pad(
     rows: Sequence[Sequence[int]], pad_token_id: int, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as left-padded ids [B, Q] and their mask [B, Q] (from lengths: the pad id may be a real token)."""
+    """Left-padded ids [B, Q] and mask [B, Q]; the mask comes from lengths (pad may be a real token)."""
     ids = pad(rows, pad_token_id, "left")
     mask = pad([[1] * len(r) for r in rows], 0, "left").bool()
     return ids.to(device), mask.to(device)
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Index of the first True of each row of `bools` [B, T]; T for a row with none. Returns [B]."""
+    """Index [B] of each row's first True in `bools` [B, T]; T when none."""
     width = bools.size(-1)
     positions = torch.arange(width, dtype=dtype, device=bools.device)
     return torch.where(bools, positions, torch.full_like(positions, width)).min(-1).values
@@ -51,10 +50,9 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
 def truncate_response(
     responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each response [B, R] up to and including its first `stop_token_id`, padding after it.
+    """Responses [B, R] cut after their first `stop_token_id` (pad after) -> (truncated [B, R], lengths [B]).
 
-    Returns (truncated [B, R], lengths [B]), lengths counting the stop token (R when none; nothing cut when
-    `stop_token_id` is None). Lengths come from the stop token, so pad == stop is fine."""
+    Lengths count the stop token (R when none), so pad == stop is fine."""
     width = responses.size(1)
     if stop_token_id is None:
         return responses.clone(), torch.full((responses.size(0),), width, device=responses.device)
@@ -64,7 +62,7 @@ def truncate_response(
 
 
 def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Boolean mask [B, width] with the first `lengths[b]` positions of row b set."""
+    """Boolean mask [B, width], True at the first `lengths[b]` positions of row b."""
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
@@ -72,7 +70,7 @@ def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
 # Sampling
 # ----------------------------------------------------------------------------------------------------------------
 def keeps_last_logits(model: nn.Module) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (then sampling asks for the last position only)."""
+    """Whether the forward takes `logits_to_keep` (sampling needs the last position only)."""
     import inspect
 
     inner = inner_model(model)
@@ -80,10 +78,9 @@ def keeps_last_logits(model: nn.Module) -> bool:
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw from each row of `probs` [B, V] (non-negative, any total): ids [B, 1].
+    """One draw per row of `probs` [B, V] (non-negative, any total) -> ids [B, 1], as torch.multinomial.
 
-    Inverse transform: the first index whose float64 cumulative sum exceeds u * total, u ~ U[0, 1) per row; the
-    distribution of torch.multinomial(probs, 1), faster on CPU (docs/speed.md)."""
+    Inverse transform: the first index whose float64 cumsum exceeds u * total, u ~ U[0, 1) (docs/speed.md)."""
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     u = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device, generator=generator)
     ids = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)
@@ -100,10 +97,8 @@ def generate(
     chunk_size: int,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample exactly `response_length` tokens after left-padded `queries` [B, Q], `chunk_size` rows at a time.
-
-    From softmax(logits / temperature) (greedy at 0), with a KV cache; no stop at EOS (callers truncate). Returns
-    (query_responses [B, Q+R], logprobs [B, R] of the sampled tokens under logits / temperature)."""
+    """Sample `response_length` tokens from softmax(logits / temperature) (greedy at 0) after `queries` [B, Q]
+    -> (query_responses [B, Q+R], logprobs [B, R] under logits / temperature); no stop at EOS."""
     all_tokens, all_logprobs = [], []
     last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     for i in range(0, queries.size(0), chunk_size):
@@ -148,8 +143,7 @@ def complete(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions as the RL scripts sample them: left-padded, `response_length` tokens (greedy by default),
-    truncated after EOS. Returns (responses [B, R], lengths [B])."""
+    """Completions as the RL scripts sample them (greedy by default), cut after EOS: (responses, lengths)."""
     queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
     query_responses, _ = generate(
         model, queries, query_mask, response_length, temperature, chunk_size, generator
@@ -160,15 +154,13 @@ def complete(
 
 
 def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:
-    """A generator seeded by (seed, *key). Keyed by what is sampled, the noise is the same for 1 or N
-    processes and for a resumed run."""
+    """A generator seeded by (seed, *key): keyed by what is sampled, 1 or N processes and a resume agree."""
     state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator(device=device).manual_seed(int(state) % 2**63)
 
 
 def query_response_rows(queries, query_mask, responses, response_mask, idx):
-    """Rows `idx` of a completion-major batch from prompts [P, Q] stored once (row i is prompt i % P):
-    (query_responses [n, Q + R], attention_mask [n, Q + R])."""
+    """Rows `idx` (row i has prompt i % P of `queries` [P, Q]): (query_responses, attention_mask) [n, Q+R]."""
     prompt = idx % queries.size(0)
     return (
         torch.cat([queries[prompt], responses[idx]], 1),

@@ -1,11 +1,9 @@
-"""Plumbing, skippable on a first read: the LM head run on the scored positions only, a tile at a time.
+"""Plumbing, skippable on a first read: the LM head on the scored positions only, a tile at a time.
 
-`utils.logprobs.token_logprobs` computes log softmax(logits / temperature)[target] through here, without ever
-building the [B, T, V] logits. Each tile's logits live only inside the tile and are recomputed in backward, so
-memory is one tile whatever the vocabulary, batch or length (docs/memory.md). A plain nn.Linear head is tiled over
-tokens and vocabulary with a running log-sum-exp (_LinearHeadLogprobs); any other head (LoRA-wrapped, say) over
-tokens only, through autograd checkpointing. The head runs inside the model's own forward (its forward swapped
-for the call), so DDP, DeepSpeed ZeRO-3, autocast, tied embeddings and a wrapped head work unchanged.
+`utils.logprobs.token_logprobs` gets log softmax(logits / temperature)[target] here without building the
+[B, T, V] logits; a tile's logits are recomputed in backward, so memory is one tile (docs/memory.md). A plain
+nn.Linear is tiled over tokens and vocabulary, any other head (LoRA) over tokens only. The swapped head runs
+in the model's own forward, so DDP, ZeRO-3, autocast and tied embeddings work unchanged.
 """
 
 from __future__ import annotations
@@ -17,16 +15,20 @@ from torch.utils.checkpoint import checkpoint
 from utils.run import inner_model
 
 LOGIT_TILE_ELEMENTS = 2**22
-"""float32 logits one tile holds at most (docs/memory.md has the measured choice)"""
+"""float32 logits in one tile at most (docs/memory.md)"""
 TILE_TOKENS = 4096
-"""tokens of a tile of a linear head (its vocabulary slice is LOGIT_TILE_ELEMENTS / tokens wide)"""
+"""tokens per tile of a linear head; its vocabulary slice is LOGIT_TILE_ELEMENTS / tokens wide"""
 
 
 class _LinearHeadLogprobs(torch.autograd.Function):
-    """log softmax((hidden @ weight.T + bias) / temperature)[targets], tiled with a running log-sum-exp.
+    """log softmax(z)[targets] with z = (hidden @ weight.T + bias) / temperature, never whole in memory.
 
-    hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> logprobs [N], and (no gradient; zeros unless
-    `with_stats`) entropy and mean logit [N]. Matmuls in `compute_dtype`, the rest in float32."""
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> logprobs, entropy, mean logit [N] (the last
+    two without gradient, zeros unless `with_stats`). Matmuls in `compute_dtype`, the rest in float32.
+    Forward, per tile z of a row: m' = max(m, max z), l = l exp(m - m') + sum exp(z - m'); at the row's end
+    lse = m + log l, logprob = z[target] - lse, entropy = lse - sum exp(z - m) z / l.
+    Backward recomputes z; with q = softmax(z) - onehot(target) and g = -grad_logprobs / temperature:
+    grad_hidden = g * (q @ W), grad_weight = q.T @ (g * h), grad_bias = q.T @ g."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_temperature, compute_dtype, with_stats):
@@ -35,7 +37,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         log_normalizer = torch.empty_like(logprobs)
         logits_buffer, exp_buffer = (_tile_buffer(hidden, count, vocab) for _ in range(2))
         for rows, cols in _tiles(count, vocab):
-            if cols.start == 0:  # a new row of tiles: its tokens' hidden states, cast once
+            if cols.start == 0:  # a new row of tiles: cast its hidden states once
                 h = hidden[rows].to(compute_dtype)
                 running_max = torch.full_like(logprobs[rows], float("-inf"))
                 sum_exp, sum_exp_logit = torch.zeros_like(running_max), torch.zeros_like(running_max)
@@ -44,7 +46,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             rescale = (running_max - new_max).exp()
             exp = torch.sub(logits, new_max[:, None], out=_tile_view(exp_buffer, *logits.shape)).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
-            if with_stats:  # two more passes over the tile, for metrics only
+            if with_stats:  # metrics only: two more passes over the tile
                 sum_exp_logit = sum_exp_logit * rescale + exp.mul_(logits).sum(-1)
                 mean_logit[rows] += logits.sum(-1) / vocab
             running_max = new_max
@@ -65,8 +67,6 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_mean_logit):
         hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
         inv_temperature, compute_dtype = ctx.inv_temperature, ctx.compute_dtype
-        # d logprob_n / d logit_nv = (onehot_v - p_nv) / T; with q = p - onehot, s = -grad_n / T:
-        # grad_hidden = s * (q @ W), grad_weight = q.T @ (s * h), grad_bias = q.T @ s
         scale = grad_logprobs.float() * -inv_temperature
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -75,7 +75,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         )
         logits_buffer = _tile_buffer(hidden, hidden.size(0), weight.size(0))
         for rows, cols in _tiles(hidden.size(0), weight.size(0)):
-            if cols.start == 0:  # a new row of tiles: its tokens' hidden states, cast (and scaled) once
+            if cols.start == 0:  # a new row of tiles: cast (and scale) its hidden states once
                 h = hidden[rows].to(compute_dtype)
                 scaled_h = (hidden[rows].float() * scale[rows, None]).to(compute_dtype)
             logits = _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, logits_buffer)
@@ -103,7 +103,7 @@ def _tiles(count: int, vocab: int):
 
 
 def _tile_buffer(hidden: torch.Tensor, count: int, vocab: int) -> torch.Tensor:
-    """float32 room for the largest tile of a pass, reused by every tile (one allocation per pass)."""
+    """float32 room for a pass's largest tile, reused by every tile."""
     rows, cols = next(_tiles(count, vocab), (slice(0, 0), slice(0, 0)))
     return hidden.new_empty(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.float32)
 
@@ -116,7 +116,7 @@ def _tile_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, buffer):
     """float32 logits / temperature [n, width] of one tile, in `buffer` (a _tile_buffer)."""
     out = _tile_view(buffer, h.size(0), cols.stop - cols.start)
-    if compute_dtype == torch.float32:  # bias and temperature inside the matmul, no pass of their own
+    if compute_dtype == torch.float32:  # bias and temperature folded into the matmul
         shift, beta = (out, 0.0) if bias is None else (bias[cols], inv_temperature)
         return torch.addmm(shift, h, weight[cols].T, beta=beta, alpha=inv_temperature, out=out)
     logits = out.copy_(h @ weight[cols].to(compute_dtype).T)
@@ -126,8 +126,8 @@ def _tile_logits(h, weight, bias, cols, inv_temperature, compute_dtype, buffer):
 
 
 def _tile_logprobs(head, hidden, targets, inv_temperature: float, with_stats: bool):
-    """log softmax(head(hidden) / temperature)[target] [n] of one tile, and (without gradient) the entropy and
-    the mean logit [n] when `with_stats`."""
+    """log softmax(head(hidden) / temperature)[targets] [n] of one tile; `with_stats` adds entropy and mean
+    logit [n] (no gradient)."""
     logits = head(hidden).float() * inv_temperature
     log_normalizer = logits.logsumexp(-1)
     logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
@@ -149,9 +149,8 @@ def chunked_token_logprobs(
 ):
     """log softmax(head(hidden) / temperature)[targets], tile by tile: hidden [N, H], targets [N] -> [N].
 
-    A plain nn.Linear is tiled over tokens and vocabulary, any other head over tokens only; a tile's logits are
-    recomputed in backward, so gradients equal the plain computation's. `with_stats` adds entropy and mean logit
-    [N] (no gradient). Temperature 0 (greedy) scores the plain logits."""
+    Gradients equal the plain computation's. `with_stats` adds entropy and mean logit [N] (no gradient).
+    Temperature 0 (greedy) scores the plain logits."""
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
     if (
         type(head) is nn.Linear
@@ -183,7 +182,7 @@ def chunked_token_logprobs(
     return torch.cat(pieces)
 
 
-# Config fields of models whose forward changes the head's output (a scale, soft-capping): scored the plain way.
+# Config fields that make the forward transform the head's output: such models are scored the plain way.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
@@ -199,19 +198,18 @@ def _head_of(model: nn.Module) -> nn.Module | None:
 
 
 def swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, with_stats):
-    """token_logprobs' values [B, T-1] (and stats) with the model's head swapped for the tiled one during
-    `run_forward()`; None when this model must be scored through its full logits (it transforms its head's
-    output: a scale, soft-capping)."""
+    """token_logprobs' values [B, T-1] (and stats), the head swapped for the tiled one during `run_forward()`;
+    None when the model transforms its head's output (a scale, soft-capping) and needs its full logits."""
     head = _head_of(model)
     if head is None:
         return None
-    # a plain linear head is read through its weight; any other through its own (unswapped) forward
+    # a plain linear head is read through its weight; any other through its own forward
     original_forward, scored = head.forward, {}
     scorer = head if type(head) is nn.Linear else original_forward
     vocab_size = getattr(head, "out_features", None)
 
-    def scoring_forward(hidden):  # hidden [B, K, H] of the last K positions (K = T: no logits_to_keep here)
-        # returned as the model's "logits", so DeepSpeed's hooks gather the head's weight in backward too
+    def scoring_forward(hidden):  # hidden [B, K, H], K = T (no logits_to_keep)
+        # returned as the "logits", so DeepSpeed's hooks gather the head's weight in backward too
         mask = torch.zeros(hidden.shape[:-1], dtype=torch.bool, device=hidden.device)
         mask[:, :-1] = score_mask[:, score_mask.size(1) - hidden.size(1) + 1 :]
         values = chunked_token_logprobs(scorer, hidden[mask], targets, temperature, with_stats, vocab_size)
@@ -237,5 +235,5 @@ def swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, 
 
 
 def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token values [N] back into a zero-filled tensor of the mask's shape, at the mask's true entries."""
+    """Per-token values [N] into zeros of the mask's shape, at its true entries."""
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)

@@ -1,8 +1,8 @@
-"""Plumbing every script shares, skippable on a first read: the command line and its one-sentence errors,
-the accelerator (one process, DDP, DeepSpeed ZeRO-2/3), frozen models, gradient clipping, the end of a run.
+"""Plumbing every script shares, skippable on a first read: the command line, the accelerator (DDP,
+DeepSpeed ZeRO-2/3), frozen models, gradient clipping, the end of a run.
 
-A script's `__main__` is `utils.run.run_cli(Args, main)`: a ValueError raised by our code reaches the user as
-`script.py: error: <sentence>` (exit 2); RLHF_TRACEBACK=1 shows the traceback."""
+`run_cli(Args, main)` turns a ValueError of ours into `script.py: error: <sentence>` (exit 2);
+RLHF_TRACEBACK=1 shows the traceback."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes"}, {"false", "0", "no"}
 
 
 class NonFiniteError(RuntimeError):
-    """A NaN or an infinity in a loss, a score or a gradient norm: the run stops."""
+    """A NaN or infinity in a loss, score or gradient norm: the run stops."""
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGTERM or SIGINT: the step finished and a checkpoint was written (the message names it)."""
+    """SIGTERM or SIGINT, after the step and a checkpoint (the message names it)."""
 
     def __init__(self, message: str, signal_name: str = "SIGTERM"):
         super().__init__(message)
@@ -40,8 +40,7 @@ def _bool_fields(args_class) -> set[str]:
 
 
 def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
-    """argv with booleans written with a value (`--bf16 True`, `--bf16=false`, as TRL's parser takes them)
-    turned into tyro's `--bf16` / `--no_bf16`."""
+    """argv with TRL-style booleans (`--bf16 True`, `--bf16=false`) as tyro's `--bf16` / `--no_bf16`."""
     names, out, i = _bool_fields(args_class), [], 0
     while i < len(argv):
         token = argv[i]
@@ -61,7 +60,7 @@ def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
 
 
 def known_flags(args_class) -> set[str]:
-    """Every flag name the script takes, without dashes: fields, their `no_` forms, aliases."""
+    """Every flag name the script takes, without dashes: fields, `no_` forms, aliases."""
     hints = typing.get_type_hints(args_class, include_extras=True)
     names = {"help"}
     for field in dataclasses.fields(args_class):
@@ -72,7 +71,7 @@ def known_flags(args_class) -> set[str]:
 
 
 def check_flags(args_class, argv: list[str]) -> None:
-    """Refuse an unknown flag in one sentence naming the closest one (or why a TRL flag means nothing here)."""
+    """Refuse an unknown flag, naming the closest one (or why a TRL flag means nothing here)."""
     import difflib
 
     known = known_flags(args_class)
@@ -86,7 +85,7 @@ def check_flags(args_class, argv: list[str]) -> None:
             raise ValueError(f"unknown flag --{name}; {hint}")
 
 
-# TRL flags that mean nothing here: a harmless one is dropped with a note, any other refused (check_flags).
+# TRL flags that mean nothing here: harmless ones dropped with a note, the others refused.
 TRL_HARMLESS = {
     "remove_unused_columns": "a script reads only the columns of its data format and ignores the others anyway",
     "report_to": "metrics always go to TensorBoard (--logging_dir), and to W&B with --track",
@@ -130,8 +129,7 @@ def _flag_name(token: str) -> str:
 
 
 def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = None) -> list[str]:
-    """argv without TRL's harmless flags (and their values), one note each in `notes`; `--warmup_steps`
-    below 1 becomes --warmup_ratio where the script has it."""
+    """argv without TRL's harmless flags and values (a note each); `--warmup_steps` < 1 -> --warmup_ratio."""
     known, out, i = known_flags(args_class), [], 0
     while i < len(argv):
         token, name = argv[i], _flag_name(argv[i])
@@ -164,7 +162,7 @@ def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = N
 
 
 def parse_args(args_class, argv: list[str] | None = None):
-    """The Args dataclass from the command line (tyro, underscores), TRL's flags translated or refused."""
+    """The Args dataclass from the command line (tyro), TRL's flags translated or refused."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
@@ -179,14 +177,14 @@ def parse_args(args_class, argv: list[str] | None = None):
 
 
 def exact_div(numerator: int, denominator: int, what: str) -> int:
-    """`numerator // denominator`, or a ValueError naming the flags `what` when it does not divide."""
+    """`numerator // denominator`, or a ValueError naming the flags `what`."""
     if denominator <= 0 or numerator % denominator != 0:
         raise ValueError(f"{what}: {numerator} is not divisible by {denominator}; change one of these flags.")
     return numerator // denominator
 
 
 def check_flag_values(args) -> None:
-    """Checks every script shares: learning rates finite and >= 0, --max_prompt_length >= 1."""
+    """Shared checks: learning rates finite and >= 0, --max_prompt_length >= 1."""
     import math
 
     for name, value in vars(args).items():
@@ -199,8 +197,7 @@ def check_flag_values(args) -> None:
 
 
 def raised_here(error: BaseException, script: str) -> bool:
-    """Whether `error` was raised in the script or utils/ (a message for the user) rather than inside a
-    library (a bug, shown with its traceback)."""
+    """Whether `error` came from the script or utils/ (a message) rather than a library (a bug)."""
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
@@ -212,8 +209,8 @@ def raised_here(error: BaseException, script: str) -> bool:
 
 
 def run_cli(args_class, main: Callable) -> None:
-    """Parse the flags and run `main(args)`; bad input exits 2, a non-finite value 1, SIGTERM 143 and SIGINT
-    130 (after a checkpoint), each with one line on stderr from the main process."""
+    """Parse the flags and run `main(args)`. Exit codes: bad input 2, non-finite value 1, SIGTERM 143,
+    SIGINT 130; one stderr line each."""
     script = os.path.basename(sys.argv[0])
     show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
     try:
@@ -230,7 +227,7 @@ def run_cli(args_class, main: Callable) -> None:
         if show_traceback:
             raise
         end_progress_bars()
-        if main_process():  # every process stops together; one line for the run
+        if main_process():  # every process stops; one line for the run
             print(f"{script}: stopped: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     except TrainingInterrupted as error:
@@ -241,14 +238,14 @@ def run_cli(args_class, main: Callable) -> None:
 
 
 def end_progress_bars() -> None:
-    """Close open tqdm bars, so the next line printed starts a line of its own."""
+    """Close open tqdm bars, so the next message starts its own line."""
     module = sys.modules.get("tqdm.std")
     for bar in list(getattr(getattr(module, "tqdm", None), "_instances", ())):
         bar.close()
 
 
 def main_process() -> bool:
-    """Whether this is the first process of the run (RANK 0, or alone)."""
+    """Whether this is the run's first process (RANK 0, or alone)."""
     return int(os.environ.get("RANK", "0") or 0) == 0
 
 
@@ -256,12 +253,11 @@ def main_process() -> bool:
 # Accelerator and models
 # ----------------------------------------------------------------------------------------------------------------
 def launch_without_process_group(environ) -> str | None:
-    """Why this process should be one of several but has no process group (a sentence), or None:
-    `accelerate launch` without --multi_gpu exports MASTER_ADDR but no WORLD_SIZE or RANK."""
-    mpi_sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # mpirun, which accelerate reads
+    """A sentence when `accelerate launch` lacked --multi_gpu (MASTER_ADDR set, no WORLD_SIZE), else None."""
+    mpi_sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # mpirun's, read by accelerate
     if "WORLD_SIZE" in environ or any(int(environ.get(name) or 1) > 1 for name in mpi_sizes):
         return None
-    if "MASTER_ADDR" not in environ or "ACCELERATE_DYNAMO_BACKEND" not in environ:  # not accelerate launch's
+    if "MASTER_ADDR" not in environ or "ACCELERATE_DYNAMO_BACKEND" not in environ:  # not accelerate launch
         return None
     return (
         "accelerate launch was asked for several processes or machines (it set MASTER_ADDR) but started this "
@@ -274,18 +270,18 @@ def launch_without_process_group(environ) -> str | None:
 def make_accelerator(
     args, gradient_accumulation_steps: int = 1, micro_batch_size: int | None = None, mixed_precision=None
 ):
-    """The run's Accelerator: bf16 with `--bf16`, else what `accelerate launch` configured; gloo on CPU;
-    under DeepSpeed the micro-batch, accumulation and `--max_grad_norm` go into its config (it clips itself)."""
+    """The run's Accelerator: bf16 with `--bf16`, else as launched; gloo on CPU; under DeepSpeed the
+    micro-batch, accumulation and `--max_grad_norm` go into its config."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     problem = launch_without_process_group(os.environ)
     if problem:
         raise ValueError(problem)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set it
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
     launched, on_cpu = world_size > 1, not torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and on_cpu else []
-    # several processes without GPUs run as MULTI_CPU, else each would train alone (not under DeepSpeed)
+    # processes without GPUs run as MULTI_CPU, else each would train alone
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("true", "1")
     accelerator = Accelerator(
         mixed_precision=mixed_precision or ("bf16" if getattr(args, "bf16", False) else None),
@@ -315,35 +311,33 @@ def make_accelerator(
 
 
 def adamw(params, *args, **kwargs) -> torch.optim.AdamW:
-    """`torch.optim.AdamW` with the fused kernel, as transformers' Trainer uses (docs/memory.md)."""
+    """`torch.optim.AdamW` with the fused kernel, as transformers' Trainer (docs/memory.md)."""
     return torch.optim.AdamW(params, *args, fused=True, **kwargs)
 
 
 def release_freed_host_memory() -> None:
-    """Hand the host heap's freed pages back to the system (glibc's `malloc_trim`; a no-op elsewhere).
-    rloo.py calls it between rollout and training (docs/speed.md has the measurements)."""
+    """Return the host heap's freed pages to the system (glibc's `malloc_trim`; elsewhere a no-op)."""
     import ctypes
 
     try:
         trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except (OSError, TypeError):  # Windows has no process-wide handle to load
+    except (OSError, TypeError):  # Windows: no process-wide handle
         return
     if trim is not None:
         trim(0)
 
 
 def end_run(accelerator) -> None:
-    """Tear the run down together: every process waits for the others before the process group goes, so no
-    process aborts at exit while a peer still holds the connection."""
+    """End the run together, so no process aborts at exit while a peer still holds the connection."""
     import gc
 
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    gc.collect()  # engines and gloo work objects go now, while the interpreter is whole, not at its shutdown
+    gc.collect()  # free engines and gloo work now, not at interpreter shutdown
 
 
 def zero_stage(accelerator) -> int:
-    """The DeepSpeed ZeRO stage of the run; 0 without DeepSpeed."""
+    """The DeepSpeed ZeRO stage; 0 without DeepSpeed."""
     plugin = accelerator.state.deepspeed_plugin
     return plugin.zero_stage if plugin is not None else 0
 
@@ -362,15 +356,15 @@ def training_dtype(accelerator) -> torch.dtype:
 
 
 def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
-    """A frozen model (reference, reward) beside the trained one: eval, no gradients, on the device, in the
-    trained model's precision (so a reference equal to the policy gives KL 0); under ZeRO-3 a sharded engine."""
+    """A frozen model (reference, reward): eval, no gradients, on the device, in the trained model's precision
+    (a reference equal to the policy gives KL 0); under ZeRO-3 a sharded engine."""
     model.eval().requires_grad_(False)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return model.to(accelerator.device)
     model.to(accelerator.device)
     dtype = training_dtype(accelerator)
-    for param in model.parameters():  # as DeepSpeed casts the trained model: buffers (rotary inv_freq) stay
+    for param in model.parameters():  # as DeepSpeed casts the policy: buffers stay
         param.data = param.data.to(dtype)
     if plugin.zero_stage != 3:
         return model
@@ -386,7 +380,7 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
 
 @contextmanager
 def unsharded_loading(accelerator) -> Iterator[None]:
-    """Inside this block `from_pretrained` loads whole weights even under ZeRO-3's sharded init."""
+    """`from_pretrained` loads whole weights in this block, even under ZeRO-3."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
         yield
@@ -401,28 +395,27 @@ def unsharded_loading(accelerator) -> Iterator[None]:
 
 
 def bare(model: nn.Module) -> nn.Module:
-    """The transformers model inside a DDP or DeepSpeed wrapper (the model itself otherwise)."""
+    """The transformers model inside a DDP or DeepSpeed wrapper."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
 
 
 def inner_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / DeepSpeed wrappers (`bare`) and a PEFT wrapper."""
+    """The transformers model inside `bare`'s wrappers and a PEFT one."""
     model = bare(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 @contextmanager
 def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module]:
-    """The bare model for sampling; under ZeRO-3 its shards are gathered once for the whole
-    generation (every process must enter together)."""
+    """The bare model for sampling; ZeRO-3 gathers its shards once (every process enters together)."""
     if zero_stage(accelerator) != 3:
         yield bare(model)
         return
     import deepspeed
 
-    if getattr(model, "optimizer", None) is None:  # a frozen inference engine: gather only
+    if getattr(model, "optimizer", None) is None:  # a frozen engine: gather only
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             yield bare(model)
         return
@@ -433,7 +426,7 @@ def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(parameters of the model, parameters this process holds): equal unless ZeRO-3 shards them."""
+    """(the model's parameters, those this process holds): equal unless ZeRO-3 shards them."""
     total = held = 0
     for param in model.parameters():
         full = getattr(param, "ds_numel", None)
@@ -443,20 +436,20 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def local_param_share(model: nn.Module) -> float:
-    """Under ZeRO-3, the share of the model's weights this process holds."""
+    """Under ZeRO-3, the share of the weights this process holds."""
     params = list(model.parameters())
     return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
 
 
 def describe_sharding(model: nn.Module, accelerator) -> str:
-    """One log line: how many of the model's parameters this process holds."""
+    """One log line: the parameters this process holds."""
     total, held = parameter_counts(model)
     return f"process {accelerator.process_index}: holds {held} of the model's {total} parameters"
 
 
 def clip_grad_norm(accelerator, model: nn.Module, max_norm: float | None) -> float | None:
-    """Clip gradients to `max_norm` (when set) and return their norm before clipping; None under DeepSpeed,
-    which clips by its config: read the norm with `grad_norm_after_step`."""
+    """Clip gradients to `max_norm` (if set) and return the norm before clipping; None under DeepSpeed
+    (it clips itself: see `grad_norm_after_step`)."""
     if accelerator.state.deepspeed_plugin is not None or not accelerator.sync_gradients:
         return None
     norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
@@ -464,7 +457,7 @@ def clip_grad_norm(accelerator, model: nn.Module, max_norm: float | None) -> flo
 
 
 def grad_norm_after_step(model: nn.Module, measured: float | None) -> float | None:
-    """The gradient norm of the last step: what `clip_grad_norm` measured, or DeepSpeed's own."""
+    """The last step's gradient norm: `clip_grad_norm`'s, or DeepSpeed's own."""
     if measured is not None:
         return measured
     get_norm = getattr(model, "get_global_grad_norm", None)

@@ -1,16 +1,12 @@
-"""Scoring, what an RL reader needs: a reward model's score at the last real token (or at every token, a
-critic's values), reward functions (`path.py:function` or TRL-style with **kwargs), and `RewardScorer`, which
-scores truncated query + response rows:
+"""Scoring: a reward model's score at the last real token (or at every token: a critic's values), reward
+functions (`path.py:function`, plain or TRL-style), and `RewardScorer` for truncated query + response rows:
 
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
     scores = scorer(query_responses, attention_mask, context_length, chunk_size, prompts=raw_prompts)  # [B]
 
-A reward model reads, in this order of preference:
-- conversational prompts with a reward tokenizer that has a chat template: prompt + completion rendered by that
-  template and encoded whole, nothing added (as TRL, and as utils.data.reward_ids trains);
-- the same tokenizer as the policy's: the policy's ids as they are, the score at the last real token;
-- another tokenizer: decoded with the policy's, encoded with the reward model's (prompt, completion, then EOS
-  when the policy finished), cut from the left to the model's length (`take_num_truncated`)."""
+A reward model reads, first that applies: conversations rendered whole by its tokenizer's chat template (as
+utils.data.reward_ids trains); the policy's ids when the tokenizers match; else the text re-encoded with its
+tokenizer (+ EOS when the policy finished), cut from the left to its length."""
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ from utils.logprobs import position_ids_from_mask
 # Reward models: a score at every token, at the last token, in batches
 # ----------------------------------------------------------------------------------------------------------------
 def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(backbone, head) of a one-label sequence classifier, so a score can be read at every token."""
+    """(backbone, head) of a one-label sequence classifier, to score every token."""
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if backbone is None or head is None:
@@ -53,8 +49,7 @@ def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def per_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Score head on the last hidden state at every position: [B, T]. A head without bias adds
-    `config.score_bias` (reward.py's normalisation)."""
+    """The score head at every position: [B, T]; a head without bias adds `config.score_bias` (reward.py)."""
     backbone, head = score_head(model)
     hidden = backbone(
         input_ids=input_ids,
@@ -75,7 +70,7 @@ def last_token_indices(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def get_score(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """A reward model's score [B], read at the last real token of each row (left or right padding)."""
+    """A reward model's score [B] at each row's last real token (any padding side)."""
     scores = per_token_scores(model, input_ids, attention_mask)
     return scores.gather(1, last_token_indices(attention_mask)[:, None]).squeeze(1)
 
@@ -92,8 +87,8 @@ def batched_score(model, input_ids, attention_mask, chunk_size: int) -> torch.Te
 
 
 def decoded_rows(query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, tokenizer):
-    """(prompts, completions, completion_ids) of truncated query+response rows: the texts of the real
-    tokens (special tokens dropped) and each response's ids, stop token included."""
+    """(prompts, completions, completion_ids) of query+response rows: texts without special tokens, ids with
+    the stop token."""
     mask = attention_mask.bool()
     prompts = [
         tokenizer.decode(q[m], skip_special_tokens=True)
@@ -117,8 +112,7 @@ def compute_scores(
     columns: dict[str, list] | None = None,
     **reward_kwargs,
 ) -> torch.Tensor:
-    """Scores [B] of truncated query+response rows: the reward model's at the last real token, or the
-    reward function's on the decoded texts (and, for a TRL-style one, `columns` and `reward_kwargs`)."""
+    """Scores [B] of query+response rows: the reward model's, or the reward function's on the texts."""
     if reward_fn is None:
         return batched_score(reward_model, query_responses, attention_mask, chunk_size)
     prompts, completions, completion_ids = decoded_rows(
@@ -143,7 +137,7 @@ TRL_BUILTIN_REWARDS = (
 
 @dataclass
 class TrainerState:
-    """The progress a TRL-style reward function gets as `trainer_state` (transformers' TrainerState fields)."""
+    """The `trainer_state` a TRL-style reward function gets (transformers' field names)."""
 
     global_step: int = 0
     """updates done so far"""
@@ -154,8 +148,7 @@ class TrainerState:
 
 
 def import_failure(spec: str, error: BaseException) -> str | None:
-    """One sentence naming the file, line and error of a reward-function module that failed on import;
-    None when none of the user's files was reached."""
+    """A sentence naming the file, line and error of a failed reward-function import, or None."""
     if isinstance(error, SyntaxError):
         return f"--reward_fn {spec}: {error.filename} line {error.lineno} has a SyntaxError ({error.msg})."
     internal = (os.path.dirname(importlib.__file__), os.path.abspath(__file__))
@@ -172,8 +165,7 @@ def import_failure(spec: str, error: BaseException) -> str | None:
 
 
 def load_reward_fn(spec: str) -> Callable:
-    """A reward function from `path/to/file.py:function` or `module.function` (imported from the working
-    directory): (prompts, completions) -> floats, or TRL-style with **kwargs (call_reward_fn)."""
+    """A reward function from `path/to/file.py:function` or `module.function` (from the working directory)."""
     path, sep, name = spec.rpartition(":")
     if not sep and spec in TRL_BUILTIN_REWARDS:
         raise ValueError(
@@ -207,7 +199,7 @@ def load_reward_fn(spec: str) -> Callable:
     module_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look their module up there
+    sys.modules[module_name] = module  # dataclasses and pickling look it up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:  # noqa: BLE001 - any failure of the user's file becomes one sentence
@@ -224,7 +216,7 @@ def discard(*_args) -> None:
 
 
 def takes_kwargs(fn: Callable) -> bool:
-    """True for a TRL-style reward function: one with a **kwargs parameter."""
+    """True for a TRL-style reward function (one with **kwargs)."""
     parameters = inspect.signature(fn).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
@@ -239,17 +231,17 @@ def call_reward_fn(
     log_extra: Callable[[str, list], None] = discard,
     log_metric: Callable[[str, float], None] = discard,
 ) -> torch.Tensor:
-    """Call a reward function and check it returns one value per completion: [B] float32.
+    """Call a reward function, one value per completion: [B] float32; None becomes NaN (as TRL): a stop.
 
-    A TRL-style one (**kwargs) gets TRL 1.16's keywords: prompts (the dataset's), completions (assistant messages
-    when the prompts are conversations), completion_ids, the other dataset `columns`, trainer_state, log_extra and
-    log_metric; any other gets fn(prompts, completions). None becomes NaN, as in TRL; the scripts stop on it."""
+    A TRL-style one gets TRL 1.16's keywords (the dataset's prompts, assistant messages as completions for
+    conversations, completion_ids, the other `columns`, trainer_state, log_extra, log_metric); any other
+    fn(prompts, completions)."""
     if takes_kwargs(fn):
         extra = {
             k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion", "completion_ids")
         }
         raw_prompts = (columns or {}).get("prompt")
-        if raw_prompts:  # the dataset's own prompts, not their decoded (possibly left-truncated) tokens
+        if raw_prompts:  # the dataset's prompts, not their decoded (maybe truncated) tokens
             prompts = list(raw_prompts)
             if data.is_conversation(raw_prompts[0]):
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
@@ -268,8 +260,7 @@ def call_reward_fn(
 # Loading a reward model
 # ----------------------------------------------------------------------------------------------------------------
 def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
-    """A one-label sequence classifier with a trained score head, dropout off; a causal LM (whose head
-    would be initialised at random) is refused in one sentence."""
+    """A one-label sequence classifier with a trained score head, dropout off; a causal LM is refused."""
     from transformers import AutoModelForSequenceClassification
 
     model, info = from_pretrained(
@@ -293,17 +284,16 @@ def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> n
 # ----------------------------------------------------------------------------------------------------------------
 # Different tokenizers: decode with the policy's, encode with the reward model's
 # ----------------------------------------------------------------------------------------------------------------
-UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report model_max_length as about 1e30
+UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report about 1e30
 
 
 def first_id(*ids: int | None) -> int:
-    """The first of `ids` that is set (0 when none is)."""
+    """The first set one of `ids` (else 0)."""
     return next((i for i in ids if i is not None), 0)
 
 
 def same_tokenizer(a, b) -> bool:
-    """True when `a` and `b` map text to the same ids: same vocabulary and EOS, BOS, UNK (pad is never
-    read by the scripts)."""
+    """True when `a` and `b` give the same ids: same vocabulary, EOS, BOS and UNK (pad is never read)."""
     if a is b:
         return True
     specials = [(t.eos_token_id, t.bos_token_id, t.unk_token_id) for t in (a, b)]
@@ -311,7 +301,7 @@ def same_tokenizer(a, b) -> bool:
 
 
 def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: str | None):
-    """The reward model's tokenizer (`--reward_tokenizer_path`, else its own folder); None without one."""
+    """The reward model's tokenizer (`--reward_tokenizer_path`, else its folder's); None without a model."""
     from transformers import AutoTokenizer
 
     if reward_model_path is None:
@@ -322,7 +312,7 @@ def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: 
 
 
 def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
-    """The longest sequence the reward model takes (position limit, tokenizer limit), or None."""
+    """The longest sequence the reward model takes (positions, tokenizer), or None."""
     config = getattr(getattr(reward_model, "module", reward_model), "config", None)
     limits = [
         getattr(config, "max_position_embeddings", None),
@@ -335,16 +325,16 @@ def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
 def encode_for_reward(
     reward_tokenizer, prompt, completion: str, max_length: int | None, finished: bool = True
 ) -> tuple[list[int], bool]:
-    """Reward-model ids of one prompt + completion, and whether they were cut from the left to `max_length`.
+    """(reward-model ids of prompt + completion, whether cut from the left to `max_length`).
 
-    Messages with a chat template: the whole conversation rendered and encoded. Otherwise ids(prompt) +
-    ids(completion) + [EOS], the EOS only when the policy `finished` the completion and it is not there yet."""
+    Messages with a chat template: the conversation rendered whole. Else ids(prompt) + ids(completion)
+    + [EOS], the EOS only when the policy `finished` and it is not there yet."""
     if not isinstance(prompt, str) and getattr(reward_tokenizer, "chat_template", None):
         messages = [*prompt, {"role": "assistant", "content": completion}]
         text = reward_tokenizer.apply_chat_template(messages, tokenize=False)
         ids = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        if not isinstance(prompt, str):  # messages without a template: their contents, one per line
+        if not isinstance(prompt, str):  # no template: the contents, one per line
             prompt = "\n".join(m["content"] for m in prompt)
         ids = reward_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         completion_ids = reward_tokenizer(completion, add_special_tokens=False)["input_ids"]
@@ -352,14 +342,14 @@ def encode_for_reward(
         if finished and eos is not None and not (completion_ids and completion_ids[-1] == eos):
             completion_ids = completion_ids + [eos]
         ids = ids + completion_ids
-    if not ids:  # an empty text under a tokenizer without EOS: score one neutral token rather than nothing
+    if not ids:  # empty text, no EOS: score one neutral token
         ids = [first_id(reward_tokenizer.unk_token_id, reward_tokenizer.pad_token_id)]
     cut = max_length is not None and len(ids) > max_length
     return (ids[-max_length:] if cut else ids), cut
 
 
 class RewardScorer:
-    """Scores [B] of truncated query + response rows from a reward model or a reward function (module docstring)."""
+    """Scores [B] of query + response rows from a reward model or function (module docstring)."""
 
     def __init__(
         self,
@@ -376,7 +366,7 @@ class RewardScorer:
         self.reward_tokenizer = reward_tokenizer if reward_tokenizer is not None else policy_tokenizer
         self.same_tokenizer = reward_fn is not None or same_tokenizer(policy_tokenizer, self.reward_tokenizer)
         self.max_length = None
-        self.vocab_rows = None  # rows of the reward model's embedding: larger ids must never reach it
+        self.vocab_rows = None  # larger ids must never reach the reward model's embedding
         if reward_model is not None:
             self.max_length = max_length or reward_max_length(reward_model, self.reward_tokenizer)
             bare = getattr(reward_model, "module", reward_model)
@@ -387,7 +377,7 @@ class RewardScorer:
         self.logged_extra: dict[str, list] = defaultdict(list)
 
     def describe(self) -> str:
-        """One line saying which path scores the completions."""
+        """One line: which path scores."""
         if self.reward_fn is not None:
             return "scores: the reward function, on the decoded prompts and completions"
         has_template = getattr(self.reward_tokenizer, "chat_template", None)
@@ -405,7 +395,7 @@ class RewardScorer:
         )
 
     def take_num_truncated(self) -> int:
-        """Rows cut to the reward model's length since the last call; reset."""
+        """Rows cut to the reward model's length since the last call."""
         count, self.num_truncated = self.num_truncated, 0
         return count
 
@@ -414,21 +404,21 @@ class RewardScorer:
         self.logged_metrics[name].append(float(value))
 
     def log_extra(self, column: str, values: list) -> None:
-        """The `log_extra` a TRL-style reward function calls: one sample-table column."""
+        """The `log_extra` a TRL-style reward function calls (a sample-table column)."""
         self.logged_extra[column].extend(values)
 
     def take_logged(self) -> dict[str, float]:
-        """The mean of each log_metric scalar since the last call; reset."""
+        """The mean of each log_metric scalar since the last call."""
         logged, self.logged_metrics = self.logged_metrics, defaultdict(list)
         return {name: sum(values) / len(values) for name, values in logged.items() if values}
 
     def take_extra(self) -> dict[str, list]:
-        """The log_extra columns since the last call; reset."""
+        """The log_extra columns since the last call."""
         extra, self.logged_extra = self.logged_extra, defaultdict(list)
         return dict(extra)
 
     def renders_conversations(self, prompts: Sequence | None) -> bool:
-        """True when prompts are message lists and the reward tokenizer has a chat template."""
+        """True for message prompts and a reward tokenizer with a chat template."""
         return (
             self.reward_model is not None
             and bool(prompts)
@@ -437,8 +427,7 @@ class RewardScorer:
         )
 
     def texts(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int):
-        """(prompts, completions, finished) decoded with the policy's tokenizer from each row's real tokens
-        (special tokens dropped); finished: the last real token is the policy's EOS."""
+        """(prompts, completions, finished) decoded by the policy's tokenizer; finished: ends with its EOS."""
         last = last_token_indices(attention_mask)
         eos = self.policy_tokenizer.eos_token_id
         finished = (query_responses.gather(1, last[:, None]).squeeze(1) == eos) & (last >= context_length)
@@ -460,7 +449,7 @@ class RewardScorer:
         context_length: int,
         prompts: Sequence | None = None,
     ) -> list[list[int]]:
-        """The reward model's ids of every row; `prompts` (text or messages) replaces the decoded prompts."""
+        """The reward model's ids of every row; `prompts` replaces the decoded prompts."""
         decoded_prompts, completions, finished = self.texts(query_responses, attention_mask, context_length)
         prompts = decoded_prompts if prompts is None else list(prompts)
         if len(prompts) != len(completions):
@@ -482,10 +471,10 @@ class RewardScorer:
         columns: dict[str, list] | None = None,
         trainer_state: TrainerState | None = None,
     ) -> torch.Tensor:
-        """Scores [B] of rows [B, T]: left-padded prompt, then the response truncated after its stop token.
+        """Scores [B] of rows [B, T]: left-padded prompt, then the response cut after its stop token.
 
-        prompts: each row's dataset prompt (text or messages; else `columns["prompt"]`). columns, trainer_state: for a
-        TRL-style reward function, whose log_metric / log_extra reports wait in take_logged / take_extra."""
+        prompts: each row's dataset prompt (else `columns["prompt"]`); columns, trainer_state: for a TRL-style
+        reward function, whose reports wait in take_logged / take_extra."""
         if self.reward_fn is not None:
             columns = dict(columns or {})
             if prompts is not None:
@@ -501,11 +490,11 @@ class RewardScorer:
         elif self.same_tokenizer and (
             self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
         ):
-            # the fast path: the policy's ids as they are
+            # the fast path: the policy's ids
             return batched_score(self.reward_model, query_responses, attention_mask, chunk_size)
         else:
             rows = self.encode(query_responses, attention_mask, context_length, prompts)
         pad_id = first_id(self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id)
-        ids = pad(rows, pad_id, "right").to(query_responses.device)  # masks come from the lengths
+        ids = pad(rows, pad_id, "right").to(query_responses.device)  # masks from lengths
         mask = lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
         return batched_score(self.reward_model, ids, mask.long(), chunk_size)

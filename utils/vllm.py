@@ -1,15 +1,12 @@
-"""Plumbing: sampling with vLLM for the RL scripts (`--use_vllm`), one engine per process (or per group of
-`--vllm_tensor_parallel_size` processes) colocated with training. The flags keep TRL's names and meanings
-(only vllm_mode "colocate"; on CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set).
+"""Plumbing: sampling with vLLM (`--use_vllm`), one engine per process or tensor-parallel group, colocated.
+TRL's flag names and meanings (vllm_mode "colocate" only). Install: `pip install -r requirements-vllm.txt`.
 
     engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len)    # once, after the models
     engine.sync_weights(model, accelerator)     # before every rollout, outside any gathering context
     query_responses, logprobs = engine.generate(model, queries, query_mask, R, T, chunk, generator)
 
-`generate` returns what `utils.generation.generate` returns. Its logprobs are recomputed by the training model's forward,
-so the update's first ratio is exactly 1 (vLLM's kernels differ: docs/gpus.md); with `engine_logprobs=True`
-they are vLLM's own (grpo.py's importance sampling). Noise comes from the caller's generator: one vLLM seed
-per row. Install with `pip install -r requirements-vllm.txt` (CPU build; on GPUs install `vllm`)."""
+The logprobs are the training forward's, so the first ratio is exactly 1 (vLLM's kernels differ:
+docs/gpus.md); `engine_logprobs=True` gives vLLM's own. The caller's generator draws one vLLM seed per row."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ CPU_KV_CACHE_GIB = (
 
 
 def check_args(args) -> None:
-    """Refuse impossible vLLM flags, and a missing vLLM, with one sentence (before any model is loaded)."""
+    """Refuse impossible vLLM flags and a missing vLLM before any model is loaded."""
     if not getattr(args, "use_vllm", False):
         return
     if args.vllm_mode != "colocate":
@@ -52,12 +49,12 @@ def check_args(args) -> None:
 
 
 def engine_dtype(accelerator) -> torch.dtype:
-    """The engine computes in the training forward's precision: bf16/fp16 under mixed precision, else float32."""
+    """The training forward's precision: bf16/fp16 under mixed precision, else float32."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
 
 
 class Engine:
-    """A colocated vLLM engine that samples like `utils.generation.generate` and takes the policy's weights on request."""
+    """A colocated vLLM engine that samples like `utils.generation.generate`."""
 
     def __init__(self, args, accelerator, model_path: str, max_model_len: int):
         check_args(args)
@@ -66,13 +63,13 @@ class Engine:
             raise ValueError(
                 f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world})."
             )
-        # In the training process, not in a subprocess of its own (the weight sync hands over tensors).
+        # in this process, not a subprocess: the weight sync hands over tensors
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if accelerator.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         from vllm import LLM
 
-        # The processes of one tensor-parallel group sample the same prompts with the same seeds.
+        # a tensor-parallel group samples the same prompts with the same seeds
         self.group, self.group_rank = None, 0
         if tp > 1:
             self.group, _ = torch.distributed.new_subgroups_by_enumeration(
@@ -80,11 +77,10 @@ class Engine:
             )
             self.group_rank = rank % tp
         if world > 1:
-            # vLLM's "external launcher" joins the process group torchrun / accelerate started; it needs these.
+            # vLLM's "external launcher" joins the existing process group and needs LOCAL_RANK
             os.environ.setdefault("LOCAL_RANK", str(accelerator.local_process_index))
         self.owns_process_group = not torch.distributed.is_initialized()
-        # Creating the engine reseeds the global random generators and disables torch.set_num_threads: keep
-        # the training process's state as it was.
+        # creating the engine reseeds the global generators and disables torch.set_num_threads: restore both
         set_num_threads, python_state, numpy_state = (
             torch.set_num_threads,
             random.getstate(),
@@ -120,9 +116,8 @@ class Engine:
         generator: torch.Generator | None = None,
         engine_logprobs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`utils.generation.generate` with vLLM: exactly `response_length` tokens after each left-padded query [B, Q];
-        (query_responses [B, Q+R], logprobs [B, R]) from the training forward of `model`, or with `engine_logprobs`
-        vLLM's own at `temperature`."""
+        """`utils.generation.generate` with vLLM -> (query_responses [B, Q+R], logprobs [B, R]); the logprobs
+        are `model`'s forward's, or with `engine_logprobs` vLLM's own."""
         from vllm import SamplingParams
 
         prompts = [row[mask].tolist() for row, mask in zip(queries, query_mask.bool())]
@@ -142,7 +137,7 @@ class Engine:
                 [s for share in shares for s in share[1]],
             )
         params = [
-            # ignore_eos, not min_tokens: min_tokens would forbid EOS (utils.generation.generate samples it, then truncates).
+            # ignore_eos, not min_tokens: min_tokens would forbid EOS, which generate samples then cuts at
             SamplingParams(
                 n=1,
                 temperature=temperature,
@@ -165,7 +160,7 @@ class Engine:
         query_responses = torch.cat([queries, responses.to(queries.device)], 1)
         if engine_logprobs:
             return query_responses, self.last_engine_logprobs.to(queries.device)
-        # The training forward's logprobs: every row attends to all R tokens, as utils.generation.generate's do.
+        # every row attends to all R tokens, as in utils.generation.generate
         attention_mask = torch.cat(
             [query_mask.bool(), torch.ones_like(responses, dtype=torch.bool).to(queries.device)], 1
         )
@@ -176,21 +171,20 @@ class Engine:
 
     @torch.no_grad()
     def sync_weights(self, model: nn.Module, accelerator, attribute: str | None = None) -> None:
-        """Load the trained model's weights (its submodule `attribute`, e.g. "policy") into the engine. Under
-        ZeRO-3 the shards are gathered first: every process must call it together."""
+        """Load the model's weights (or its submodule `attribute`) into the engine; every process calls it
+        together (ZeRO-3 gathers the shards)."""
         with gathered_for_generation(model, accelerator) as bare:
             policy = getattr(bare, attribute) if attribute else bare
             weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
-            # reload_weights rather than the model's load_weights: the CPU backend repacks linear weights after
-            # loading, which load_weights alone does not redo.
+            # not load_weights: the CPU backend repacks linear weights only in reload_weights
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
-        # Cached prefixes hold keys and values of the old weights.
+        # cached prefixes hold the old weights' keys and values
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Free the engine, and the process group it started when there was none (a single-process run)."""
+        """Free the engine, and the process group it started (single-process runs)."""
         import gc
 
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -203,8 +197,7 @@ class Engine:
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """The engine's logprob of every token of each sequence but the first (temperature 1): a check that
-        its weights are the policy's."""
+        """The engine's logprobs of each sequence's tokens but the first (temperature 1): a weights check."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
