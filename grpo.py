@@ -628,11 +628,6 @@ class Run:
     start_generation: int
 
 
-def gathered_mean(accelerator, values: torch.Tensor) -> float:
-    """Mean over every process's values."""
-    return accelerator.gather(values.float()).mean().item()
-
-
 def reward_name(spec: str) -> str:
     """A reward's logged name: the function's, or the reward model folder's."""
     return spec.rpartition(":")[2] if ":" in spec else os.path.basename(os.path.normpath(spec))
@@ -810,8 +805,8 @@ def main(args: Args) -> None:
         names = sorted(set(gather_object(list(logged)))) if args.world_size > 1 else sorted(logged)
         generation_metrics = {
             **reward_metrics(all_rewards_per_func, all_rewards, G, run.reward_names, args.world_size),
-            "completions/mean_length": gathered_mean(accelerator, lengths),
-            "completions/clipped_ratio": gathered_mean(accelerator, ~has_eos),
+            "completions/mean_length": utils.run.gathered_mean(accelerator, lengths),
+            "completions/clipped_ratio": utils.run.gathered_mean(accelerator, ~has_eos),
         }
         for name in names:
             value = torch.tensor(logged.get(name, math.nan), device=device)

@@ -499,12 +499,6 @@ class Run:
     start_step: int
 
 
-def gathered_mean(accelerator, values: torch.Tensor) -> float:
-    """Mean over every process's values (NaN when there are none)."""
-    values = accelerator.gather(values.float().reshape(-1))
-    return values.mean().item() if values.numel() else float("nan")
-
-
 def setup(args: Args) -> Run:
     """Flags, data, annotator, tokenizer, models, optimizer, scorer, resume and tracker, in that order."""
     from accelerate.utils import set_seed
@@ -746,9 +740,11 @@ def main(args: Args) -> None:
             num_truncated_prompts = (forward_mask != query_mask).any(1).sum()
             metrics = {
                 "eps": int((episode - start * args.batch_size * 2) / (time.time() - start_time)),
-                "objective/kl": gathered_mean(accelerator, kl),
-                "objective/entropy": gathered_mean(accelerator, (-policy_logprobs * response_mask).sum(1)),
-                "objective/non_score_reward": -beta * gathered_mean(accelerator, kl),
+                "objective/kl": utils.run.gathered_mean(accelerator, kl),
+                "objective/entropy": utils.run.gathered_mean(
+                    accelerator, (-policy_logprobs * response_mask).sum(1)
+                ),
+                "objective/non_score_reward": -beta * utils.run.gathered_mean(accelerator, kl),
                 "loss/dpo_avg": pair_means[0],
                 "rewards/chosen": pair_means[1],
                 "rewards/rejected": pair_means[2],
@@ -756,7 +752,7 @@ def main(args: Args) -> None:
                 "rewards/margins": pair_means[1] - pair_means[2],
                 "logps/chosen": pair_means[4],
                 "logps/rejected": pair_means[5],
-                "val/contain_eos_token": gathered_mean(accelerator, has_eos),
+                "val/contain_eos_token": utils.run.gathered_mean(accelerator, has_eos),
                 "val/num_ties": accelerator.reduce((verdicts < 0).sum(), reduction="sum").item(),
                 "val/num_truncated_prompts": accelerator.reduce(
                     num_truncated_prompts, reduction="sum"
@@ -769,8 +765,8 @@ def main(args: Args) -> None:
                 metrics["val/logprob_gap"] = accelerator.reduce(logprob_gap, reduction="max").item()
             if judge is None:
                 margins = (scores[chosen_rows] - scores[rejected_rows])[kept]
-                metrics["objective/scores"] = gathered_mean(accelerator, scores)
-                metrics["objective/scores_margin"] = gathered_mean(accelerator, margins)
+                metrics["objective/scores"] = utils.run.gathered_mean(accelerator, scores)
+                metrics["objective/scores_margin"] = utils.run.gathered_mean(accelerator, margins)
                 metrics["objective/rlhf_reward"] = (
                     metrics["objective/scores"] + metrics["objective/non_score_reward"]
                 )

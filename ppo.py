@@ -603,11 +603,6 @@ class Run:
     start_step: int
 
 
-def gathered_mean(accelerator, value: torch.Tensor) -> float:
-    """Mean over processes of one scalar per process."""
-    return accelerator.gather(value.detach().float().reshape(1)).mean().item()
-
-
 def setup(args: Args) -> Run:
     """Flags, data, tokenizer, models, optimizer, scorer, vLLM engine, resume and tracker, in that order."""
     from accelerate.utils import set_seed
@@ -856,7 +851,7 @@ def main(args: Args) -> dict:
                 mini_batch_kl = torch.stack(step_stats[-args.gradient_accumulation_steps :])[:, 0].mean()
                 if (
                     args.max_approx_kl is not None
-                    and gathered_mean(accelerator, mini_batch_kl) > args.max_approx_kl
+                    and utils.run.gathered_mean(accelerator, mini_batch_kl) > args.max_approx_kl
                 ):
                     early_stopped = True
                     break
@@ -878,14 +873,16 @@ def main(args: Args) -> dict:
             num_eos_tokens = accelerator.reduce(data["contains_eos"].sum(), reduction="sum")
             metrics = {
                 "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
-                "objective/kl": gathered_mean(accelerator, data["kl"].sum(1).mean()),
+                "objective/kl": utils.run.gathered_mean(accelerator, data["kl"].sum(1).mean()),
                 "objective/kl_coef": kl_coef,
-                "objective/entropy": gathered_mean(
+                "objective/entropy": utils.run.gathered_mean(
                     accelerator, (-data["logprobs"] * response_mask).sum(1).mean()
                 ),
-                "objective/non_score_reward": gathered_mean(accelerator, non_score_rewards.sum(1).mean()),
-                "objective/scores": gathered_mean(accelerator, scores.mean()),
-                "objective/rlhf_reward": gathered_mean(
+                "objective/non_score_reward": utils.run.gathered_mean(
+                    accelerator, non_score_rewards.sum(1).mean()
+                ),
+                "objective/scores": utils.run.gathered_mean(accelerator, scores.mean()),
+                "objective/rlhf_reward": utils.run.gathered_mean(
                     accelerator, (scores + non_score_rewards.sum(1)).mean()
                 ),
                 "policy/approxkl_avg": approxkl_avg,
@@ -898,7 +895,9 @@ def main(args: Args) -> dict:
                 "val/ratio": ratio_mean,
                 "val/ratio_var": max((all_ratio_sums[1] / all_ratio_sums[2]).item() - ratio_mean**2, 0.0),
                 "val/num_eos_tokens": int(num_eos_tokens.item()),
-                "val/response_length": gathered_mean(accelerator, response_mask.float().sum(1).mean()),
+                "val/response_length": utils.run.gathered_mean(
+                    accelerator, response_mask.float().sum(1).mean()
+                ),
                 "lr": lr,
                 "episode": episode,
             }

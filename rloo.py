@@ -613,12 +613,6 @@ class Run:
     start_step: int
 
 
-def gathered_mean(accelerator, values: torch.Tensor) -> float:
-    """Mean over every process's values, NaN left out."""
-    values = accelerator.gather(values.float())
-    return (values.nanmean() if values.isnan().any() else values.mean()).item()
-
-
 def setup(args: Args) -> Run:
     """Flags, data, tokenizer, models, optimizer, scorers, vLLM engine, resume and tracker."""
     from accelerate.utils import set_seed
@@ -861,11 +855,13 @@ def main(args: Args) -> dict:
             utils.tracking.check_finite(update, accelerator, loss=stats[0], grad_norm=grad_norm)
             metrics = {
                 "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
-                "objective/kl": gathered_mean(accelerator, kl.sum(1)),
-                "objective/entropy": gathered_mean(accelerator, (-old_logprobs * response_mask).sum(1)),
-                "objective/non_score_reward": gathered_mean(accelerator, non_score_reward),
-                "objective/rlhf_reward": gathered_mean(accelerator, rlhf_reward),
-                "objective/scores": gathered_mean(accelerator, scores),
+                "objective/kl": utils.run.gathered_mean(accelerator, kl.sum(1)),
+                "objective/entropy": utils.run.gathered_mean(
+                    accelerator, (-old_logprobs * response_mask).sum(1)
+                ),
+                "objective/non_score_reward": utils.run.gathered_mean(accelerator, non_score_reward),
+                "objective/rlhf_reward": utils.run.gathered_mean(accelerator, rlhf_reward),
+                "objective/scores": utils.run.gathered_mean(accelerator, scores),
                 "policy/approxkl_avg": stats[1].item(),
                 "policy/clipfrac_avg": stats[2].item(),
                 "loss/policy_avg": stats[0].item(),

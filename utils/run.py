@@ -407,6 +407,12 @@ def inner_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def gathered_mean(accelerator, values) -> float:
+    """Mean of every process's values (any shape), NaN entries left out; NaN when there are none."""
+    values = accelerator.gather(values.detach().float().reshape(-1))
+    return (values.nanmean() if values.isnan().any() else values.mean()).item()
+
+
 @contextmanager
 def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module]:
     """The bare model for sampling; ZeRO-3 gathers its shards once (every process enters together)."""
