@@ -196,6 +196,53 @@ def test_sigterm_saves_and_names_the_checkpoint(tmp_path):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def test_sigterm_between_micro_batches_saves_the_last_finished_step(tmp_path):
+    """A signal inside a step that has not stepped the optimizer yet: the last finished step is saved with
+    the random state it left (as a save at its end would have been), the step is dropped. After an optimizer
+    step, and in a fresh run's first step, the step finishes and the end-of-step save stops the run."""
+    args = make_args(tmp_path, save_steps=0)
+    ckpt = checkpoint.Checkpointer(Accel(), args)
+    model = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(5)
+    saving = dict(models={"policy": model}, optimizers={"policy": optimizer}, generators={"g": generator})
+    assert ckpt.resume(**saving) is None
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        ckpt.boundary()  # a fresh run's first step: nothing finished to save yet
+        ckpt.stop.name = None
+        train_steps(model, optimizer, generator, 1)
+        ckpt.maybe_save(1, **saving, state={"tokens": [1]})
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        drawn = (torch.rand(3), torch.rand(3, generator=generator))  # step 2 starts: the same draws on resume
+        model(torch.ones(1, 3)).sum().backward()  # a micro-batch, no optimizer step
+        ckpt.boundary()  # no signal: nothing happens
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(run.TrainingInterrupted, match=r"checkpoint-1 at step 1 \(step 2 was cut short"):
+            ckpt.boundary()
+        saved = checkpoint.list_checkpoints(args.output_dir)
+        assert [os.path.basename(p) for p in saved] == ["checkpoint-1"]
+        with open(os.path.join(saved[0], checkpoint.STATE_FILE)) as f:
+            assert json.load(f)["tokens"] == [1]
+        fresh = torch.nn.Linear(3, 3)
+        again = torch.Generator()
+        resumed = checkpoint.Checkpointer(Accel(), make_args(tmp_path, resume_from_checkpoint="latest"))
+        resumed.resume({"policy": fresh}, {"policy": torch.optim.SGD(fresh.parameters())}, {"g": again})
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+        assert torch.equal(torch.rand(3), drawn[0]) and torch.equal(torch.rand(3, generator=again), drawn[1])
+
+        # Once the optimizer stepped, the step runs to its end and maybe_save stops the run there.
+        resumed.stop.name = None
+        train_steps(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), again, 1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        resumed.boundary()
+        with pytest.raises(run.TrainingInterrupted, match=r"checkpoint-2 at step 2; continue"):
+            resumed.maybe_save(2, {"policy": fresh})
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def test_check_finite_names_step_and_quantity():
     tracking.check_finite(3, loss=torch.tensor(1.0), scores=torch.ones(4))
     with pytest.raises(run.NonFiniteError, match=r"step 7: scores is not finite"):

@@ -7,6 +7,7 @@ Written to `tmp-checkpoint-{step}`, then renamed; `latest` skips a damaged one. 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -21,8 +22,9 @@ import zipfile
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from utils.run import TrainingInterrupted, bare
+from utils.run import TrainingInterrupted, bare, gathering
 
 STATE_FILE = "trainer_state.json"
 _LAST_SAVED: list[str] = []
@@ -241,33 +243,45 @@ def set_rng_state(state: dict, generators: dict[str, torch.Generator]) -> None:
 # Stop signals
 # ----------------------------------------------------------------------------------------------------------------
 class StopSignal:
-    """Catches SIGTERM and SIGINT so the run finishes its step and saves first."""
+    """Catches SIGTERM and SIGINT so the run saves before it stops."""
 
     def __init__(self, accelerator):
-        self.accelerator, self.name = accelerator, None
+        self.accelerator, self.name, self.group = accelerator, None, None
         try:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         except ValueError:  # not the main thread: no handlers
             pass
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # asking costs no GPU sync between micro-batches
 
     def _on_signal(self, signum, frame) -> None:
         self.name = signal.Signals(signum).name
 
     def requested(self) -> bool:
         """True on every process when any got a signal: they must save together."""
-        flag = torch.tensor([float(self.name is not None)], device=self.accelerator.device)
+        flag = torch.tensor([float(self.name is not None)])
         if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
+            torch.distributed.all_reduce(flag, group=self.group)
         return flag.item() > 0
 
-    def interrupt(self, path: str, step: int) -> TrainingInterrupted:
-        """The exception that ends the run after saving `path`."""
+    def interrupt(self, path: str, step: int, dropped: bool = False) -> TrainingInterrupted:
+        """The exception that ends the run after saving `path` (`dropped`: step + 1 was cut short)."""
+        cut = f" (step {step + 1} was cut short and runs again)" if dropped else ""
         return TrainingInterrupted(
-            f"{self.name or 'a signal'} received; saved {path} at step {step}; continue with "
+            f"{self.name or 'a signal'} received; saved {path} at step {step}{cut}; continue with "
             f"--resume_from_checkpoint {path}",
             self.name or "SIGTERM",
         )
+
+
+# Set by every real optimizer step (accelerate skips the inner step while it accumulates).
+_STEPPED, _HOOKED = [False], []
+
+
+def _note_optimizer_step(optimizer, args, kwargs) -> None:
+    _STEPPED[0] = True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -319,6 +333,11 @@ class Checkpointer:
             if overwrite and held - set(leftovers(args.output_dir)):
                 _START_OVER.add(os.path.normpath(args.output_dir))
         self.stop = StopSignal(accelerator)
+        # The last finished step (step, state, its checkpoint or None), what saves it, its random state.
+        self.finished, self.saving, self.finished_rng = None, {}, None
+        if not _HOOKED:
+            register_optimizer_step_post_hook(_note_optimizer_step)
+            _HOOKED.append(True)
 
     # -- resume
     def resume(self, models: dict[str, nn.Module], optimizers: dict | None = None,
@@ -327,6 +346,8 @@ class Checkpointer:
         state (with `step`), or None when not resuming. Removes unfinished tmp-checkpoint-N folders."""
         self._clear_the_way()
         self.started = time.time()
+        self.saving = dict(models=models, optimizers=optimizers, generators=generators)
+        _STEPPED[0] = False
         if self.resume_path is None:
             return None
         path, optimizers, generators = self.resume_path, optimizers or {}, generators or {}
@@ -367,6 +388,7 @@ class Checkpointer:
         _RESUMED.clear()
         _RESUMED.update(state)
         self.started = time.time()
+        self.finished = (state["step"], state, path)
         if self.accelerator.is_main_process:
             print(f"resumed from {path} (step {state['step']})", flush=True)
         return state
@@ -386,15 +408,30 @@ class Checkpointer:
     def maybe_save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
                    generators: dict[str, torch.Generator] | None = None,
                    state: dict | None = None) -> str | None:  # fmt: skip
-        """Save every `save_steps` steps and on a signal (then raise TrainingInterrupted).
-        Every process must call it at the same steps."""
+        """At the end of every step: save every `save_steps` steps and on a signal (then raise
+        TrainingInterrupted). Every process must call it at the same steps."""
         stop = self.stop.requested()
         path = None
         if stop or (self.save_steps and step % self.save_steps == 0):
             path = self.save(step, models, optimizers, generators, state)
         if stop:
             raise self.stop.interrupt(path, step)
+        self.saving = dict(models=models, optimizers=optimizers, generators=generators)
+        self.finished, self.finished_rng = (step, copy.deepcopy(state), path), rng_state(generators or {})
+        _STEPPED[0] = False
         return path
+
+    def boundary(self) -> None:
+        """Between micro-batches and generation calls: on a signal, while this step has not changed the weights
+        yet, save the last finished step (with the random state it left), drop this one and stop. Later in a
+        step, or in a fresh run's first, the step finishes and maybe_save stops. Every process calls it alike."""
+        if self.finished is None or _STEPPED[0] or gathering() or not self.stop.requested():
+            return
+        step, state, path = self.finished
+        if path is None:
+            set_rng_state(self.finished_rng, self.saving["generators"] or {})
+            path = self.save(step, **self.saving, state=state)
+        raise self.stop.interrupt(path, step, dropped=True)
 
     def save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
              generators: dict[str, torch.Generator] | None = None,

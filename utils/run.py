@@ -420,15 +420,26 @@ def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module
         yield bare(model)
         return
     import deepspeed
-
-    if getattr(model, "optimizer", None) is None:  # a frozen engine: gather only
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            yield bare(model)
-        return
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-    with unwrap_model_for_generation(model):
-        yield bare(model)
+    if getattr(model, "optimizer", None) is None:  # a frozen engine: gather only
+        context = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    else:
+        context = unwrap_model_for_generation(model)
+    _GATHERED.append(model)
+    try:
+        with context:
+            yield bare(model)
+    finally:
+        _GATHERED.pop()
+
+
+_GATHERED: list[nn.Module] = []
+
+
+def gathering() -> bool:
+    """Whether ZeRO-3 shards are gathered for sampling now (no checkpoint can be written then)."""
+    return bool(_GATHERED)
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
