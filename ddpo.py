@@ -544,9 +544,15 @@ def check_args(args: Args) -> list[str]:
 # ---- checkpoints and output --------------------------------------------------------------------------------
 
 
-def save_checkpoint(run, args: Args, epoch: int, step: int) -> str:
-    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states (JSON, no pickle), for
-    an exact restart; written to tmp_checkpoint_<epoch> and renamed when complete (a kill leaves no half)."""
+def rng_states(run) -> dict:
+    """This process's random states, the prompt sampler's among them (JSON-safe)."""
+    version, internal, gauss = run.prompt_rng.getstate()
+    return utils.checkpoint.rng_state({}) | {"prompts": [version, list(internal), gauss]}
+
+
+def save_checkpoint(run, args: Args, epoch: int, step: int, rng: dict | None = None) -> str:
+    """Trained weights, optimizer, stat tracker, epoch and every process's RNG states (JSON, no pickle; `rng`:
+    those at the epoch's end), for an exact restart; written to tmp_checkpoint_<epoch>, then renamed."""
     accelerator = run.accelerator
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     directory = os.path.join(checkpoints, f"tmp_checkpoint_{epoch}")
@@ -559,10 +565,8 @@ def save_checkpoint(run, args: Args, epoch: int, step: int) -> str:
         state.update(optimizer=run.optimizer.state_dict(), global_step=step, tracker=tracker_state)
         torch.save(state, os.path.join(directory, "checkpoint.pt"))
     accelerator.wait_for_everyone()
-    version, internal, gauss = run.prompt_rng.getstate()
-    rng = utils.checkpoint.rng_state({}) | {"prompts": [version, list(internal), gauss]}
     with open(os.path.join(directory, f"rng_state_{accelerator.process_index}.json"), "w") as f:
-        json.dump(rng, f)
+        json.dump(rng or rng_states(run), f)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # what defines the run, and every file's size (a resume checks both)
         record = {"epoch": epoch, "run": run.definition}
@@ -801,12 +805,16 @@ def main(args: Args) -> None:
     final_metrics, clipping = {}, (args.train_clip_range, args.train_adv_clip_max)
     train_names = ("loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "epoch", "inner_epoch")
 
+    saved, finished_rng = args.resume_from_checkpoint, None  # the last finished epoch's checkpoint, RNG
     for epoch in tqdm(range(run.first_epoch, args.num_epochs), disable=not is_main):
         start_time = time.time()
         # 1. Sample: DDIM trajectories, every latent and step log-prob kept; async rewards meanwhile
         unet.eval()
         batches, pending_rewards = [], []
         for _ in range(args.sample_num_batches_per_epoch):
+            if epoch > 0 and run.stop.requested():  # a signal while sampling: save the epoch before, stop
+                path = saved or save_checkpoint(run, args, epoch - 1, global_step, finished_rng)
+                raise run.stop.interrupt(path, epoch - 1, dropped=True)
             batch_prompts = [run.prompt_rng.choice(run.prompts) for _ in range(args.sample_batch_size)]
             with torch.no_grad(), accelerator.autocast():
                 prompt_embeds = encode_prompts(tokenizer, text_encoder, batch_prompts)
@@ -901,10 +909,11 @@ def main(args: Args) -> None:
 
         # 6. Checkpoint
         stopping = run.stop.requested()
+        saved, finished_rng = None, rng_states(run)
         if (epoch + 1) % args.save_steps == 0 or stopping:
-            path = save_checkpoint(run, args, epoch, global_step)
+            saved = save_checkpoint(run, args, epoch, global_step)
             if stopping:
-                raise run.stop.interrupt(path, epoch)
+                raise run.stop.interrupt(saved, epoch)
 
     # 7. Save the trained weights, loadable into the pipeline, and a model card
     if run.executor is not None:

@@ -4,6 +4,7 @@ on the tiny Stable-Diffusion pipeline (log, image grid, save, exact resume, two 
 
 import ast
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -362,3 +363,23 @@ def test_two_processes_full_unet(tiny_sd, tmp_path):
     base = StableDiffusionPipeline.from_pretrained(tiny_sd)
     changed = [not torch.equal(p, q) for p, q in zip(pipe.unet.parameters(), base.unet.parameters())]
     assert any(changed)
+
+
+def test_sigterm_while_sampling_saves_the_epoch_before_and_resumes_exactly(tiny_sd, tmp_path):
+    """SIGTERM during epoch 1's sampling (its first prompt drawn), no periodic checkpoint: epoch 0 is saved
+    with the random state it ended with, epoch 1 runs again on resume, the weights equal an uninterrupted run."""
+    common = [str(ROOT / "ddpo.py"), "--pretrained_model", str(tiny_sd), *TINY_RUN, "--num_epochs", "3"]
+    common += ["--save_steps", "10"]
+    run_script([*common, "--output_dir", "a", "--run_name", "a"], cwd=tmp_path)
+    cut = [*common, "--output_dir", "c", "--run_name", "c"]
+    preempted = run_script([str(ROOT / "tests" / "sigterm_at.py"), "random.Random.choice", "5", *cut],
+                           cwd=tmp_path, check=False)  # fmt: skip
+    saved = os.path.join("c", "checkpoints", "checkpoint_0")
+    assert preempted.returncode == 143, preempted.stderr[-3000:]
+    assert preempted.stderr.strip().splitlines()[-1] == (
+        f"ddpo.py: interrupted: SIGTERM received; saved {saved} at step 0 (step 1 was cut short and runs "
+        f"again); continue with --resume_from_checkpoint {saved}"
+    )
+    run_script([*cut, "--resume_from_checkpoint", "latest"], cwd=tmp_path)
+    whole, resumed = lora_weights(tmp_path / "a"), lora_weights(tmp_path / "c")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
