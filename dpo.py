@@ -554,6 +554,7 @@ def main(args: Args) -> dict:
     policy.train()
     while global_step < args.num_training_steps:
         for m in range(global_step * ga, (global_step + 1) * ga):
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             # 1. Batch: this process's m-th micro-batch, chosen rows then rejected rows.
             batch = micro_batch(args, run, m)
             with accelerator.accumulate(policy):

@@ -382,6 +382,7 @@ def sample(args, run, queries, query_mask):
     )
     with utils.run.gathered_for_generation(run.policy, run.accelerator) as model:
         for rows in torch.arange(args.local_generation_batch_size, device=queries.device).split(chunk):
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             prompt = rows % P  # prompts repeated chunk by chunk, not G times at once
             query_responses, call_logprobs = generate(
                 model, queries[prompt], query_mask[prompt], R, T, chunk, run.sampling_generator
@@ -409,6 +410,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
     )
     ref_logprobs, rewards_per_func, old_logprobs = [], [], []
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
+        run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
         if recomputes_old_logprobs(args):
             old = utils.logprobs.batched_response_logprobs(run.policy, query_responses, mask, Q, T, chunk)
@@ -839,6 +841,7 @@ def main(args: Args) -> None:
             stats = torch.zeros(7, device=device)  # loss, kl, entropy, clip low, high, region, ratio
             grad_norm = None
             for idx in step_batches:
+                run.checkpointer.boundary()
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
                     logprobs, entropy, _ = utils.logprobs.response_logprobs(

@@ -726,6 +726,7 @@ def main(args: Args) -> dict:
     model.train()
     while step < args.num_training_steps:
         for _ in range(args.gradient_accumulation_steps):
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             # 1. Batch: this process's slice of the epoch's seeded order
             batch = device_batch(run, args, [run.train_rows[i] for i in next(run.batches)])
             with accelerator.accumulate(model):

@@ -296,6 +296,7 @@ def sample(args, run, queries, query_mask, prompt_of_row, generator):
     run.policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
     with torch.no_grad(), utils.run.gathered_for_generation(run.policy, run.accelerator) as sampler:
         for rows in prompt_of_row.split(chunk):
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             query_responses, chunk_logprobs = utils.generation.generate(
                 sampler,
                 queries[rows],
@@ -664,6 +665,7 @@ def main(args: Args) -> None:
         ref_logprobs, scores = [], []
         with torch.no_grad(), accelerator.autocast():  # the policy's precision, so the KL starts at 0 in bf16
             for idx in rows.split(chunk):
+                run.checkpointer.boundary()
                 ref_logprobs.append(
                     utils.logprobs.batched_response_logprobs(
                         run.ref_policy, *forward_rows_at(idx), forward_context, logprob_temperature, chunk
@@ -702,6 +704,7 @@ def main(args: Args) -> None:
         logprob_gap, measured = torch.zeros((), device=device), None
         policy_logprobs = torch.zeros_like(ref_logprobs)
         for pair_idx in torch.arange(P, device=device).split(micro):
+            run.checkpointer.boundary()
             with accelerator.accumulate(policy):
                 idx = torch.cat([chosen_rows[pair_idx], rejected_rows[pair_idx]])
                 mb_mask = response_mask[idx]

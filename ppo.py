@@ -421,6 +421,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
     generate = run.engine.generate if run.engine is not None else utils.generation.generate
     with utils.run.gathered_for_generation(model, accelerator) as unwrapped:
         for i in range(0, queries.size(0), chunk):
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             rows = slice(i, i + chunk)
             noise = utils.generation.sampling_generator(args.seed, update, first_prompt + i, device=device)
             chunk_query_responses, chunk_logprobs = generate(
@@ -437,6 +438,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
     )
     unwrapped, ref_logprobs, values, kl_full, recomputed = utils.run.bare(model), [], [], [], []
     for i in range(0, queries.size(0), chunk):
+        run.checkpointer.boundary()
         qr, am = query_responses[i : i + chunk], attention_mask[i : i + chunk]
         if args.kl_estimator == "full":  # [chunk, R, V] logits of both models
             ref_logits = utils.logprobs.response_logits(run.ref_policy, qr, am, Q, T)
@@ -820,6 +822,7 @@ def main(args: Args) -> dict:
             order = torch.randperm(args.local_batch_size, generator=run.shuffle_generator).to(device)
             for mini_batch in order.split(args.local_mini_batch_size):
                 for idx in mini_batch.split(args.per_device_train_batch_size):
+                    run.checkpointer.boundary()
                     mb_mask, mb_query_responses = response_mask[idx], data["query_responses"][idx]
                     with accelerator.accumulate(model):
                         # ALGO LOGIC: clipped policy and value losses

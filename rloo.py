@@ -356,6 +356,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
     run.policy.eval()  # keeps the KV cache on under gradient checkpointing
     with utils.run.gathered_for_generation(run.policy, run.accelerator) as model:
         for start in range(0, P, prompts_per_call):
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             prompt = torch.arange(start, min(start + prompts_per_call, P), device=queries.device)
             rows = prompt.repeat(num_completions)
             noise = utils.generation.sampling_generator(
@@ -394,6 +395,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
     )
     ref_logprobs, rewards_per_func, recomputed_logprobs = [], [], []
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
+        run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
         ref_logprobs.append(
             utils.logprobs.batched_response_logprobs(run.ref_policy, query_responses, mask, Q, T, chunk)
@@ -817,6 +819,7 @@ def main(args: Args) -> dict:
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(B, generator=run.shuffle_generator).to(device)
             for idx in order.split(args.per_device_train_batch_size):
+                run.checkpointer.boundary()
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
                     logprobs, entropy, _ = utils.logprobs.response_logprobs(

@@ -470,6 +470,7 @@ def main(args: Args) -> dict:
         global_loss_tokens = accelerator.reduce(local_loss_tokens.to(device), "sum").item()
         per_micro_batch = max(global_loss_tokens, 1.0) / (ga * world)
         for cpu_batch in batches:
+            run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             batch = {k: v.to(device) for k, v in cpu_batch.items()}
             with accelerator.accumulate(policy), accelerator.autocast():
                 # ALGO LOGIC: the next-token NLL of the loss tokens
