@@ -3,6 +3,7 @@ micro-batches accumulating, an RL update sampling or scoring) stops the run at t
 generation call; the last finished step is saved as its own end-of-step checkpoint would have been, the cut
 step runs again on resume, and the resumed run ends bit-identical to an uninterrupted one."""
 
+import functools
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_resume import sft_flags
 
-from conftest import run_script, run_torchrun
+from conftest import run_deepspeed, run_script, run_torchrun
 
 STEPS = 6
 
@@ -87,3 +88,18 @@ def test_rloo_sigterm_on_one_of_two_processes_mid_update(world, tmp_path, target
     assert "saved " in line and "checkpoint-2 at step 2 (step 3 was cut short and runs again)" in line
     assert same_weights(tmp_path / "whole", tmp_path / "cut")
     same_metrics(tmp_path / "runs", "whole", "cut", {"eps"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sft_sigterm_between_micro_batches_under_deepspeed(world, tmp_path, stage):
+    """The same cut under ZeRO-2/3 on two processes: DeepSpeed's checkpoint of step 2 is written while step 3's
+    gradients are half accumulated, and the resumed run still ends with the uninterrupted run's weights."""
+    run = functools.partial(run_deepspeed, tmp_path=tmp_path, zero_stage=stage)
+    common = ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2", "--save_steps", "0"]
+    run(["sft.py", *sft_flags(world, tmp_path / "whole", "whole", STEPS), *common])
+    args = ["sft.py", *sft_flags(world, tmp_path / "cut", "cut", STEPS), *common]
+    line = preempt_then_resume(run, args, "accelerate.Accelerator.backward", 5, tmp_path / "cut")
+    assert "checkpoint-2 at step 2 (step 3 was cut short and runs again)" in line
+    assert same_weights(tmp_path / "whole", tmp_path / "cut")
+    same_metrics(tmp_path / "runs", "whole", "cut", {"train/tokens_per_second"})
