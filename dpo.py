@@ -83,6 +83,8 @@ class Args:
     """split for evaluation (implicit-reward accuracy, samples); None: no evaluation"""
     chat_template_path: str | None = None
     """Jinja file (or tokenizer directory) with the chat template for conversational data"""
+    context_overflow: Literal["refuse", "cut"] = "refuse"
+    """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
     """most tokens of prompt + completion: completions are cut to fit, rows with no room dropped"""
     max_prompt_length: int | None = 512
@@ -389,6 +391,9 @@ def setup(args: Args) -> Run:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    args.max_length = utils.loading.fit_max_length(
+        args.model_name_or_path, args.max_length, args.context_overflow
+    )
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(
         args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint)
@@ -410,6 +415,10 @@ def setup(args: Args) -> Run:
             dataset = utils.data.load_split(args.dataset_name, split, args.dataset_config)
             split_rows[key], counts[key] = tokenize_dataset(dataset, tokenizer, args, f"split {split!r}")
     train_rows, eval_rows = split_rows["train"], split_rows["test"]
+    longest = max(
+        len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) for r in train_rows + eval_rows
+    )
+    utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     if accelerator.is_main_process:
         print(f"train split: {counts['train']}\ntest split: {counts['test']}")
     collate_fn = partial(collate, pad_token_id=tokenizer.pad_token_id)

@@ -93,6 +93,8 @@ class Args:
     """split of the training prompts"""
     chat_template_path: str | None = None
     """Jinja file (or tokenizer folder) for conversational prompts"""
+    context_overflow: Literal["refuse", "cut"] = "refuse"
+    """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_prompt_length: int | None = 512
     """keep only the last this many prompt tokens; None: all"""
     bf16: bool = False
@@ -661,10 +663,9 @@ def setup(args: Args) -> Run:
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    model, flag = args.model_name_or_path, "--model_name_or_path"
+    prompt_ids = utils.loading.fit_prompts(prompt_ids, args, "max_completion_length", model, flag)
     longest = max(map(len, prompt_ids)) + args.max_completion_length
-    utils.loading.check_context_length(
-        args.model_name_or_path, longest, "--max_prompt_length or --max_completion_length"
-    )
 
     # Models: dropout off, so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(

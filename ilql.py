@@ -80,6 +80,8 @@ class Args:
     """split to train on"""
     dataset_test_split: str | None = None
     """split for evaluation (loss terms) and the sample table; None: no evaluation"""
+    context_overflow: Literal["refuse", "cut"] = "refuse"
+    """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
     """most tokens of prompt + completion; the completion is cut to fit"""
     max_prompt_length: int | None = 512
@@ -643,6 +645,9 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    args.max_length = utils.loading.fit_max_length(
+        args.model_name_or_path, args.max_length, args.context_overflow
+    )
     fill_sizes(args, 1)
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size
@@ -661,6 +666,8 @@ def setup(args: Args) -> Run:
     eval_rows = []
     if args.dataset_test_split:
         eval_rows, _ = tokenize_split(split(args.dataset_test_split), tokenizer, args, "--dataset_test_split")
+    longest = max(len(r["prompt"]) + len(r["completion"]) for r in train_rows + eval_rows)
+    utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     fill_sizes(args, accelerator.num_processes, len(train_rows))
     if args.normalize_reward:
         args.reward_mean, args.reward_std = normalize_rewards(torch.tensor([r["reward"] for r in train_rows]))

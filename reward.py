@@ -86,6 +86,8 @@ class Args:
     """Jinja file (or tokenizer directory) with the chat template for conversational data"""
     eval_group_by: str | None = None
     """a column of the test split: accuracy is also reported for each of its values"""
+    context_overflow: Literal["refuse", "cut"] = "refuse"
+    """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
     """longest prompt + completion + EOS: prompts are cut from the left, rows still too long dropped"""
     normalize: bool = True
@@ -397,6 +399,9 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoConfig, get_scheduler
 
+    args.max_length = utils.loading.fit_max_length(
+        args.model_name_or_path, args.max_length, args.context_overflow
+    )
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(
         args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint)
@@ -407,6 +412,8 @@ def setup(args: Args) -> Run:
     if tokenizer.eos_token is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
     data = load_data(args, tokenizer)
+    longest = max(len(s) for rows, _, _ in data.values() for row in rows for s in row["sequences"])
+    utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     config = utils.loading.from_pretrained(AutoConfig, args.model_name_or_path, "--model_name_or_path")
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if is_classifier and config.num_labels != 1:

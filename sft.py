@@ -94,6 +94,8 @@ class Args:
     """token ending a completion, saved as the model's EOS (e.g. <|im_end|>); None: the tokenizer's"""
     packing: bool = False
     """concatenate the examples (each ending with EOS) into blocks of --max_length tokens"""
+    context_overflow: Literal["refuse", "cut"] = "refuse"
+    """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
     """longest prompt + completion + EOS; a completion is never cut (the pair is dropped)"""
     max_prompt_length: int | None = None
@@ -323,6 +325,9 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+    args.max_length = utils.loading.fit_max_length(
+        args.model_name_or_path, args.max_length, args.context_overflow
+    )
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(
         args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint)

@@ -216,8 +216,83 @@ def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_p
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last == (f"sft.py: error: this run's sequences reach 2000 tokens, more than the 256 positions of "
-                    f"--model_name_or_path {world / 'policy'}; lower --max_length so that they fit.")  # fmt: skip
+                    f"--model_name_or_path {world / 'policy'}; lower --max_length so that they fit, or pass "
+                    "--context_overflow cut.")  # fmt: skip
     assert not out.exists()
+    # Cut by choice: --max_length lowered to the model's positions, said in one line; the blocks fit.
+    flags = sft_flags(world, out, "long", steps=1, max_length=2000, packing=True, context_overflow="cut")
+    proc = run_script(["sft.py", *flags])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("--context_overflow cut")]
+    assert lines == [
+        f"--context_overflow cut: --max_length 2000 lowered to the 256 positions of {world / 'policy'}"
+    ]
+
+
+def long_prompts(tmp_path, words=(60, 2, 70, 3)):
+    """A prompt file whose 1st and 3rd prompts exceed the tiny policy's 256 positions."""
+    path = tmp_path / "long.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": "the landlord kept my deposit " * n}) + "\n" for n in words)
+    )
+    return path
+
+
+def test_rl_prompts_longer_than_the_model_are_refused_or_cut_from_the_left(world, tmp_path):
+    """rloo.py: refused in one sentence before loading, naming both ways out; with --context_overflow cut, the
+    long prompts keep their last 256 - 6 tokens, one line says how many were cut, and the run trains."""
+    flags = ["rloo.py", "--sft_model_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
+             "--dataset_name", str(long_prompts(tmp_path)), "--response_length", "6", "--rloo_k", "2",
+             "--total_episodes", "8", "--per_device_train_batch_size", "4", "--num_sample_generations", "0",
+             "--local_rollout_forward_batch_size", "8", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = run_script(flags, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith("rloo.py: error: this run's sequences reach ") and last.endswith(
+        f"more than the 256 positions of --sft_model_path {world / 'policy'}; lower --max_prompt_length or "
+        "--response_length so that they fit, or pass --context_overflow cut to keep each prompt's last 250 tokens."
+    )
+    assert not (tmp_path / "out").exists()
+    proc = run_script([*flags, "--context_overflow", "cut"])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("--context_overflow cut")]
+    assert lines == [
+        "--context_overflow cut: 2 of 4 prompts cut from the left to 250 tokens, so that prompt + 6 completion "
+        f"tokens fit the 256 positions of {world / 'policy'}"
+    ]
+
+
+def test_fit_prompts_keeps_the_last_tokens_and_refuses_when_the_completion_alone_is_too_long(world):
+    from types import SimpleNamespace
+
+    import utils.loading
+
+    policy, prompts = str(world / "policy"), [list(range(300)), [7, 8, 9]]
+    args = SimpleNamespace(context_overflow="cut", response_length=56)
+    fitted = utils.loading.fit_prompts(prompts, args, "response_length", policy, "--sft_model_path")
+    assert fitted == [list(range(100, 300)), [7, 8, 9]]  # 256 - 56 = 200: the end of the prompt stays
+    assert utils.loading.fit_prompts(fitted, args, "response_length", policy, "--sft_model_path") == fitted
+    args.response_length = 256  # no room left for any prompt token: refused even with cut
+    with pytest.raises(
+        ValueError, match=r"lower --max_prompt_length or --response_length so that they fit\.$"
+    ):
+        utils.loading.fit_prompts(prompts, args, "response_length", policy, "--sft_model_path")
+    args.context_overflow, args.response_length = "refuse", 56
+    with pytest.raises(
+        ValueError, match="or pass --context_overflow cut to keep each prompt's last 200 tokens"
+    ):
+        utils.loading.fit_prompts(prompts, args, "response_length", policy, "--sft_model_path")
+    assert utils.loading.fit_max_length(policy, 2000, "refuse") == 2000
+    assert utils.loading.fit_max_length(policy, 2000, "cut") == 256
+    assert utils.loading.fit_max_length(policy, 128, "cut") == 128
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo", "reward", "ilql", "ppo", "rloo", "grpo", "online_dpo"])
+def test_every_script_with_token_sequences_refuses_overflow_by_default(script):
+    import importlib
+    import typing
+
+    args_class = importlib.import_module(script).Args
+    assert args_class.context_overflow == "refuse"
+    assert typing.get_args(typing.get_type_hints(args_class)["context_overflow"]) == ("refuse", "cut")
 
 
 @pytest.mark.slow  # the same helper as sft.py's (utils.loading.check_context_length)
@@ -235,7 +310,10 @@ def test_grpo_prompts_longer_than_the_model_are_refused_before_loading(world, tm
         last.startswith("grpo.py: error: this run's sequences reach ")
         and "more than the 256 positions" in last
     )
-    assert last.endswith("lower --max_prompt_length or --max_completion_length so that they fit.")
+    assert last.endswith(
+        "lower --max_prompt_length or --max_completion_length so that they fit, or pass --context_overflow cut "
+        "to keep each prompt's last 248 tokens."
+    )
     assert not out.exists()
 
 

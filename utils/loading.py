@@ -89,5 +89,46 @@ def check_context_length(
     if positions is not None and length > positions:
         raise ValueError(
             f"this run's sequences reach {length} tokens, more than the {positions} positions of {flag} "
-            f"{name_or_path}; lower {flags} so that they fit."
+            f"{name_or_path}; lower {flags} so that they fit, or pass --context_overflow cut."
         )
+
+
+def fit_max_length(
+    name_or_path: str, max_length: int | None, mode: str, flag: str = "--max_length"
+) -> int | None:
+    """`max_length`, lowered to the model's positions with one line under --context_overflow cut."""
+    positions = model_positions(name_or_path) if mode == "cut" else None
+    if positions is None or (max_length is not None and max_length <= positions):
+        return max_length
+    say(f"--context_overflow cut: {flag} {max_length} lowered to the {positions} positions of {name_or_path}")
+    return positions
+
+
+def fit_prompts(prompts: list[list[int]], args, completion: str, model: str, flag: str) -> list[list[int]]:
+    """Prompt ids, each of which with `args.<completion>` tokens fits the positions of `model`: refused in one
+    sentence, or under --context_overflow cut, cut from the left (one line). Reads the config only."""
+    positions, length = model_positions(model), getattr(args, completion)
+    longest = max(map(len, prompts), default=0) + length
+    if positions is None or longest <= positions:
+        return prompts
+    room = positions - length
+    if args.context_overflow != "cut" or room < 1:
+        hint = (
+            f", or pass --context_overflow cut to keep each prompt's last {room} tokens" if room >= 1 else ""
+        )
+        raise ValueError(
+            f"this run's sequences reach {longest} tokens, more than the {positions} positions of {flag} "
+            f"{model}; lower --max_prompt_length or --{completion} so that they fit{hint}."
+        )
+    cut = sum(len(p) > room for p in prompts)
+    say(
+        f"--context_overflow cut: {cut} of {len(prompts)} prompts cut from the left to {room} tokens, so that "
+        f"prompt + {length} completion tokens fit the {positions} positions of {model}"
+    )
+    return [p[-room:] for p in prompts]
+
+
+def say(line: str) -> None:
+    """Print `line` once per run (the first process)."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(line, flush=True)
