@@ -664,7 +664,7 @@ def setup(args: Args) -> Run:
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     model, flag = args.model_name_or_path, "--model_name_or_path"
-    prompt_ids = utils.loading.fit_prompts(prompt_ids, args, "max_completion_length", model, flag)
+    (prompt_ids,) = utils.loading.fit_prompts([prompt_ids], args, "max_completion_length", model, flag)
     longest = max(map(len, prompt_ids)) + args.max_completion_length
 
     # Models: dropout off, so the training forward's logprobs equal sampling's.

@@ -645,9 +645,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, get_scheduler
 
-    args.max_length = utils.loading.fit_max_length(
-        args.model_name_or_path, args.max_length, args.context_overflow
-    )
+    utils.loading.fit_max_length(args)  # under --context_overflow cut, before the flag checks
     fill_sizes(args, 1)
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size

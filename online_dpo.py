@@ -542,14 +542,15 @@ def setup(args: Args) -> Run:
     )
     texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, texts, args.max_prompt_length)
-    model, flag = args.model_name_or_path, "--model_name_or_path"
-    prompt_ids = utils.loading.fit_prompts(prompt_ids, args, "max_new_tokens", model, flag)
     eval_prompt_ids = None
     if eval_dataset is not None:
         where = f"--dataset_test_split {args.dataset_test_split}"
         eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, where)
         eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
-        eval_prompt_ids = utils.loading.fit_prompts(eval_prompt_ids, args, "max_new_tokens", model, flag)
+    model, flag = args.model_name_or_path, "--model_name_or_path"
+    prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
+        [prompt_ids, eval_prompt_ids], args, "max_new_tokens", model, flag
+    )
 
     # Models: dropout off, so the training forward's logprobs equal sampling's; frozen ones in policy dtype.
     policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"

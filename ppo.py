@@ -659,7 +659,6 @@ def setup(args: Args) -> Run:
         args.stop_token_id = tokenizer.eos_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, where)
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
-    prompt_ids = utils.loading.fit_prompts(prompt_ids, args, "response_length", policy_path, policy_flag)
     if any(len(ids) == 0 for ids in prompt_ids):
         raise ValueError(f"the train split has {sum(len(ids) == 0 for ids in prompt_ids)} empty prompt(s).")
     # The same number of held-out prompts on every process (gathering needs equal shapes).
@@ -677,8 +676,8 @@ def setup(args: Args) -> Run:
     if num_eval:
         eval_raw_prompts = utils.data.column(eval_dataset.select(range(num_eval)), "prompt")
     eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
-    eval_prompt_ids = utils.loading.fit_prompts(
-        eval_prompt_ids, args, "response_length", policy_path, policy_flag
+    prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
+        [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag
     )
 
     # Models, seeded alike on every process for a new value head.

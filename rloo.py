@@ -672,14 +672,13 @@ def setup(args: Args) -> Run:
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
-    prompt_ids = utils.loading.fit_prompts(prompt_ids, args, "response_length", policy_path, policy_flag)
     eval_prompt_ids = None
     if eval_dataset is not None:
         eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
         eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
-        eval_prompt_ids = utils.loading.fit_prompts(
-            eval_prompt_ids, args, "response_length", policy_path, policy_flag
-        )
+    prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
+        [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag
+    )
 
     # Models: dropout off, so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)

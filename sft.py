@@ -325,9 +325,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-    args.max_length = utils.loading.fit_max_length(
-        args.model_name_or_path, args.max_length, args.context_overflow
-    )
+    utils.loading.fit_max_length(args)  # under --context_overflow cut, before the flag checks
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(
         args.output_dir, args.overwrite_output_dir or bool(args.resume_from_checkpoint)

@@ -224,8 +224,10 @@ def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_p
     proc = run_script(["sft.py", *flags])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("--context_overflow cut")]
     assert lines == [
-        f"--context_overflow cut: --max_length 2000 lowered to the 256 positions of {world / 'policy'}"
+        "--context_overflow cut: --max_length 2000 lowered to the 256 positions of --model_name_or_path "
+        f"{world / 'policy'}"
     ]
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 256  # it trained
 
 
 def long_prompts(tmp_path, words=(60, 2, 70, 3)):
@@ -256,33 +258,62 @@ def test_rl_prompts_longer_than_the_model_are_refused_or_cut_from_the_left(world
     lines = [line for line in proc.stdout.splitlines() if line.startswith("--context_overflow cut")]
     assert lines == [
         "--context_overflow cut: 2 of 4 prompts cut from the left to 250 tokens, so that prompt + 6 completion "
-        f"tokens fit the 256 positions of {world / 'policy'}"
+        f"tokens fit the 256 positions of --sft_model_path {world / 'policy'}"
     ]
+    assert (tmp_path / "out" / "model.safetensors").exists()  # it trained
 
 
-def test_fit_prompts_keeps_the_last_tokens_and_refuses_when_the_completion_alone_is_too_long(world):
+def test_cut_from_left_keeps_the_last_tokens():
+    from utils.loading import cut_from_left, fitted_lengths
+
+    splits = [[[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], None, [[11, 12, 13, 14]]]
+    assert cut_from_left(splits, 3) == ([[[3, 4, 5], [6, 7], [8, 9, 10]], None, [[12, 13, 14]]], 2)
+    assert cut_from_left(splits, 5) == (splits, 0)
+    assert cut_from_left([[]], 2) == ([[]], 0)
+    # --max_length down to the positions; a prompt limit no longer under it becomes half of it, as dpo.py's does.
+    assert fitted_lengths(2000, 512, 256) == (256, 128)
+    assert fitted_lengths(2000, 100, 256) == (256, 100)
+    assert fitted_lengths(2000, None, 256) == (256, None)
+
+
+def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys):
     from types import SimpleNamespace
 
     import utils.loading
 
-    policy, prompts = str(world / "policy"), [list(range(300)), [7, 8, 9]]
+    policy, flag = str(world / "policy"), "--sft_model_path"
+    train, test = [list(range(300)), [7, 8, 9]], [list(range(201)), list(range(200))]
     args = SimpleNamespace(context_overflow="cut", response_length=56)
-    fitted = utils.loading.fit_prompts(prompts, args, "response_length", policy, "--sft_model_path")
-    assert fitted == [list(range(100, 300)), [7, 8, 9]]  # 256 - 56 = 200: the end of the prompt stays
-    assert utils.loading.fit_prompts(fitted, args, "response_length", policy, "--sft_model_path") == fitted
-    args.response_length = 256  # no room left for any prompt token: refused even with cut
-    with pytest.raises(
-        ValueError, match=r"lower --max_prompt_length or --response_length so that they fit\.$"
-    ):
-        utils.loading.fit_prompts(prompts, args, "response_length", policy, "--sft_model_path")
-    args.context_overflow, args.response_length = "refuse", 56
-    with pytest.raises(
-        ValueError, match="or pass --context_overflow cut to keep each prompt's last 200 tokens"
-    ):
-        utils.loading.fit_prompts(prompts, args, "response_length", policy, "--sft_model_path")
-    assert utils.loading.fit_max_length(policy, 2000, "refuse") == 2000
-    assert utils.loading.fit_max_length(policy, 2000, "cut") == 256
-    assert utils.loading.fit_max_length(policy, 128, "cut") == 128
+    fitted = utils.loading.fit_prompts([train, test, None], args, "response_length", policy, flag)
+    # 256 - 56 = 200: the end of each longer prompt stays, shorter ones are untouched.
+    assert fitted == [[list(range(100, 300)), [7, 8, 9]], [list(range(1, 201)), list(range(200))], None]
+    assert all(len(p) + 56 <= 256 for split in fitted[:2] for p in split)
+    assert capsys.readouterr().out == (
+        "--context_overflow cut: 2 of 4 prompts cut from the left to 200 tokens, so that prompt + 56 completion "
+        f"tokens fit the 256 positions of --sft_model_path {policy}\n"
+    )
+    assert utils.loading.fit_prompts(fitted, args, "response_length", policy, flag) == fitted
+    assert capsys.readouterr().out == ""  # nothing to cut: nothing said
+    args.context_overflow = "refuse"
+    with pytest.raises(ValueError) as error:
+        utils.loading.fit_prompts([train, test], args, "response_length", policy, flag)
+    assert str(error.value) == (
+        f"this run's sequences reach 356 tokens, more than the 256 positions of --sft_model_path {policy}; lower "
+        "--max_prompt_length or --response_length so that they fit, or pass --context_overflow cut to keep each "
+        "prompt's last 200 tokens."
+    )
+    args.context_overflow, args.response_length = "cut", 256  # no room left for any prompt token
+    with pytest.raises(ValueError) as error:
+        utils.loading.fit_prompts([train], args, "response_length", policy, flag)
+    assert str(error.value) == (
+        f"--response_length 256 leaves no room for a prompt in the 256 positions of --sft_model_path {policy}; "
+        "lower --response_length."
+    )
+    assert capsys.readouterr().out == ""
+    unknown = SimpleNamespace(context_overflow="refuse", response_length=56)  # a config without positions
+    assert utils.loading.fit_prompts([train], unknown, "response_length", str(world / "tokenizer"), flag) == [
+        train
+    ]
 
 
 @pytest.mark.parametrize("script", ["sft", "dpo", "reward", "ilql", "ppo", "rloo", "grpo", "online_dpo"])
@@ -293,6 +324,86 @@ def test_every_script_with_token_sequences_refuses_overflow_by_default(script):
     args_class = importlib.import_module(script).Args
     assert args_class.context_overflow == "refuse"
     assert typing.get_args(typing.get_type_hints(args_class)["context_overflow"]) == ("refuse", "cut")
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo", "reward", "ilql"])
+def test_cut_lengths_pass_each_scripts_own_flag_checks(script, world, capsys):
+    """--context_overflow cut lowers --max_length (default 1024) to the 256 positions, and a prompt limit with
+    it, so that the script's own checks (0 < --max_prompt_length < --max_length) still pass."""
+    import importlib
+
+    import utils.loading
+
+    module = importlib.import_module(script)
+    for mode in ("refuse", "cut"):
+        args = module.Args(model_name_or_path=str(world / "policy"), context_overflow=mode)
+        before = getattr(args, "max_prompt_length", None)
+        utils.loading.fit_max_length(args)
+        module.fill_sizes(args, 1)
+        assert args.max_length == (1024 if mode == "refuse" else 256)
+        prompt = getattr(args, "max_prompt_length", None)
+        assert prompt is None or 0 < prompt < args.max_length
+    said = capsys.readouterr().out
+    lowered = f", --max_prompt_length {before} to 128" if before else ""
+    assert said == (
+        f"--context_overflow cut: --max_length 1024 lowered to the 256 positions of --model_name_or_path "
+        f"{world / 'policy'}{lowered}\n"
+    )
+
+
+def long_rows(tmp_path, script):
+    """A train file for `script` of 8 rows, the first longer than the tiny models' 256 positions."""
+    row = {"prompt": "the landlord kept my deposit " * 60}
+    if script in ("dpo", "reward"):
+        row.update(chosen=" ask", rejected=" wait")
+    elif script == "ilql":
+        row.update(completion=" ask for it back", reward=1.0)
+    path = tmp_path / f"{script}.jsonl"
+    path.write_text(json.dumps(row) + "\n" + (json.dumps({**row, "prompt": "short"}) + "\n") * 7)
+    return path
+
+
+@pytest.mark.slow  # each script twice: up to its refusal, then one update with the cut (about 30 s each)
+@pytest.mark.parametrize("script", ["dpo", "reward", "ilql", "ppo", "online_dpo"])
+def test_every_other_script_refuses_longer_sequences_or_cuts_them(script, world, tmp_path):
+    """At the default lengths (dpo, ilql: --max_length 1024, --max_prompt_length 512) a 300-token prompt is
+    refused before loading; with --context_overflow cut one line says what was cut, and one update trains."""
+    out, data, policy, reward = (
+        tmp_path / "out",
+        long_rows(tmp_path, script),
+        world / "policy",
+        world / "reward",
+    )
+    model_flag = "--sft_model_path" if script == "ppo" else "--model_name_or_path"
+    model = reward if script == "reward" else policy
+    flags = {
+        "dpo": ["--eval_strategy", "no"],
+        "reward": ["--eval_strategy", "no"],
+        "ilql": [],
+        "ppo": ["--reward_model_path", reward, "--response_length", "6", "--total_episodes", "8"],
+        "online_dpo": ["--reward_model_path", reward, "--max_new_tokens", "6", "--max_steps", "1"],
+    }[script]
+    flags = [f"{script}.py", model_flag, model, *flags, "--dataset_name", data, "--output_dir", out]
+    if script in ("ppo", "online_dpo"):
+        flags += ["--num_sample_generations", "0"]
+    proc = run_script(flags, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith(f"{script}.py: error: this run's sequences reach ") and "256 positions" in last
+    assert "or pass --context_overflow cut" in last
+    assert not out.exists()
+    proc = run_script([*flags, "--context_overflow", "cut"])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("--context_overflow cut")]
+    if script in ("ppo", "online_dpo"):
+        said = (
+            "1 of 8 prompts cut from the left to 250 tokens, so that prompt + 6 completion tokens fit the 256"
+        )
+        said += f" positions of {model_flag} {model}"
+    else:
+        said = f"--max_length 1024 lowered to the 256 positions of {model_flag} {model}"
+        said += ", --max_prompt_length 512 to 128" if script in ("dpo", "ilql") else ""
+    assert lines == [f"--context_overflow cut: {said}"]
+    assert (out / "config.json").exists()
 
 
 @pytest.mark.slow  # the same helper as sft.py's (utils.loading.check_context_length)

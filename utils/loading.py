@@ -93,39 +93,68 @@ def check_context_length(
         )
 
 
-def fit_max_length(
-    name_or_path: str, max_length: int | None, mode: str, flag: str = "--max_length"
-) -> int | None:
-    """`max_length`, lowered to the model's positions with one line under --context_overflow cut."""
-    positions = model_positions(name_or_path) if mode == "cut" else None
-    if positions is None or (max_length is not None and max_length <= positions):
-        return max_length
-    say(f"--context_overflow cut: {flag} {max_length} lowered to the {positions} positions of {name_or_path}")
-    return positions
+def fitted_lengths(max_length: int, max_prompt_length: int | None, positions: int) -> tuple[int, int | None]:
+    """`max_length` lowered to `positions`; a `max_prompt_length` then not under it becomes half of it (as
+    dpo.py's default does), so the scripts' rule 0 < max_prompt_length < max_length still holds."""
+    max_length = min(max_length, positions)
+    if max_prompt_length is not None and max_prompt_length >= max_length:
+        max_prompt_length = max(1, max_length // 2)
+    return max_length, max_prompt_length
 
 
-def fit_prompts(prompts: list[list[int]], args, completion: str, model: str, flag: str) -> list[list[int]]:
-    """Prompt ids, each of which with `args.<completion>` tokens fits the positions of `model`: refused in one
-    sentence, or under --context_overflow cut, cut from the left (one line). Reads the config only."""
+def fit_max_length(args, flag: str = "--model_name_or_path") -> None:
+    """Under --context_overflow cut, lower `args.max_length` (and `args.max_prompt_length` with it, when it has
+    one) to the positions of `args.model_name_or_path`, in one line. Reads the config only."""
+    positions = model_positions(args.model_name_or_path) if args.context_overflow == "cut" else None
+    if positions is None or args.max_length <= positions:
+        return
+    old_length, old_prompt = args.max_length, getattr(args, "max_prompt_length", None)
+    args.max_length, new_prompt = fitted_lengths(old_length, old_prompt, positions)
+    prompt = f", --max_prompt_length {old_prompt} to {new_prompt}" if new_prompt != old_prompt else ""
+    say(
+        f"--context_overflow cut: --max_length {old_length} lowered to the {positions} positions of {flag} "
+        f"{args.model_name_or_path}{prompt}"
+    )
+    if new_prompt != old_prompt:
+        args.max_prompt_length = new_prompt
+
+
+def cut_from_left(
+    splits: list[list[list[int]] | None], room: int
+) -> tuple[list[list[list[int]] | None], int]:
+    """Each prompt (a list of ids) of each split with only its last `room` tokens, as tokenize_prompts keeps
+    them (a split of None stays None); and how many prompts were longer than `room`."""
+    cut = sum(len(p) > room for prompts in splits if prompts for p in prompts)
+    return [None if prompts is None else [p[-room:] for p in prompts] for prompts in splits], cut
+
+
+def fit_prompts(splits: list[list[list[int]] | None], args, completion: str, model: str, flag: str) -> list:
+    """The prompt ids of every split (train, eval; None stays None) such that each prompt with `args.<completion>`
+    tokens fits the positions of `model`: refused in one sentence, or under --context_overflow cut, cut from the
+    left with one line for all splits. Reads the config only: call it before loading the model."""
     positions, length = model_positions(model), getattr(args, completion)
+    prompts = [p for split in splits if split for p in split]
     longest = max(map(len, prompts), default=0) + length
     if positions is None or longest <= positions:
-        return prompts
+        return splits
     room = positions - length
-    if args.context_overflow != "cut" or room < 1:
-        hint = (
-            f", or pass --context_overflow cut to keep each prompt's last {room} tokens" if room >= 1 else ""
+    if room < 1:
+        raise ValueError(
+            f"--{completion} {length} leaves no room for a prompt in the {positions} positions of {flag} "
+            f"{model}; lower --{completion}."
         )
+    if args.context_overflow != "cut":
         raise ValueError(
             f"this run's sequences reach {longest} tokens, more than the {positions} positions of {flag} "
-            f"{model}; lower --max_prompt_length or --{completion} so that they fit{hint}."
+            f"{model}; lower --max_prompt_length or --{completion} so that they fit, or pass "
+            f"--context_overflow cut to keep each prompt's last {room} tokens."
         )
-    cut = sum(len(p) > room for p in prompts)
+    splits, cut = cut_from_left(splits, room)
     say(
         f"--context_overflow cut: {cut} of {len(prompts)} prompts cut from the left to {room} tokens, so that "
-        f"prompt + {length} completion tokens fit the {positions} positions of {model}"
+        f"prompt + {length} completion tokens fit the {positions} positions of {flag} {model}"
     )
-    return [p[-room:] for p in prompts]
+    return splits
 
 
 def say(line: str) -> None:
