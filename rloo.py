@@ -676,8 +676,9 @@ def setup(args: Args) -> Run:
     if eval_dataset is not None:
         eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
         eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
+    completion_flag = flag(args, "response_length")  # --max_completion_length in a TRL 1.16 command line
     prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
-        [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag
+        [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag, completion_flag
     )
 
     # Models: dropout off, so the training forward's logprobs equal sampling's.

@@ -309,6 +309,10 @@ def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys):
         f"--response_length 256 leaves no room for a prompt in the 256 positions of --sft_model_path {policy}; "
         "lower --response_length."
     )
+    with pytest.raises(
+        ValueError, match=r"lower --max_completion_length\.$"
+    ):  # the flag as the user named it
+        utils.loading.fit_prompts([train], args, "response_length", policy, flag, "--max_completion_length")
     assert capsys.readouterr().out == ""
     unknown = SimpleNamespace(context_overflow="refuse", response_length=56)  # a config without positions
     assert utils.loading.fit_prompts([train], unknown, "response_length", str(world / "tokenizer"), flag) == [

@@ -128,11 +128,20 @@ def cut_from_left(
     return [None if prompts is None else [p[-room:] for p in prompts] for prompts in splits], cut
 
 
-def fit_prompts(splits: list[list[list[int]] | None], args, completion: str, model: str, flag: str) -> list:
+def fit_prompts(
+    splits: list[list[list[int]] | None],
+    args,
+    completion: str,
+    model: str,
+    flag: str,
+    completion_flag: str = "",
+) -> list:
     """The prompt ids of every split (train, eval; None stays None) such that each prompt with `args.<completion>`
-    tokens fits the positions of `model`: refused in one sentence, or under --context_overflow cut, cut from the
-    left with one line for all splits. Reads the config only: call it before loading the model."""
+    tokens (flag `completion_flag`, default --<completion>) fits the positions of `model`: refused in one
+    sentence, or under --context_overflow cut, cut from the left with one line for all splits. Reads the config
+    only: call it before loading the model."""
     positions, length = model_positions(model), getattr(args, completion)
+    completion_flag = completion_flag or f"--{completion}"
     prompts = [p for split in splits if split for p in split]
     longest = max(map(len, prompts), default=0) + length
     if positions is None or longest <= positions:
@@ -140,13 +149,13 @@ def fit_prompts(splits: list[list[list[int]] | None], args, completion: str, mod
     room = positions - length
     if room < 1:
         raise ValueError(
-            f"--{completion} {length} leaves no room for a prompt in the {positions} positions of {flag} "
-            f"{model}; lower --{completion}."
+            f"{completion_flag} {length} leaves no room for a prompt in the {positions} positions of {flag} "
+            f"{model}; lower {completion_flag}."
         )
     if args.context_overflow != "cut":
         raise ValueError(
             f"this run's sequences reach {longest} tokens, more than the {positions} positions of {flag} "
-            f"{model}; lower --max_prompt_length or --{completion} so that they fit, or pass "
+            f"{model}; lower --max_prompt_length or {completion_flag} so that they fit, or pass "
             f"--context_overflow cut to keep each prompt's last {room} tokens."
         )
     splits, cut = cut_from_left(splits, room)
