@@ -103,3 +103,27 @@ def test_sft_sigterm_between_micro_batches_under_deepspeed(world, tmp_path, stag
     assert "checkpoint-2 at step 2 (step 3 was cut short and runs again)" in line
     assert same_weights(tmp_path / "whole", tmp_path / "cut")
     same_metrics(tmp_path / "runs", "whole", "cut", {"train/tokens_per_second"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["dpo.py", "reward.py", "ppo.py"])
+def test_the_other_scripts_cut_a_step_as_well(world, tmp_path, script):
+    """dpo and reward between micro-batches (2 a step), ppo while sampling update 3 (two generation calls an
+    update): the step before is named, and the resumed run ends with the uninterrupted run's weights."""
+    import test_resume
+    import test_resume_rl
+
+    if script == "ppo.py":
+        make = functools.partial(test_resume_rl.flags, script, world, tmp_path)
+        whole, cut = [script, *make("whole")], [script, *make("cut")]
+        target, call = "utils.generation.generate", 5  # two calls an update
+    else:
+        make = test_resume.SCRIPTS[script]
+        extra = ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2"]
+        whole = [script, *make(world, tmp_path / "whole", "whole", STEPS), *extra]
+        cut = [script, *make(world, tmp_path / "cut", "cut", STEPS), *extra]
+        target, call = "accelerate.Accelerator.backward", 5
+    run_script(whole)
+    line = preempt_then_resume(run_script, cut, target, call, tmp_path / "cut")
+    assert "checkpoint-2 at step 2 (step 3 was cut short and runs again)" in line
+    assert same_weights(tmp_path / "whole", tmp_path / "cut")
