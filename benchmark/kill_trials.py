@@ -213,6 +213,10 @@ def trial(script: str, nproc: int, world: Path, work: Path, wall: float, rng: ra
         return row
 
 
+def git(*words: str) -> str:
+    return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True).stdout
+
+
 def good(row: dict) -> bool:
     return bool(row.get("bit_exact") and row.get("metrics_equal") and row.get("steps_once"))
 
@@ -240,6 +244,9 @@ def main(args: Args) -> int:
         sizes = dict(num_sft=600, num_preference=600, num_preference_validation=200, num_validation=64,
                      num_test=64)  # fmt: skip
         tiny_world.build(tiny_world.Args(output_dir=str(world), **sizes))
+    # the tree the runs start from: other work may change it while they go
+    commit, changed = git("rev-parse", "HEAD").strip(), git("status", "--porcelain", "--untracked-files=no")
+    changed = [entry[3:] for entry in changed.splitlines()]
     rng, results = random.Random(args.seed), []
     probes = (
         {"logged, no checkpoint": logged_before_checkpoint, "tmp-checkpoint": unfinished}
@@ -279,14 +286,9 @@ def main(args: Args) -> int:
             print(f"{script:10} {nproc:5} {len(rows):6} {kills:5} {resumes:7} {exact:5} {failed:6}")
     print(f"{sum(map(good, results))} of {len(results)} trials bit-exact with equal metrics, each step once")
 
-    def git(*words: str) -> str:
-        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    record = {"command": shlex.join(["python", *sys.argv]), "commit": git("rev-parse", "HEAD"),
-              "uncommitted": [entry[3:] for entry in changed], "torch": torch.__version__,
-              "cpus": os.cpu_count(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "trials": results}  # fmt: skip
+    record = {"command": shlex.join(["python", *sys.argv]), "commit": commit, "uncommitted": changed,
+              "torch": torch.__version__, "cpus": os.cpu_count(),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "trials": results}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0 if all(map(good, results)) else 1
