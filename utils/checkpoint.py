@@ -333,8 +333,7 @@ class Checkpointer:
             if overwrite and held - set(leftovers(args.output_dir)):
                 _START_OVER.add(os.path.normpath(args.output_dir))
         self.stop = StopSignal(accelerator)
-        # The last finished step (step, state, its checkpoint or None), what saves it, its random state.
-        self.finished, self.saving, self.finished_rng = None, {}, None
+        self.finished: dict | None = None  # the last finished step: what boundary() saves of it
         if not _HOOKED:
             register_optimizer_step_post_hook(_note_optimizer_step)
             _HOOKED.append(True)
@@ -346,7 +345,6 @@ class Checkpointer:
         state (with `step`), or None when not resuming. Removes unfinished tmp-checkpoint-N folders."""
         self._clear_the_way()
         self.started = time.time()
-        self.saving = dict(models=models, optimizers=optimizers, generators=generators)
         _STEPPED[0] = False
         if self.resume_path is None:
             return None
@@ -388,7 +386,7 @@ class Checkpointer:
         _RESUMED.clear()
         _RESUMED.update(state)
         self.started = time.time()
-        self.finished = (state["step"], state, path)
+        self.finished = {"step": state["step"], "path": path}
         if self.accelerator.is_main_process:
             print(f"resumed from {path} (step {state['step']})", flush=True)
         return state
@@ -416,8 +414,9 @@ class Checkpointer:
             path = self.save(step, models, optimizers, generators, state)
         if stop:
             raise self.stop.interrupt(path, step)
-        self.saving = dict(models=models, optimizers=optimizers, generators=generators)
-        self.finished, self.finished_rng = (step, copy.deepcopy(state), path), rng_state(generators or {})
+        rng = rng_state(generators or {})  # what boundary() restores before saving this step
+        self.finished = dict(step=step, path=path, state=copy.deepcopy(state), rng=rng, models=models,
+                             optimizers=optimizers, generators=generators)  # fmt: skip
         _STEPPED[0] = False
         return path
 
@@ -427,11 +426,14 @@ class Checkpointer:
         step, or in a fresh run's first, the step finishes and maybe_save stops. Every process calls it alike."""
         if self.finished is None or _STEPPED[0] or gathering() or not self.stop.requested():
             return
-        step, state, path = self.finished
-        if path is None:
-            set_rng_state(self.finished_rng, self.saving["generators"] or {})
-            path = self.save(step, **self.saving, state=state)
-        raise self.stop.interrupt(path, step, dropped=True)
+        last = self.finished
+        path = last["path"]
+        if path is None:  # its end did not save it: as that save would have, with the random state it left
+            set_rng_state(last["rng"], last["generators"] or {})
+            path = self.save(
+                last["step"], last["models"], last["optimizers"], last["generators"], last["state"]
+            )
+        raise self.stop.interrupt(path, last["step"], dropped=True)
 
     def save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
              generators: dict[str, torch.Generator] | None = None,

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from utils.chat import set_chat_template
 from utils.data import is_local
+from utils.run import main_process
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -93,6 +94,12 @@ def check_context_length(
         )
 
 
+def say_once(line: str) -> None:
+    """Print `line` on the run's first process only (the accelerator may not exist yet)."""
+    if main_process():
+        print(line, flush=True)
+
+
 def fitted_lengths(max_length: int, max_prompt_length: int | None, positions: int) -> tuple[int, int | None]:
     """`max_length` lowered to `positions`; a `max_prompt_length` then not under it becomes half of it (as
     dpo.py's default does), so the scripts' rule 0 < max_prompt_length < max_length still holds."""
@@ -111,7 +118,7 @@ def fit_max_length(args, flag: str = "--model_name_or_path") -> None:
     old_length, old_prompt = args.max_length, getattr(args, "max_prompt_length", None)
     args.max_length, new_prompt = fitted_lengths(old_length, old_prompt, positions)
     prompt = f", --max_prompt_length {old_prompt} to {new_prompt}" if new_prompt != old_prompt else ""
-    say(
+    say_once(
         f"--context_overflow cut: --max_length {old_length} lowered to the {positions} positions of {flag} "
         f"{args.model_name_or_path}{prompt}"
     )
@@ -159,14 +166,8 @@ def fit_prompts(
             f"--context_overflow cut to keep each prompt's last {room} tokens."
         )
     splits, cut = cut_from_left(splits, room)
-    say(
+    say_once(
         f"--context_overflow cut: {cut} of {len(prompts)} prompts cut from the left to {room} tokens, so that "
         f"prompt + {length} completion tokens fit the {positions} positions of {flag} {model}"
     )
     return splits
-
-
-def say(line: str) -> None:
-    """Print `line` once per run (the first process)."""
-    if int(os.environ.get("RANK", "0") or 0) == 0:
-        print(line, flush=True)
