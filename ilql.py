@@ -377,6 +377,7 @@ def complete(
     top_k = saved.get("top_k", 20) if top_k is None else top_k
     temperature = saved.get("temperature", 0.0) if temperature is None else temperature
     device, responses = next(model.parameters()).device, []
+    prompt_ids = utils.generation.fit_positions(model.backbone, prompt_ids, response_length)
     for i in range(0, len(prompt_ids), chunk_size):
         queries, query_mask = utils.generation.left_pad(
             prompt_ids[i : i + chunk_size], tokenizer.pad_token_id, device

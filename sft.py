@@ -456,21 +456,24 @@ def main(args: Args) -> dict:
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
     metrics = {"eval/initial_loss": evaluate(args, run, 0)} if run.eval_rows and not run.start_step else {}
-    window = torch.zeros(3, dtype=torch.float64)  # since the last log: nll sum, input tokens, seconds
-    window_loss_tokens, num_tokens = 0.0, run.num_tokens
+    # since the last log: nll sum and input tokens (on the device: read only when logged), loss tokens, seconds
+    window = torch.zeros(2, dtype=torch.float64, device=device)
+    window_loss_tokens, window_seconds, num_tokens = 0.0, 0.0, run.num_tokens
+    loss_tokens = [sum(map(bool, row["loss_mask"][1:])) for row in run.train_rows]  # labels[:, 1:] kept
     policy.train()
     steps = range(run.start_step + 1, args.total_steps + 1)
     hidden = not accelerator.is_main_process
     for step in tqdm(steps, disable=hidden, desc="sft", initial=run.start_step, total=args.total_steps):
         step_start = time.time()
         # 1. Batch: this process's micro-batches of the step.
-        local_rows = step_micro_batches(len(run.train_rows), step, micro, ga, world, rank, args.seed)
-        pad_id = run.tokenizer.pad_token_id
-        batches = [collate([run.train_rows[i] for i in rows], pad_id) for rows in local_rows]
+        num_rows, pad_id = len(run.train_rows), run.tokenizer.pad_token_id
+        step_rows = [step_micro_batches(num_rows, step, micro, ga, world, r, args.seed) for r in range(world)]
+        batches = [collate([run.train_rows[i] for i in rows], pad_id) for rows in step_rows[rank]]
 
         # 2. Loss: sum(nll) / sum(loss tokens) of the optimizer batch; accelerate and DDP divide by ga * world
-        local_loss_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in batches).float()
-        global_loss_tokens = accelerator.reduce(local_loss_tokens.to(device), "sum").item()
+        global_loss_tokens = float(
+            sum(loss_tokens[i] for rank_rows in step_rows for rows in rank_rows for i in rows)
+        )
         per_micro_batch = max(global_loss_tokens, 1.0) / (ga * world)
         for cpu_batch in batches:
             run.checkpointer.boundary()  # a signal stops here until the step changes the weights
@@ -483,25 +486,25 @@ def main(args: Args) -> dict:
                 grad_norm = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
-            window[:2] += torch.tensor([nll.item(), batch["attention_mask"].sum().item()])
+            window += torch.stack([nll.detach(), batch["attention_mask"].sum()]).double()
         grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
         utils.tracking.check_finite(step, accelerator, loss=nll, grad_norm=grad_norm)
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
         scheduler.step()
-        window[2] += time.time() - step_start
+        window_seconds += time.time() - step_start
         window_loss_tokens += global_loss_tokens
 
         # 4. Metrics: over every loss token since the last log, on all processes.
         if step % args.logging_steps == 0 or step == args.total_steps:
-            nll_sum, tokens = accelerator.reduce(window[:2].to(device), "sum").tolist()
+            nll_sum, tokens = accelerator.reduce(window, "sum").tolist()
             num_tokens += int(tokens)
             metrics["train/loss"] = nll_sum / max(window_loss_tokens, 1.0)
             metrics["train/lr"] = scheduler.get_last_lr()[0]
-            metrics["train/tokens_per_second"] = tokens / window[2].item()
+            metrics["train/tokens_per_second"] = tokens / window_seconds
             metrics["train/num_tokens"] = num_tokens
             run.tracker.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step)
-            window, window_loss_tokens = torch.zeros_like(window), 0.0
+            window, window_loss_tokens, window_seconds = torch.zeros_like(window), 0.0, 0.0
 
         # 5. Evaluate
         if run.eval_rows and (step == args.total_steps or args.eval_steps and step % args.eval_steps == 0):

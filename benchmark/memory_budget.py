@@ -10,8 +10,8 @@ dtype of s bytes (bf16: 2):
     logits before (rloo, ppo, grpo, online_dpo)        T*V*s + R*V*4 (float32 slice) + R*V*4 (/ temperature)
                                                        + R*V*4 (log_softmax, kept for backward)
     logits after (every script)                        T*4 (per-token logprobs); plus one tile of at most
-                                                       LOGIT_TILE_ELEMENTS (2**22) logits in flight per
-                                                       process, whatever B, T, V: 2**22 * (s + 12) bytes
+                                                       GPU_LOGIT_TILE_ELEMENTS (2**24) logits in flight per
+                                                       process, whatever B, T, V: 2**24 * (s + 12) bytes
     activations (both)                                 layers * T * 2 * (10*H + 4*I): the tensors a Llama or
                                                        GPT-NeoX layer keeps for backward in bf16 (norm inputs
                                                        and outputs, q, k, v, rotated q and k, attention output,
@@ -33,7 +33,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.lm_head import LOGIT_TILE_ELEMENTS as TILE  # noqa: E402
+from utils.lm_head import GPU_LOGIT_TILE_ELEMENTS as TILE  # noqa: E402
 
 GIB = 1024**3
 

@@ -209,8 +209,9 @@ class Args:
     """torch.profiler over the timed updates of every run: kernel launches, host syncs (.item(), nonzero, ...),
     GPU kernel time and the top ops per update go into the results (diagnosis only: the profiler slows the runs)"""
     ours_logit_tile_elements: int | None = None
-    """our side only: utils.lm_head.LOGIT_TILE_ELEMENTS (logits one tile of the LM head holds; 2**22 in the code)
-    for this run, to measure what the tile count costs (docs/speed_gpu.md). None: the code's value"""
+    """our side only: the logits one tile of the LM head holds (utils.lm_head's LOGIT_TILE_ELEMENTS on a CPU, 2**22,
+    and GPU_LOGIT_TILE_ELEMENTS on a GPU, 2**24) for this run, to measure what the tile count costs
+    (docs/speed_gpu.md). None: the code's values"""
 
     # Model and workload (None: the --preset's value, see PRESETS)
     preset: str = "toy"
@@ -400,6 +401,7 @@ def child(side: str, spec_path: str, timing_path: str) -> None:
                 import utils.lm_head
 
                 utils.lm_head.LOGIT_TILE_ELEMENTS = int(spec["logit_tile_elements"])
+                utils.lm_head.GPU_LOGIT_TILE_ELEMENTS = int(spec["logit_tile_elements"])
             runpy.run_path(os.path.join(ROOT, sys.argv[0]), run_name="__main__")
         elif side == "trl":
             run_trl(spec)

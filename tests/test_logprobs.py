@@ -185,6 +185,39 @@ def test_a_model_that_transforms_its_logits_is_scored_plainly():
     assert model._plain_logprobs
 
 
+class OpNames(TorchDispatchMode):
+    """Records the name of every operation."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_head_check_compares_no_values_when_the_forward_returns_its_output():
+    """Telling a transformed head's output apart needs no look at the values (a GPU sync) when the model
+    returns the tiled head's tensor itself; a model that rescales it is still noticed (test above)."""
+    model = tiny_llama()
+    input_ids, attention_mask, score_mask = batch()
+    with OpNames() as ops:
+        utils.logprobs.token_logprobs(model, input_ids, attention_mask, score_mask)
+    assert "equal" not in ops.names and "mm" in ops.names  # the mode saw the forward
+    assert not getattr(model, "_plain_logprobs", False)
+
+
+def test_a_gpu_tile_holds_more_logits_than_a_cpu_tile():
+    """At the TL;DR SFT shape (8 rows x 53 scored tokens, Qwen2.5's vocabulary) a pass has 16 tiles on a CPU and
+    4 on a GPU; the tiles cover the vocabulary once either way."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert (tiled.tile_elements(cpu), tiled.tile_elements(gpu)) == (2**22, 2**24)
+    for device, count in ((cpu, 16), (gpu, 4)):
+        tiles = list(tiled._tiles(424, 151936, device))
+        assert len(tiles) == count and sum(c.stop - c.start for _, c in tiles) == 151936
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any operation creates."""
 

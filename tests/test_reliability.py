@@ -463,3 +463,31 @@ def test_an_error_after_a_progress_bar_starts_its_own_line(world, tmp_path):
     assert proc.returncode == 1
     at = proc.stderr.index("sft.py: stopped: ")
     assert proc.stderr[at - 1] == "\n", repr(proc.stderr[max(0, at - 200) : at + 40])
+
+
+def test_sample_table_prompts_are_cut_to_the_model_positions(capsys):
+    """A held-out prompt that leaves too little room for the table's new tokens is cut from the left with one
+    line, not generated past the positions (a model with learned positions would fail mid-run)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import utils.generation
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
+    tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": 1})()
+    prompts = [list(range(2, 16)), [5, 6, 7]]  # 14 + 6 new tokens would reach position 20
+    with pytest.raises(IndexError):  # the failure the cut prevents
+        utils.generation.generate(model, *utils.generation.left_pad(prompts[:1], 0), 6, 0.0, 2)
+    utils.generation._SAID.clear()
+    responses, _ = utils.generation.complete(model, tokenizer, prompts, 6, 2)
+    assert responses.shape == (2, 6)
+    line = "sample table: 1 of 2 prompts cut from the left to 10 tokens, so that prompt + 6 new tokens fit"
+    assert line in capsys.readouterr().out
+    # the same cut again (the next evaluation): the same prompts, no second line
+    assert utils.generation.fit_positions(model, prompts, 6) == [list(range(6, 16)), [5, 6, 7]]
+    assert utils.generation.fit_positions(model, [[5, 6]], 3) == [[5, 6]]  # fits: nothing cut
+    assert capsys.readouterr().out == ""
+    with pytest.raises(
+        ValueError, match="16 new tokens leave no room for a prompt in the model's 16 positions"
+    ):
+        utils.generation.fit_positions(model, prompts, 16)

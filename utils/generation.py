@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.loading import config_positions, say_once
 from utils.logprobs import position_ids_from_mask
 from utils.run import inner_model
 
@@ -144,6 +145,7 @@ def complete(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completions as the RL scripts sample them (greedy by default), cut after EOS: (responses, lengths)."""
+    prompt_ids = fit_positions(model, prompt_ids, response_length)
     queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
     query_responses, _ = generate(
         model, queries, query_mask, response_length, temperature, chunk_size, generator
@@ -151,6 +153,31 @@ def complete(
     return truncate_response(
         query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
     )
+
+
+def fit_positions(model: nn.Module, prompt_ids: Sequence[Sequence[int]], new_tokens: int) -> list:
+    """`prompt_ids` with each prompt cut from the left so that it and `new_tokens` fit the model's positions,
+    in one line when a prompt is cut (sample tables: their prompts are not checked like training data)."""
+    positions = config_positions(getattr(inner_model(model), "config", None))
+    longest = max(map(len, prompt_ids), default=0) + new_tokens
+    if positions is None or longest <= positions:
+        return list(prompt_ids)
+    room = positions - new_tokens
+    if room < 1:
+        raise ValueError(
+            f"{new_tokens} new tokens leave no room for a prompt in the model's {positions} positions."
+        )
+    line = (
+        f"sample table: {sum(len(p) > room for p in prompt_ids)} of {len(prompt_ids)} prompts cut from the left to "
+        f"{room} tokens, so that prompt + {new_tokens} new tokens fit the model's {positions} positions"
+    )
+    if line not in _SAID:  # once a run, not at every evaluation
+        _SAID.add(line)
+        say_once(line)
+    return [p[-room:] for p in prompt_ids]
+
+
+_SAID: set[str] = set()
 
 
 def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:

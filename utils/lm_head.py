@@ -15,9 +15,11 @@ from torch.utils.checkpoint import checkpoint
 from utils.run import inner_model
 
 LOGIT_TILE_ELEMENTS = 2**22
-"""float32 logits in one tile at most (docs/memory.md)"""
+"""float32 logits in one tile at most on a CPU (docs/memory.md)"""
+GPU_LOGIT_TILE_ELEMENTS = 2**24
+"""the same on a GPU, where a pass of many small tiles waits on kernel launches (docs/speed_gpu.md)"""
 TILE_TOKENS = 4096
-"""tokens per tile of a linear head; its vocabulary slice is LOGIT_TILE_ELEMENTS / tokens wide"""
+"""tokens per tile of a linear head; its vocabulary slice is the tile's elements / tokens wide"""
 
 
 class _LinearHeadLogprobs(torch.autograd.Function):
@@ -36,7 +38,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         logprobs, entropy, mean_logit = (hidden.new_zeros(count, dtype=torch.float32) for _ in range(3))
         log_normalizer = torch.empty_like(logprobs)
         logits_buffer, exp_buffer = (_tile_buffer(hidden, count, vocab) for _ in range(2))
-        for rows, cols in _tiles(count, vocab):
+        for rows, cols in _tiles(count, vocab, hidden.device):
             if cols.start == 0:  # a new row of tiles: cast its hidden states once
                 h = hidden[rows].to(compute_dtype)
                 running_max = torch.full_like(logprobs[rows], float("-inf"))
@@ -74,7 +76,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             None if bias is None else torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device)
         )
         logits_buffer = _tile_buffer(hidden, hidden.size(0), weight.size(0))
-        for rows, cols in _tiles(hidden.size(0), weight.size(0)):
+        for rows, cols in _tiles(hidden.size(0), weight.size(0), hidden.device):
             if cols.start == 0:  # a new row of tiles: cast (and scale) its hidden states once
                 h = hidden[rows].to(compute_dtype)
                 scaled_h = (hidden[rows].float() * scale[rows, None]).to(compute_dtype)
@@ -93,10 +95,15 @@ class _LinearHeadLogprobs(torch.autograd.Function):
                 None if bias is None else grad_bias.to(bias.dtype), None, None, None, None)  # fmt: skip
 
 
-def _tiles(count: int, vocab: int):
+def tile_elements(device: torch.device) -> int:
+    """Logits one tile holds on `device`."""
+    return LOGIT_TILE_ELEMENTS if device.type == "cpu" else GPU_LOGIT_TILE_ELEMENTS
+
+
+def _tiles(count: int, vocab: int, device: torch.device):
     """(token slice, vocabulary slice) of every tile, vocabulary innermost."""
     tokens = max(1, min(count, TILE_TOKENS))
-    width = max(1, LOGIT_TILE_ELEMENTS // tokens)
+    width = max(1, tile_elements(device) // tokens)
     for start in range(0, count, tokens):
         for col in range(0, vocab, width):
             yield slice(start, start + tokens), slice(col, min(col + width, vocab))
@@ -104,7 +111,7 @@ def _tiles(count: int, vocab: int):
 
 def _tile_buffer(hidden: torch.Tensor, count: int, vocab: int) -> torch.Tensor:
     """float32 room for a pass's largest tile, reused by every tile."""
-    rows, cols = next(_tiles(count, vocab), (slice(0, 0), slice(0, 0)))
+    rows, cols = next(_tiles(count, vocab, hidden.device), (slice(0, 0), slice(0, 0)))
     return hidden.new_empty(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.float32)
 
 
@@ -165,7 +172,7 @@ def chunked_token_logprobs(
     if vocab_size is None:
         with torch.no_grad():
             vocab_size = head(hidden[:1]).size(-1) if hidden.size(0) else 1
-    tile = max(1, LOGIT_TILE_ELEMENTS // vocab_size)
+    tile = max(1, tile_elements(hidden.device) // vocab_size)
     pieces = []
     for start in range(0, hidden.size(0), tile):
         rows = slice(start, start + tile)
@@ -223,7 +230,9 @@ def swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, 
         output = run_forward()
     finally:
         del head.forward  # the class's forward again
-    if "out" not in scored or not torch.equal(output.logits, scored["out"]):
+    # the same tensor unless the forward transformed it; comparing values would wait for the GPU
+    same = "out" in scored and (output.logits is scored["out"] or torch.equal(output.logits, scored["out"]))
+    if not same:
         inner_model(
             model
         )._plain_logprobs = True  # the forward transformed the head's output: plain from now on

@@ -73,6 +73,11 @@ def model_positions(name_or_path: str) -> int | None:
         config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError):  # loading the model reports a bad path later
         return None
+    return config_positions(config)
+
+
+def config_positions(config) -> int | None:
+    """The positions a model config names (POSITION_ATTRIBUTES); None when unknown."""
     config = getattr(config, "text_config", None) or config
     for name in POSITION_ATTRIBUTES:
         value = getattr(config, name, None)
