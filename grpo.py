@@ -176,7 +176,7 @@ class Args:
 
     # Logging
     logging_steps: int = 1
-    """log metrics every this many optimizer steps"""
+    """log metrics every this many optimizer steps: their means over those steps (TRL's meaning)"""
     num_sample_generations: int = 10
     """times to print sample completions after the first generation (0: never)"""
 
@@ -473,6 +473,12 @@ def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, 
     }
 
 
+def mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the dicts that have it (a reward function may log a name in some generations only)."""
+    keys = dict.fromkeys(k for d in dicts for k in d)
+    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
+
+
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def check_importance_sampling_flags(args: Args) -> None:
     """TRL's checks of the --vllm_importance_sampling_* flags (even without --use_vllm); _cap: _clip_max."""
@@ -757,6 +763,7 @@ def main(args: Args) -> None:
     )
     step, generation = run.start_step, run.start_generation
     start_generation, start_time, metrics = generation, time.time(), {}
+    window, window_generations = [], []  # since the last log: each step's stats, each generation's metrics
     progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
     while step < args.total_steps:
         # 1. Sample: G completions of each of P prompts, completion-major (row i <- prompt i % P).
@@ -820,6 +827,7 @@ def main(args: Args) -> None:
                     old_logprobs, sampled_logprobs, importance_weights, response_mask, accelerator
                 )
             )
+        window_generations.append(generation_metrics)
 
         # 4. Update: num_iterations shuffled passes over the generation.
         policy.train()
@@ -884,25 +892,28 @@ def main(args: Args) -> None:
             progress.update(1)
             grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
             utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+            window.append(stats)
 
-            # 5. Metrics, averaged over processes.
+            # 5. Metrics: means over processes, then over the steps (and generations) since the last log, as TRL's.
             if step % args.logging_steps == 0 or step == args.total_steps:
-                low_high = accelerator.gather(stats[3:5][None]).view(-1, 2)
-                stats = accelerator.reduce(stats, reduction="mean")
+                low_high = accelerator.gather(torch.stack(window)[None, :, 3:5])  # [processes, steps, 2]
+                stats = accelerator.reduce(torch.stack(window), reduction="mean").mean(0)
                 clip_metrics = {}  # sapo has no clip
                 if args.loss_type == "cispo":
                     clip_metrics = {"cispo_clip_ratio": stats[3].item()}
                 elif args.loss_type != "sapo":
                     clip_metrics = {
                         "clip_ratio/low_mean": stats[3].item(),
-                        "clip_ratio/low_min": low_high[:, 0].min().item(),
+                        "clip_ratio/low_min": low_high[..., 0].min(0).values.mean().item(),
                         "clip_ratio/high_mean": stats[4].item(),
-                        "clip_ratio/high_max": low_high[:, 1].max().item(),
+                        "clip_ratio/high_max": low_high[..., 1].max(0).values.mean().item(),
                         "clip_ratio/region_mean": stats[5].item(),
                     }
+                # a window inside one generation repeats its metrics (TRL's leaves them out)
+                generations = window_generations or [generation_metrics]
                 seconds = time.time() - start_time
                 metrics = {
-                    **generation_metrics,
+                    **mean_by_key(generations),
                     "loss": stats[0].item(),
                     "kl": stats[1].item(),
                     "entropy": stats[2].item(),
@@ -914,6 +925,7 @@ def main(args: Args) -> None:
                     "eps": int((generation - start_generation) * args.generation_batch_size / seconds),
                 }
                 run.tracker.log(metrics, step)
+                window, window_generations = [], []
 
         # 6. Checkpoint and samples: between generations (a resume starts a new one).
         run.checkpointer.maybe_save(step, **run.checkpointed, state={"generation": generation})

@@ -438,6 +438,41 @@ def test_generation_batch_size_and_none_rewards_through_the_cli(lab, tmp_path):
     assert "every reward returned None" in proc.stderr
 
 
+def test_logging_steps_logs_the_means_over_the_window_as_trl(lab, tmp_path):
+    """--logging_steps 4 logs, at steps 4 and 8, the means of what --logging_steps 1 logs at each step of the
+    window (the same run otherwise): step metrics over the window's steps, generation metrics over the window's
+    generations (a generation every 2 steps here), as TRL's logger averages what it gathered since the last log."""
+    flags = [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{lab / 'rules.py'}:chars", "--generation_batch_size", "8",
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_steps", "8",
+        "--learning_rate", "1e-3", "--epsilon", "0.05",
+    ]  # fmt: skip
+    runs = {}
+    for every in (1, 4):
+        name = f"every{every}"
+        run_script(["grpo.py", *common_flags(tmp_path, name), *flags, "--logging_steps", str(every)])
+        runs[every] = read_metrics(tmp_path / "runs" / name)
+    each, windows = runs[1], runs[4]
+    assert [m["step"] for m in windows] == [4, 8]
+    for window, steps in zip(windows, (each[:4], each[4:])):
+        for key in ("loss", "kl", "entropy", "ratio", "clip_ratio/low_mean", "clip_ratio/low_min"):
+            assert window[key] == pytest.approx(sum(m[key] for m in steps) / 4, rel=1e-5, abs=1e-9), key
+        for key in (
+            "reward",
+            "reward_std",
+            "completions/mean_length",
+        ):  # generations start at steps 1, 3 (5, 7)
+            assert window[key] == pytest.approx((steps[0][key] + steps[2][key]) / 2, rel=1e-5), key
+        assert (
+            window["learning_rate"] == steps[-1]["learning_rate"]
+            and window["episode"] == steps[-1]["episode"]
+        )
+    assert (
+        len({m["loss"] for m in each}) > 1 and each[0]["reward"] != each[2]["reward"]
+    )  # the means mix values
+
+
 def test_bf16_off_policy_old_logprobs_come_from_the_training_forward(lab, tmp_path):
     """--bf16, two passes over each generation (off-policy), learning rate 0 and epsilon 1e-3: the old logprobs
     come from a forward pass of the policy after sampling (grpo.recomputes_old_logprobs, checked against TRL's
