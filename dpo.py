@@ -131,6 +131,8 @@ class Args:
     """clip the gradient to this global norm (0: no clipping)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    disable_dropout: bool = True
+    """turn the policy's dropout off, so that the implicit reward is deterministic (TRL's default)"""
     bf16: bool = False
     """bfloat16 mixed precision"""
 
@@ -441,8 +443,8 @@ def setup(args: Args) -> Run:
             task_type="CAUSAL_LM",
         )
         policy = get_peft_model(policy, lora)
-    # After LoRA wrapping, so the adapters' dropout is off too: the implicit reward must be deterministic.
-    utils.loading.disable_dropout(policy)
+    if args.disable_dropout:  # after LoRA wrapping, so that the adapters' dropout is off too
+        utils.loading.disable_dropout(policy)
     ref_policy = None
     if needs_reference(args) and not args.use_peft and not args.precompute_ref_log_probs:
         ref_policy = load_model()

@@ -101,6 +101,8 @@ class Args:
     """bf16 mixed precision"""
     gradient_checkpointing: bool = False
     """gradient checkpointing in the policy"""
+    disable_dropout: bool = True
+    """turn the policy's dropout off, so that the training forward's logprobs equal sampling's (TRL: False)"""
 
     # Sampling
     num_generations: int = 8
@@ -473,12 +475,6 @@ def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, 
     }
 
 
-def mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
-    """Each key's mean over the dicts that have it (a reward function may log a name in some generations only)."""
-    keys = dict.fromkeys(k for d in dicts for k in d)
-    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
-
-
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def check_importance_sampling_flags(args: Args) -> None:
     """TRL's checks of the --vllm_importance_sampling_* flags (even without --use_vllm); _cap: _clip_max."""
@@ -673,11 +669,12 @@ def setup(args: Args) -> Run:
     (prompt_ids,) = utils.loading.fit_prompts([prompt_ids], args, "max_completion_length", model, flag)
     longest = max(map(len, prompt_ids)) + args.max_completion_length
 
-    # Models: dropout off, so the training forward's logprobs equal sampling's.
+    # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(
         AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
     )
-    utils.loading.disable_dropout(policy)
+    if args.disable_dropout:
+        utils.loading.disable_dropout(policy)
     ref_policy = reward_model = None
     if args.beta > 0:
         ref_policy = utils.loading.from_pretrained(
@@ -913,7 +910,7 @@ def main(args: Args) -> None:
                 generations = window_generations or [generation_metrics]
                 seconds = time.time() - start_time
                 metrics = {
-                    **mean_by_key(generations),
+                    **utils.tracking.mean_by_key(generations),
                     "loss": stats[0].item(),
                     "kl": stats[1].item(),
                     "entropy": stats[2].item(),

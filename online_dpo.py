@@ -115,6 +115,8 @@ class Args:
     """bf16 mixed precision"""
     gradient_checkpointing: bool = False
     """gradient checkpointing in the policy"""
+    disable_dropout: bool = True
+    """turn the policy's dropout off, so that the training forward's logprobs equal sampling's (TRL's default)"""
 
     # Sampling
     max_new_tokens: int = 64
@@ -155,6 +157,8 @@ class Args:
     """ours: leave pairs with equal scores out; off: the first is 'chosen' (TRL)"""
 
     # Logging
+    logging_steps: int = 1
+    """log metrics every this many updates (one optimizer step each): their means over them (TRL's meaning)"""
     num_sample_generations: int = 10
     """sample tables: at the first update and this many more (0: never)"""
 
@@ -430,7 +434,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     if args.model_name_or_path is None:
         raise ValueError("pass the policy to train with --model_name_or_path.")
     positive = "per_device_train_batch_size gradient_accumulation_steps max_new_tokens "
-    positive += "local_rollout_forward_batch_size"
+    positive += "local_rollout_forward_batch_size logging_steps"
     for flag in positive.split():
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
@@ -552,12 +556,13 @@ def setup(args: Args) -> Run:
         [prompt_ids, eval_prompt_ids], args, "max_new_tokens", model, flag
     )
 
-    # Models: dropout off, so the training forward's logprobs equal sampling's; frozen ones in policy dtype.
+    # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's; frozen
+    # ones in the policy's dtype.
     policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
-    for model in (policy, ref_policy):
+    for model in (policy, ref_policy) if args.disable_dropout else (ref_policy,):
         utils.loading.disable_dropout(model)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
@@ -629,7 +634,7 @@ def main(args: Args) -> None:
     warmup_updates = math.ceil(args.warmup_ratio * args.num_total_batches)
     updates_per_epoch = len(run.prompt_ids) // args.batch_size
     sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
-    start_time, metrics = time.time(), {}
+    start_time, metrics, window = time.time(), {}, []  # window: the metrics of the updates since the last log
     progress = tqdm(range(start + 1, args.num_total_batches + 1), disable=not accelerator.is_main_process)
     for update in progress:
         schedule = (args.num_total_batches, args.learning_rate, args.lr_scheduler_type, warmup_updates)
@@ -786,7 +791,11 @@ def main(args: Args) -> None:
         utils.tracking.check_finite(
             update, accelerator, loss=metrics["loss/dpo_avg"], kl=metrics["objective/kl"], grad_norm=grad_norm
         )
-        run.tracker.log(metrics, update)
+        window.append(metrics)
+        if update % args.logging_steps == 0 or update == args.num_total_batches:
+            last = {k: metrics[k] for k in ("eps", "beta", "lr", "episode", "grad_norm") if k in metrics}
+            run.tracker.log({**utils.tracking.mean_by_key(window), **last}, update)  # means, as TRL's
+            window = []
 
         # 6. Checkpoint and samples: held-out prompts (--dataset_test_split), else this rollout's.
         if args.num_sample_generations and (update % sample_every == 0 or update == 1):

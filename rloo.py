@@ -111,6 +111,8 @@ class Args:
     """bf16 mixed precision"""
     gradient_checkpointing: bool = False
     """gradient checkpointing in the policy"""
+    disable_dropout: bool = True
+    """turn the policy's dropout off, so that the training forward's logprobs equal sampling's (TRL: False)"""
 
     # Sampling
     rloo_k: int | None = None
@@ -681,11 +683,11 @@ def setup(args: Args) -> Run:
         [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag, completion_flag
     )
 
-    # Models: dropout off, so the training forward's logprobs equal sampling's.
+    # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
-    for model in (policy, ref_policy):
+    for model in (policy, ref_policy) if args.disable_dropout else (ref_policy,):
         utils.loading.disable_dropout(model)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)

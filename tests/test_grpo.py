@@ -2,6 +2,7 @@
 clip-higher and two-sided clipping by hand, the batch arithmetic, and runs through the command line on the tiny
 world (ratio 1 at the first step, a rule reward learned, groups kept whole on 2 processes, exact resume)."""
 
+import json
 import math
 import shutil
 import statistics
@@ -471,6 +472,23 @@ def test_logging_steps_logs_the_means_over_the_window_as_trl(lab, tmp_path):
     assert (
         len({m["loss"] for m in each}) > 1 and each[0]["reward"] != each[2]["reward"]
     )  # the means mix values
+
+
+def test_disable_dropout_false_keeps_the_policys_dropout(lab, tmp_path):
+    """--disable_dropout False (TRL's default for GRPO) trains with the config's dropout (0.1 in the lab's policy):
+    the same seed and data give other weights than the default run with dropout off, and the saved config keeps
+    it."""
+    flags = [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{lab / 'rules.py'}:chars", "--num_generations", "4",
+        "--per_device_train_batch_size", "8", "--max_steps", "1", "--learning_rate", "1e-2",
+    ]  # fmt: skip
+    for name, extra in (("off", []), ("on", ["--disable_dropout", "False"])):
+        run_script(["grpo.py", *common_flags(tmp_path, name), *flags, *extra])
+    configs = {n: json.loads((tmp_path / n / "config.json").read_text()) for n in ("off", "on")}
+    assert configs["on"]["attention_dropout"] == 0.1 and configs["off"]["attention_dropout"] == 0.0
+    off, on = weights(tmp_path / "off"), weights(tmp_path / "on")
+    assert any(not torch.equal(off[n], on[n]) for n in off)
 
 
 def test_bf16_off_policy_old_logprobs_come_from_the_training_forward(lab, tmp_path):

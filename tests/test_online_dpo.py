@@ -310,6 +310,30 @@ def test_none_rewards_count_zero_and_the_reward_sees_the_run(world, lab, tmp_pat
     assert any(m["objective/scores"] > 0 for m in lines) and "grad_norm" in lines[0]
 
 
+def test_logging_steps_logs_the_means_over_the_window_as_trl(lab, tmp_path):
+    """--logging_steps 2 logs, at updates 2 and 4, the means of what --logging_steps 1 logs at each update of the
+    window (the same run otherwise), learning rate and episode of its last update, as TRL's logger does."""
+    flags = [
+        "--model_name_or_path", str(lab / "policy"), "--reward_fn", f"{lab / 'rules.py'}:chars",
+        "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "4", "--max_steps", "4",
+        "--local_rollout_forward_batch_size", "8", "--learning_rate", "1e-3", "--lr_scheduler_type", "linear",
+    ]  # fmt: skip
+    runs = {}
+    for every in (1, 2):
+        name = f"every{every}"
+        run_script(["online_dpo.py", *common_flags(tmp_path, name), *flags, "--logging_steps", str(every)])
+        runs[every] = read_metrics(tmp_path / "runs" / name)
+    each, windows = runs[1], runs[2]
+    assert [m["step"] for m in windows] == [2, 4]
+    for window, updates in zip(windows, (each[:2], each[2:])):
+        for key in ("loss/dpo_avg", "objective/kl", "objective/scores", "rewards/margins", "val/num_ties"):
+            assert window[key] == pytest.approx(
+                (updates[0][key] + updates[1][key]) / 2, rel=1e-5, abs=1e-9
+            ), key
+        assert window["lr"] == updates[1]["lr"] and window["episode"] == updates[1]["episode"]
+    assert each[0]["loss/dpo_avg"] != each[1]["loss/dpo_avg"] and each[0]["lr"] != each[1]["lr"]
+
+
 def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path):
     """Learning rate 0, --logprobs_at_temperature: the training forward gives back the logprobs of sampling (gap
     0) and the reference's (KL 0, implicit rewards 0), under left padding, truncation after EOS, a temperature

@@ -269,6 +269,14 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             run.parse_args(online_dpo.Args, argv)
+    # --logging_steps: TRL's means over the steps where a script has it, one sentence where it logs every update
+    assert run.parse_args(online_dpo.Args, ["--logging_steps", "10"]).logging_steps == 10
+    assert run.parse_args(grpo.Args, ["--disable_dropout", "False"]).disable_dropout is False
+    for module in (rloo, ppo):
+        with pytest.raises(
+            ValueError, match=re.escape("--logging_steps (a TRL flag) means nothing here: rloo.py")
+        ):
+            run.parse_args(module.Args, ["--logging_steps", "10"])
     # --reward_fn and --reward_funcs, --reward_model_name_or_path and --reward_model_path: one flag each
     for module, field in [
         (ppo, "reward_fn"),

@@ -119,6 +119,7 @@ TRL_REFUSED = {
     "fp16": "fp16 is not supported; use --bf16",
     "deepspeed": "give DeepSpeed to accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml (or zero3)",
     "optim": "the optimizer is AdamW, written in the script",
+    "logging_steps": "rloo.py and ppo.py log every update (a rollout and its optimizer steps), ddpo.py every epoch",
     "torch_dtype": "weights are trained in float32 (DeepSpeed's bf16 or --bf16 autocast give bf16 compute)",
     "dtype": "weights are trained in float32 (DeepSpeed's bf16 or --bf16 autocast give bf16 compute)",
 }

@@ -105,6 +105,13 @@ class Tracker:
             wandb.finish()
 
 
+def mean_by_key(window: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the dicts of `window` that have it: the metrics of the steps since the last log,
+    averaged as TRL's logger does (`--logging_steps`)."""
+    keys = dict.fromkeys(k for d in window for k in d)
+    return {k: sum(d[k] for d in window if k in d) / sum(k in d for d in window) for k in keys}
+
+
 def check_finite(step: int, accelerator=None, **values) -> None:
     """NonFiniteError naming the step and the quantity when one of `values` is NaN or inf. With `accelerator`,
     all processes raise together, else the others hang in the next collective."""
