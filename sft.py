@@ -459,7 +459,7 @@ def main(args: Args) -> dict:
     # since the last log: nll sum and input tokens (on the device: read only when logged), loss tokens, seconds
     window = torch.zeros(2, dtype=torch.float64, device=device)
     window_loss_tokens, window_seconds, num_tokens = 0.0, 0.0, run.num_tokens
-    loss_tokens = [sum(map(bool, row["loss_mask"][1:])) for row in run.train_rows]  # labels[:, 1:] kept
+    loss_tokens = [sum(map(bool, row["loss_mask"][1:])) for row in run.train_rows]  # each row's, as collate's
     policy.train()
     steps = range(run.start_step + 1, args.total_steps + 1)
     hidden = not accelerator.is_main_process

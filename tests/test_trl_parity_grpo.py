@@ -393,6 +393,7 @@ def test_our_args_default_like_trl():
         "bf16",  # TRL turns bf16 on by default; the scripts run in float32 unless asked (CPU too)
         "gradient_checkpointing",  # TRL's default True; off here, as every script here
         "logging_steps",  # TRL 10; we log every optimizer step
+        "disable_dropout",  # TRL False; True here, so the training forward's logprobs equal sampling's
         "seed",  # transformers' 42; the scripts' 1
         "num_train_epochs",  # transformers' 3.0: the same
         "max_prompt_length",  # not a GRPOConfig field in 1.16

@@ -256,6 +256,7 @@ DELIBERATE = {
     "output_dir": "models/rloo, beside the other scripts' models/<name>, instead of trainer_output",
     "dataset_name": "trl-lib/tldr, the TL;DR prompts this script is about; TRL requires the flag",
     "dataset_test_split": "None: 'test' would fail on datasets without it; TRL reads it only when evaluating",
+    "disable_dropout": "True: the training forward's logprobs equal the rollout's; --disable_dropout False for TRL's",
 }
 # TRL's values that rloo.py keeps under another name: TRL 1.16 name -> ours, after the sizes are filled in
 DERIVED = {
