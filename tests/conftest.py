@@ -237,6 +237,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
 
 
+def logged_every(script: str, flags_for, flags: list[str], every: int, tmp_path: Path) -> tuple[list, list]:
+    """The metrics.jsonl of two runs of `script` that differ only in --logging_steps: 1 and `every`
+    (`flags_for(tmp_path, name)` gives a run's output flags)."""
+    runs = []
+    for steps in (1, every):
+        name = f"every{steps}"
+        run_script([script, *flags_for(tmp_path, name), *flags, "--logging_steps", str(steps)])
+        runs.append(read_metrics(tmp_path / "runs" / name))
+    return runs[0], runs[1]
+
+
 def weights(path: Path) -> dict:
     """The tensors of `path`/model.safetensors."""
     from safetensors.torch import load_file

@@ -17,6 +17,7 @@ import utils.run
 import utils.scoring
 from conftest import (
     check_trl_style_calls,
+    logged_every,
     make_rl_lab,
     read_metrics,
     run_deepspeed,
@@ -449,12 +450,7 @@ def test_logging_steps_logs_the_means_over_the_window_as_trl(lab, tmp_path):
         "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_steps", "8",
         "--learning_rate", "1e-3", "--epsilon", "0.05",
     ]  # fmt: skip
-    runs = {}
-    for every in (1, 4):
-        name = f"every{every}"
-        run_script(["grpo.py", *common_flags(tmp_path, name), *flags, "--logging_steps", str(every)])
-        runs[every] = read_metrics(tmp_path / "runs" / name)
-    each, windows = runs[1], runs[4]
+    each, windows = logged_every("grpo.py", common_flags, flags, 4, tmp_path)
     assert [m["step"] for m in windows] == [4, 8]
     for window, steps in zip(windows, (each[:4], each[4:])):
         for key in ("loss", "kl", "entropy", "ratio", "clip_ratio/low_mean", "clip_ratio/low_min"):

@@ -16,6 +16,7 @@ import utils.generation
 from conftest import (
     ROOT,
     check_trl_style_calls,
+    logged_every,
     make_rl_lab,
     read_metrics,
     run_deepspeed,
@@ -318,12 +319,7 @@ def test_logging_steps_logs_the_means_over_the_window_as_trl(lab, tmp_path):
         "--dataset_name", str(lab / "prompts.jsonl"), "--per_device_train_batch_size", "4", "--max_steps", "4",
         "--local_rollout_forward_batch_size", "8", "--learning_rate", "1e-3", "--lr_scheduler_type", "linear",
     ]  # fmt: skip
-    runs = {}
-    for every in (1, 2):
-        name = f"every{every}"
-        run_script(["online_dpo.py", *common_flags(tmp_path, name), *flags, "--logging_steps", str(every)])
-        runs[every] = read_metrics(tmp_path / "runs" / name)
-    each, windows = runs[1], runs[2]
+    each, windows = logged_every("online_dpo.py", common_flags, flags, 2, tmp_path)
     assert [m["step"] for m in windows] == [2, 4]
     for window, updates in zip(windows, (each[:2], each[2:])):
         for key in ("loss/dpo_avg", "objective/kl", "objective/scores", "rewards/margins", "val/num_ties"):
