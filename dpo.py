@@ -621,9 +621,10 @@ def main(args: Args) -> dict:
         saved, state_dict = unwrapped.merge_and_unload(), None
     else:
         saved, state_dict = unwrapped, accelerator.get_state_dict(policy)  # gathers ZeRO-3 shards
-    saved.save_pretrained(
-        tmp_dir, is_main_process=is_main, save_function=accelerator.save, state_dict=state_dict
-    )
+    with utils.loading.config_dropout_kept(saved):
+        saved.save_pretrained(
+            tmp_dir, is_main_process=is_main, save_function=accelerator.save, state_dict=state_dict
+        )
     accelerator.wait_for_everyone()  # every process is done with tmp_dir before it is moved in
     if is_main:
         run.tokenizer.save_pretrained(tmp_dir)

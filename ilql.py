@@ -617,12 +617,13 @@ def save(run: Run, args: Args, final: dict) -> None:
     state_dict = accelerator.get_state_dict(run.model)
     bare = accelerator.unwrap_model(run.model)
     backbone_state = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-    bare.backbone.save_pretrained(
-        tmp_dir,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=backbone_state,
-    )
+    with utils.loading.config_dropout_kept(bare.backbone):
+        bare.backbone.save_pretrained(
+            tmp_dir,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=backbone_state,
+        )
     if accelerator.is_main_process:
         heads_state = {k[len("heads.") :]: v for k, v in state_dict.items() if k.startswith("heads.")}
         bare.save_heads(tmp_dir, heads_state, beta=args.beta, top_k=args.top_k, temperature=args.temperature)

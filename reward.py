@@ -220,7 +220,8 @@ def save_reward_model(model: nn.Module, output_dir: str, state_dict: dict | None
         key = ("score" if hasattr(model, "score") else "classifier") + ".bias"
         model.config.score_bias = state_dict[key].item()  # training (the centering term) may have moved it
         state_dict = {name: value for name, value in state_dict.items() if name != key}
-    model.save_pretrained(output_dir, state_dict=state_dict, **kwargs)
+    with utils.loading.config_dropout_kept(model):
+        model.save_pretrained(output_dir, state_dict=state_dict, **kwargs)
 
 
 def load_reward_model(path: str, flag: str = "--model_name_or_path", **kwargs) -> nn.Module:

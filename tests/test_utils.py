@@ -449,3 +449,21 @@ def test_utils_modules_form_no_import_circle():
 
     for name in graph:
         visit(name)
+
+
+def test_dropout_is_off_in_training_and_kept_in_the_saved_config(tmp_path):
+    """disable_dropout zeroes the modules' and the config's dropout (some models read the config in forward);
+    a model saved inside config_dropout_kept keeps the config's values, and training goes on without dropout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, attention_dropout=0.1)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    utils.loading.disable_dropout(model)
+    utils.loading.disable_dropout(model)  # twice (a reference sharing the config): the first values are kept
+    assert model.config.attention_dropout == 0.0
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in model.model.layers)
+    with utils.loading.config_dropout_kept(model):
+        model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["attention_dropout"] == 0.1
+    assert model.config.attention_dropout == 0.0

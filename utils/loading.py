@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch.nn as nn
 
@@ -12,7 +13,8 @@ from utils.run import main_process
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Turn off every dropout (modules, attention, config) so logprobs are deterministic."""
+    """Turn off every dropout (modules, attention, config) so logprobs are deterministic. The config's values
+    are kept for saving (`config_dropout_kept`): some models read them in forward, a saved model keeps them."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -21,9 +23,28 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, attr, 0.0)
     config = getattr(model, "config", None)
     if config is not None:
+        kept = _KEPT_DROPOUT.setdefault(id(config), (config, {}))[1]
         for key, value in list(vars(config).items()):
             if "dropout" in key and isinstance(value, float):
+                kept.setdefault(key, value)
                 setattr(config, key, 0.0)
+
+
+_KEPT_DROPOUT: dict[int, tuple] = {}  # id(config) -> (config, its dropout values before disable_dropout)
+
+
+@contextmanager
+def config_dropout_kept(model: nn.Module):
+    """While saving `model`: its config with the dropout values it had before disable_dropout."""
+    config = getattr(model, "config", None)
+    kept = _KEPT_DROPOUT.get(id(config), (None, {}))[1]
+    for key, value in kept.items():
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for key in kept:
+            setattr(config, key, 0.0)
 
 
 def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):

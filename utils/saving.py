@@ -7,6 +7,7 @@ import os
 import torch.nn as nn
 
 from utils.checkpoint import start_over
+from utils.loading import config_dropout_kept
 
 
 def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
@@ -65,10 +66,11 @@ def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, b
         if state_dict is not None:
             state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     os.makedirs(args.output_dir, exist_ok=True)
-    module.save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=state_dict,
-    )  # fmt: skip
+    with config_dropout_kept(module):
+        module.save_pretrained(
+            args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+            state_dict=state_dict,
+        )  # fmt: skip
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         write_model_card(args.output_dir, algorithm, base_model, args.dataset_name, metrics)
