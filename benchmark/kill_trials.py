@@ -8,6 +8,7 @@ requeue script's `mkdir -p` would), and while the first tmp-checkpoint-N is bein
 
     python benchmark/kill_trials.py --trials 7                  # sft.py and rloo.py, 1 and 2 processes
     python benchmark/kill_trials.py --scripts dpo ppo grpo --nproc 2 --trials 3 --work /tmp/kills
+    python benchmark/kill_trials.py --nproc 2 --zero_stage 2 --trials 3   # under DeepSpeed ZeRO-2 (CPU)
 
 Writes --out (benchmark/results/kill_trials.json); exits 1 when a trial is not bit-identical.
 """
@@ -59,6 +60,9 @@ class Args:
     work: str | None = None
     """where the runs go, kept for a look afterwards; None: a temporary folder, removed at the end"""
     out: str = "benchmark/results/kill_trials.json"
+    zero_stage: int = 0
+    """0: plain processes (torchrun); 2 or 3: DeepSpeed ZeRO-2/3 through accelerate launch with
+    accelerate_configs/deepspeed_zero{2,3}.yaml on CPU processes in float32 (--nproc of 2 or more)"""
 
 
 def script_flags(script: str, world: Path, out: Path, runs: Path) -> list[str]:
@@ -89,13 +93,26 @@ def script_flags(script: str, world: Path, out: Path, runs: Path) -> list[str]:
             *extra, *common]  # fmt: skip
 
 
+ZERO_STAGE = [0]  # --zero_stage, set by main
+
+
 def command(argv: list[str], nproc: int) -> tuple[list[str], dict]:
-    """The command line and extra environment of a run; two processes through torchrun (as accelerate)."""
+    """The command line and extra environment of a run; several processes through torchrun (as accelerate),
+    or accelerate launch under --zero_stage 2/3 (ACCELERATE_USE_CPU false there: true turns DeepSpeed off)."""
     if nproc == 1:
         return [sys.executable, *argv], dict(ENV)
-    port = f"--master_port={random.randint(20000, 60000)}"
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", port, *argv], {
-        **ENV, "ACCELERATE_USE_CPU": "true"}  # fmt: skip
+    port = str(random.randint(20000, 60000))
+    if ZERO_STAGE[0]:
+        config = ROOT / "accelerate_configs" / f"deepspeed_zero{ZERO_STAGE[0]}.yaml"
+        launch = ["-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", str(nproc),
+                  "--mixed_precision", "no", "--main_process_port", port]  # fmt: skip
+        return [sys.executable, *launch, *argv], {
+            **ENV,
+            "DS_ACCELERATOR": "cpu",
+            "ACCELERATE_USE_CPU": "false",
+        }
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+            *argv], {**ENV, "ACCELERATE_USE_CPU": "true"}  # fmt: skip
 
 
 def shell_line(argv: list[str], nproc: int) -> str:
@@ -234,6 +251,11 @@ def line(row: dict) -> str:
 def main(args: Args) -> int:
     if set(args.scripts) - set(SCRIPTS):
         raise SystemExit(f"kill_trials.py: error: --scripts takes some of {', '.join(SCRIPTS)}.")
+    if args.zero_stage not in (0, 2, 3) or args.zero_stage and min(args.nproc) < 2:
+        raise SystemExit(
+            "kill_trials.py: error: --zero_stage takes 0, 2 or 3, and 2 or 3 need --nproc 2 or more."
+        )
+    ZERO_STAGE[0] = args.zero_stage
     sys.path.insert(0, str(ROOT / "benchmark"))
     import tiny_world
 
@@ -268,7 +290,8 @@ def main(args: Args) -> int:
             for i, (kind, probe) in enumerate(kinds):
                 work = folder / f"trial-{i}"
                 work.mkdir()
-                row = {"script": script, "nproc": nproc, "kind": kind, "reference_seconds": round(wall, 1)}
+                row = {"script": script, "nproc": nproc, "zero_stage": args.zero_stage, "kind": kind,
+                       "reference_seconds": round(wall, 1)}  # fmt: skip
                 row |= trial(script, nproc, world, work, wall, rng, args, probe)
                 if "failed" not in row:
                     row |= compare(reference, work)
