@@ -910,7 +910,7 @@ def main(args: Args) -> None:
                 generations = window_generations or [generation_metrics]
                 seconds = time.time() - start_time
                 metrics = {
-                    **utils.tracking.mean_by_key(generations),
+                    **utils.tracking.mean_by_key(generations, skip_nan=True),
                     "loss": stats[0].item(),
                     "kl": stats[1].item(),
                     "entropy": stats[2].item(),

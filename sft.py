@@ -231,13 +231,17 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
     return rows, counts
 
 
-def step_micro_batches(num_rows: int, step: int, micro: int, ga: int, world_size: int, rank: int, seed: int):
-    """Row indices of this process's `ga` micro-batches of step `step` (from 1), shuffled by seed + epoch."""
-    batch_size = micro * ga * world_size
+def step_rows(num_rows: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of step `step` (from 1) over every process, shuffled by seed + epoch."""
     epoch, i = divmod(step - 1, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-    step_rows = order[i * batch_size : (i + 1) * batch_size].tolist()
-    return [step_rows[(j * world_size + rank) * micro :][:micro] for j in range(ga)]
+    return order[i * batch_size : (i + 1) * batch_size].tolist()
+
+
+def step_micro_batches(num_rows: int, step: int, micro: int, ga: int, world_size: int, rank: int, seed: int):
+    """Row indices of this process's `ga` micro-batches of step `step` (from 1)."""
+    rows = step_rows(num_rows, step, micro * ga * world_size, seed)
+    return [rows[(j * world_size + rank) * micro :][:micro] for j in range(ga)]
 
 
 @torch.no_grad()
@@ -466,14 +470,15 @@ def main(args: Args) -> dict:
     for step in tqdm(steps, disable=hidden, desc="sft", initial=run.start_step, total=args.total_steps):
         step_start = time.time()
         # 1. Batch: this process's micro-batches of the step.
-        num_rows, pad_id = len(run.train_rows), run.tokenizer.pad_token_id
-        step_rows = [step_micro_batches(num_rows, step, micro, ga, world, r, args.seed) for r in range(world)]
-        batches = [collate([run.train_rows[i] for i in rows], pad_id) for rows in step_rows[rank]]
+        local_rows = step_micro_batches(len(run.train_rows), step, micro, ga, world, rank, args.seed)
+        pad_id = run.tokenizer.pad_token_id
+        batches = [collate([run.train_rows[i] for i in rows], pad_id) for rows in local_rows]
 
         # 2. Loss: sum(nll) / sum(loss tokens) of the optimizer batch; accelerate and DDP divide by ga * world
-        global_loss_tokens = float(
-            sum(loss_tokens[i] for rank_rows in step_rows for rows in rank_rows for i in rows)
-        )
+        every_row = step_rows(
+            len(run.train_rows), step, args.batch_size, args.seed
+        )  # counted here: no collective
+        global_loss_tokens = float(sum(loss_tokens[i] for i in every_row))
         per_micro_batch = max(global_loss_tokens, 1.0) / (ga * world)
         for cpu_batch in batches:
             run.checkpointer.boundary()  # a signal stops here until the step changes the weights

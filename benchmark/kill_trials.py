@@ -93,17 +93,14 @@ def script_flags(script: str, world: Path, out: Path, runs: Path) -> list[str]:
             *extra, *common]  # fmt: skip
 
 
-ZERO_STAGE = [0]  # --zero_stage, set by main
-
-
-def command(argv: list[str], nproc: int) -> tuple[list[str], dict]:
+def command(argv: list[str], nproc: int, zero_stage: int) -> tuple[list[str], dict]:
     """The command line and extra environment of a run; several processes through torchrun (as accelerate),
     or accelerate launch under --zero_stage 2/3 (ACCELERATE_USE_CPU false there: true turns DeepSpeed off)."""
     if nproc == 1:
         return [sys.executable, *argv], dict(ENV)
     port = str(random.randint(20000, 60000))
-    if ZERO_STAGE[0]:
-        config = ROOT / "accelerate_configs" / f"deepspeed_zero{ZERO_STAGE[0]}.yaml"
+    if zero_stage:
+        config = ROOT / "accelerate_configs" / f"deepspeed_zero{zero_stage}.yaml"
         launch = ["-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", str(nproc),
                   "--mixed_precision", "no", "--main_process_port", port]  # fmt: skip
         return [sys.executable, *launch, *argv], {
@@ -115,15 +112,15 @@ def command(argv: list[str], nproc: int) -> tuple[list[str], dict]:
             *argv], {**ENV, "ACCELERATE_USE_CPU": "true"}  # fmt: skip
 
 
-def shell_line(argv: list[str], nproc: int) -> str:
+def shell_line(argv: list[str], nproc: int, zero_stage: int) -> str:
     """The command to paste into a shell to run it again."""
-    line, env = command(argv, nproc)
+    line, env = command(argv, nproc, zero_stage)
     return " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(line)
 
 
-def start(argv: list[str], nproc: int, log: Path) -> subprocess.Popen:
+def start(argv: list[str], nproc: int, zero_stage: int, log: Path) -> subprocess.Popen:
     """A run in a session of its own, its output appended to `log` (a pipe could fill and stall it)."""
-    line, env = command(argv, nproc)
+    line, env = command(argv, nproc, zero_stage)
     with open(log, "a") as f:
         f.write(f"\n$ {shlex.join(line)}\n")
         f.flush()
@@ -202,7 +199,7 @@ def trial(script: str, nproc: int, world: Path, work: Path, wall: float, rng: ra
     kills, states, resumes = [], [], 0
     while True:
         resume = ["--resume_from_checkpoint", "latest"] if kills else []
-        proc, began = start(argv + resume, nproc, work / "log.txt"), time.time()
+        proc, began = start(argv + resume, nproc, args.zero_stage, work / "log.txt"), time.time()
         resumes += bool(kills)
         kill_now = len(kills) < 3 and (not kills or (probe is None and rng.random() < args.kill_again))
         moment = rng.uniform(0, wall) if kill_now and probe is None else None
@@ -223,10 +220,10 @@ def trial(script: str, nproc: int, world: Path, work: Path, wall: float, rng: ra
             row["probe_missed"] = True  # the run ended before the state showed
         if proc.poll() is None:
             kill_all(proc)
-            return row | {"failed": "hung", "command": shell_line(argv + resume, nproc)}
+            return row | {"failed": "hung", "command": shell_line(argv + resume, nproc, args.zero_stage)}
         if proc.returncode != 0:
             tail = (work / "log.txt").read_text()[-2000:]
-            return row | {"failed": tail, "command": shell_line(argv + resume, nproc)}
+            return row | {"failed": tail, "command": shell_line(argv + resume, nproc, args.zero_stage)}
         return row
 
 
@@ -255,7 +252,6 @@ def main(args: Args) -> int:
         raise SystemExit(
             "kill_trials.py: error: --zero_stage takes 0, 2 or 3, and 2 or 3 need --nproc 2 or more."
         )
-    ZERO_STAGE[0] = args.zero_stage
     sys.path.insert(0, str(ROOT / "benchmark"))
     import tiny_world
 
@@ -282,9 +278,11 @@ def main(args: Args) -> int:
             reference.mkdir(parents=True)
             argv = script_flags(script, world, reference / "out", reference / "runs")
             began = time.time()
-            if start(argv, nproc, reference / "log.txt").wait() != 0:
+            if start(argv, nproc, args.zero_stage, reference / "log.txt").wait() != 0:
                 print((reference / "log.txt").read_text()[-3000:])
-                raise SystemExit(f"kill_trials.py: the uninterrupted run failed: {shell_line(argv, nproc)}")
+                raise SystemExit(
+                    f"kill_trials.py: the uninterrupted run failed: {shell_line(argv, nproc, args.zero_stage)}"
+                )
             wall = time.time() - began
             kinds = [("random", None)] * args.trials + list(probes.items())
             for i, (kind, probe) in enumerate(kinds):

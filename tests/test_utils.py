@@ -16,6 +16,7 @@ import utils.run
 import utils.saving
 import utils.scoring
 import utils.stats
+import utils.tracking
 
 PAD, EOS = 1, 0
 
@@ -467,3 +468,13 @@ def test_dropout_is_off_in_training_and_kept_in_the_saved_config(tmp_path):
         model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["attention_dropout"] == 0.1
     assert model.config.attention_dropout == 0.0
+
+
+def test_mean_by_key_averages_the_window_as_trls_loggers():
+    """Each key over the steps that logged it; with skip_nan (TRL's GRPO) a NaN step is left out, NaN only when
+    every step was NaN; without it (TRL's online DPO) a NaN stays in the mean."""
+    window = [{"a": 1.0, "b": math.nan}, {"a": 3.0, "b": 2.0, "c": math.nan}, {"a": math.nan}]
+    assert utils.tracking.mean_by_key(window[:2]) == {"a": 2.0, "b": pytest.approx(math.nan, nan_ok=True),
+                                                      "c": pytest.approx(math.nan, nan_ok=True)}  # fmt: skip
+    skipped = utils.tracking.mean_by_key(window, skip_nan=True)
+    assert skipped["a"] == 2.0 and skipped["b"] == 2.0 and math.isnan(skipped["c"])

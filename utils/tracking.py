@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -105,11 +106,15 @@ class Tracker:
             wandb.finish()
 
 
-def mean_by_key(window: list[dict[str, float]]) -> dict[str, float]:
+def mean_by_key(window: list[dict[str, float]], skip_nan: bool = False) -> dict[str, float]:
     """Each key's mean over the dicts of `window` that have it: the metrics of the steps since the last log,
-    averaged as TRL's logger does (`--logging_steps`)."""
-    keys = dict.fromkeys(k for d in window for k in d)
-    return {k: sum(d[k] for d in window if k in d) / sum(k in d for d in window) for k in keys}
+    averaged as TRL's logger does (`--logging_steps`); `skip_nan` leaves NaN values out as TRL's GRPO does (NaN
+    when none is left)."""
+    means = {}
+    for key in dict.fromkeys(k for d in window for k in d):
+        values = [d[key] for d in window if key in d and not (skip_nan and math.isnan(d[key]))]
+        means[key] = sum(values) / len(values) if values else math.nan
+    return means
 
 
 def check_finite(step: int, accelerator=None, **values) -> None:
