@@ -398,13 +398,6 @@ def sample(args, run, queries, query_mask):
     return responses, lengths, utils.generation.lengths_to_mask(lengths, R), logprobs
 
 
-def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
-    """Rewards [B, F] of the rows, one column per scorer."""
-    return torch.stack(
-        [score(query_responses, mask, context_length, chunk, **kwargs) for score in scorers], 1
-    )
-
-
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
     """(old logprobs or None on-policy, reference logprobs or None, rewards [B, F]) of the sampled rows."""
@@ -421,7 +414,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             old_logprobs.append(old)
         columns = utils.data.columns_of_rows(run.columns, examples, idx)
         prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()]
-        rewards = score_rows(
+        rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
             mask,
@@ -651,10 +644,12 @@ def setup(args: Args) -> Run:
     utils.vllm.check_args(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    reward_fns = [utils.scoring.load_reward_fn(spec) for spec in args.reward_funcs or []]
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    reward_fns = [
+        utils.scoring.load_reward_fn(spec, dataset.column_names) for spec in args.reward_funcs or []
+    ]
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
 

@@ -528,7 +528,8 @@ def setup(args: Args) -> Run:
         judge = load_function(args.judge, "--judge")
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
-    # A TRL-style reward function (with **kwargs) gets its rows' columns and the dataset's own prompts.
+    utils.scoring.check_reward_fn(reward_fn, args.reward_fn, dataset.column_names)
+    # The reward function gets its rows' columns (those it names, or all with **kwargs) and the dataset's prompts.
     columns = utils.data.columns(dataset) if reward_fn else {}
     raw_prompts = utils.data.column(dataset, "prompt")
     eval_dataset = None

@@ -640,6 +640,7 @@ def setup(args: Args) -> Run:
     where = f"--dataset_name {args.dataset_name} split {args.dataset_train_split}"
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], where)
+    utils.scoring.check_reward_fn(reward_fn, args.reward_fn, ["prompt"])  # the only column ppo passes
     fill_sizes(args, accelerator.num_processes, len(dataset))
     if args.eval_strategy == "no":
         args.num_sample_generations = 0

@@ -383,13 +383,6 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
     return responses, lengths, utils.generation.lengths_to_mask(lengths, args.response_length), logprobs
 
 
-def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
-    """Rewards [B, F] of the rows, one column per scorer."""
-    return torch.stack(
-        [score(query_responses, mask, context_length, chunk, **kwargs) for score in scorers], 1
-    )
-
-
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
     """(recomputed old logprobs or None, reference logprobs [B, R], rewards [B, F]) of the sampled rows."""
@@ -410,7 +403,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             recomputed_logprobs.append(recomputed)
         columns = utils.data.columns_of_rows(run.columns or {}, examples, idx)
         prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()] if len(run.raw_prompts) else None
-        rewards = score_rows(
+        rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
             mask,
@@ -630,9 +623,11 @@ def setup(args: Args) -> Run:
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
-    reward_fns = [utils.scoring.load_reward_fn(spec) for spec in args.reward_funcs or []]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    reward_fns = [
+        utils.scoring.load_reward_fn(spec, dataset.column_names) for spec in args.reward_funcs or []
+    ]
     # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
     raw_prompts = list(dataset["prompt"])  # the text or the messages
@@ -926,7 +921,9 @@ def sample_table(args, run, update, queries, responses, response_mask, scores, t
             )
             chunk, context_length = args.local_rollout_forward_batch_size, shown_queries.size(1)
             kwargs = dict(prompts=run.eval_raw_prompts, columns=run.eval_columns, trainer_state=trainer_state)
-            rewards_per_func = score_rows(run.scorers, query_responses, mask, context_length, chunk, **kwargs)
+            rewards_per_func = utils.scoring.score_rows(
+                run.scorers, query_responses, mask, context_length, chunk, **kwargs
+            )
             shown_scores = combine_rewards(rewards_per_func.float(), run.weights)
     run.tracker.samples(
         {

@@ -404,6 +404,21 @@ def test_trl_style_reward_functions_get_their_rows_columns(world, lab, tmp_path,
     assert seen == 2 * 16  # two generations of 4 prompts x 4 completions
 
 
+def test_a_reward_function_needing_a_missing_column_is_one_line(lab, tmp_path):
+    """Reward functions are called by keyword (TRL's): a required parameter that is neither a TRL keyword nor a
+    column of the dataset stops the run before any model is loaded, in one sentence naming the columns."""
+    (tmp_path / "r.py").write_text("def correct(completions, answer):\n    return [0.0] * len(completions)\n")
+    flags = common_flags(tmp_path, "missing") + [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{tmp_path / 'r.py'}:correct", "--num_generations", "4", "--max_steps", "1",
+    ]  # fmt: skip
+    proc = run_script(["grpo.py", *flags], check=False, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and last.startswith("grpo.py: error: ")
+    assert "parameter 'answer' is none of what a reward function gets" in last
+    assert last.endswith("the dataset's columns, here: prompt).")
+
+
 PARTIAL_REWARD = """
 def half(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
     \"\"\"TRL-style: None (not judged) for completions starting with an odd token id (about half); logs a metric,

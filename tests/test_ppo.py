@@ -539,7 +539,7 @@ def test_bad_inputs_fail_before_loading_models(world, tmp_path, fresh_accelerate
     with pytest.raises(ValueError, match="does not exist"):
         ppo.main(in_process_args(world, tmp_path, reward_fn=str(tmp_path / "missing.py:f")))
     (tmp_path / "no_prompt.jsonl").write_text('{"text": "a"}\n' * 8)
-    (tmp_path / "f.py").write_text("def f(p, c):\n    return [0.0] * len(c)\n")
+    (tmp_path / "f.py").write_text("def f(prompts, completions):\n    return [0.0] * len(completions)\n")
     args = in_process_args(
         world,
         tmp_path,

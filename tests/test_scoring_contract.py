@@ -9,7 +9,9 @@ GRPOTrainer._calculate_rewards, and for a reward model trl.data_utils.apply_chat
 with add_special_tokens=False and right padding.
 """
 
+import asyncio
 import re
+import threading
 from collections import defaultdict
 
 import pytest
@@ -197,7 +199,7 @@ def test_conversational_completion_is_one_assistant_message(policy_tok):
 
 def test_none_is_nan_and_a_wrong_length_is_an_error():
     assert utils.scoring.call_reward_fn(
-        lambda p, c: [1.0, None], ["p", "q"], ["a", "b"]
+        lambda prompts, completions: [1.0, None], ["p", "q"], ["a", "b"]
     ).isnan().tolist() == [
         False,
         True,
@@ -206,6 +208,106 @@ def test_none_is_nan_and_a_wrong_length_is_an_error():
     assert trl_style.isnan()[0] and trl_style[1] == 2.0 and trl_style.dtype == torch.float32
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         utils.scoring.call_reward_fn(lambda completions, **k: [None], ["p", "q"], ["a", "b"])
+
+
+# ------------------------------------------------------------------ bound by name, async, as TRL's own method
+def by_answer(completions, answer, **kwargs):
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+
+async def ids_length(completion_ids, **kwargs):
+    await asyncio.sleep(0.01)
+    return [float(len(ids)) for ids in completion_ids]
+
+
+async def step_and_prompt(prompts, trainer_state, log_metric, **kwargs):
+    log_metric("seen_step", trainer_state.global_step)
+    return [len(p) / 100 + trainer_state.global_step for p in prompts]
+
+
+def test_reward_functions_give_the_numbers_of_trls_calculate_rewards(world, policy_tok, tmp_path):
+    """TRL's own GRPOTrainer._calculate_rewards and utils.scoring.score_rows on the same rows: a sync function
+    reading a dataset column, two async ones (gathered on TRL's daemon loop and ours) reading ids and state."""
+    import trl
+    from datasets import Dataset
+
+    prompts = keyless_prompts(4, seed=5)
+    completions = [" 12 dog", " 7", "", " cat 3 vet"]
+    answers = ["12", "8", "5", "3"]
+    rows, mask, context, sampled = sampled_rows(policy_tok, prompts, completions, unfinished={2})
+    funcs = [by_answer, ids_length, step_and_prompt]
+    config = trl.GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4, num_generations=2
+    )
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": answers})
+    trainer = trl.GRPOTrainer(str(world / "policy"), funcs, args=config, train_dataset=dataset)
+    trainer.state.global_step = 3
+    completion_ids = trl_completion_ids(sampled, policy_tok.eos_token_id)
+    texts = policy_tok.batch_decode(completion_ids, skip_special_tokens=True)
+    inputs = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+    expected = trainer._calculate_rewards(inputs, prompts, texts, completion_ids)
+
+    scorers = [scoring.RewardScorer(None, None, policy_tok, reward_fn=fn) for fn in funcs]
+    state = scoring.TrainerState(global_step=3, max_steps=10)
+    columns = {"prompt": prompts, "answer": answers}
+    ours = scoring.score_rows(scorers, rows, mask, context, 2, columns=columns, trainer_state=state)
+    torch.testing.assert_close(ours, expected)
+    assert ours[:, 0].tolist() == [1.0, 0.0, 0.0, 1.0] and len(set(ours[:, 1].tolist())) > 2
+    assert scorers[2].take_logged() == {"seen_step": 3.0}
+
+
+def test_a_function_without_kwargs_gets_what_it_names(policy_tok):
+    """`def correct(completions, answer)` gets the completions and its rows' answers by name (it used to get the
+    prompts as completions); a required parameter that nothing passes is refused in one sentence, naming the
+    columns."""
+    seen = {}
+
+    def correct(completions, answer):
+        seen.update(completions=completions, answer=answer)
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    prompts = keyless_prompts(3, seed=6)
+    rows, mask, context, _ = sampled_rows(policy_tok, prompts, [" 12", " 7", " dog"])
+    columns = {"prompt": prompts, "answer": ["12", "8", "dog"]}
+    scores = scoring.RewardScorer(None, None, policy_tok, reward_fn=correct)(
+        rows, mask, context, 2, columns=columns
+    )
+    assert seen == {"completions": [" 12", " 7", " dog"], "answer": ["12", "8", "dog"]}
+    assert scores.tolist() == [1.0, 0.0, 1.0]
+
+    def needs_solution(completions, solution, scale=1.0):
+        return [0.0] * len(completions)
+
+    assert scoring.check_reward_fn(correct, "f.py:correct", ["prompt", "answer"]) is correct
+    with pytest.raises(ValueError, match=r"parameter 'solution' is none of .*here: prompt, answer\)\.$"):
+        scoring.check_reward_fn(needs_solution, "f.py:needs_solution", ["prompt", "answer"])
+    with pytest.raises(ValueError, match="positional-only"):
+        scoring.check_reward_fn(lambda completions, /: [], "f.py:g", ["prompt"])
+    with pytest.raises(ValueError, match="parameter 'solution' is none of"):  # at call time too (no columns)
+        scoring.call_reward_fn(needs_solution, ["p"], ["c"])
+
+
+def test_an_async_function_runs_on_one_loop_kept_between_calls(policy_tok):
+    """An `async def` reward function (TypeError before: a coroutine is not a list) is awaited on one event loop
+    on a daemon thread, the same at every call, as TRL's; async ones of one batch wait together."""
+    loops = []
+
+    async def judge(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0.2)
+        return [float(len(c)) for c in completions]
+
+    prompts = keyless_prompts(2, seed=7)
+    rows, mask, context, _ = sampled_rows(policy_tok, prompts, [" dog", " cat vet"])
+    scorers = [scoring.RewardScorer(None, None, policy_tok, reward_fn=judge) for _ in range(3)]
+    assert scoring.is_async(judge) and not scoring.is_async(by_answer)
+    start = __import__("time").perf_counter()
+    scores = scoring.score_rows(scorers, rows, mask, context, 2, prompts=prompts)
+    assert __import__("time").perf_counter() - start < 0.5  # 3 x 0.2 s one after the other would be 0.6 s
+    assert scores.tolist() == [[4.0] * 3, [8.0] * 3]
+    scorers[0](rows, mask, context, 2, prompts=prompts)
+    assert len(loops) == 4 and len(set(map(id, loops))) == 1 and loops[0] is not None
+    assert threading.current_thread() is threading.main_thread()
 
 
 # -------------------------------------------------------------------------------- a reward model, TRL's rendering

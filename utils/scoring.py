@@ -10,15 +10,19 @@ tokenizer (+ EOS when the policy finished), cut from the left to its length."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
 import math
 import os
 import sys
+import threading
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -164,8 +168,9 @@ def import_failure(spec: str, error: BaseException) -> str | None:
     return f"--reward_fn {spec}: {frames[0].filename} line {frames[0].lineno} raised {detail} while being imported."
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """A reward function from `path/to/file.py:function` or `module.function` (from the working directory)."""
+def load_reward_fn(spec: str, columns: Sequence[str] | None = None) -> Callable:
+    """A reward function from `path/to/file.py:function` or `module.function` (from the working directory);
+    with the dataset's `columns`, one whose required parameters are not all passed is refused."""
     path, sep, name = spec.rpartition(":")
     if not sep and spec in TRL_BUILTIN_REWARDS:
         raise ValueError(
@@ -188,7 +193,7 @@ def load_reward_fn(spec: str) -> Callable:
             raise ValueError(
                 f"--reward_fn {spec}: module {module_name!r} defines no function named {name!r}."
             )
-        return getattr(module, name)
+        return check_reward_fn(getattr(module, name), spec, columns)
     if not sep or not path or not name:
         raise ValueError(
             f"--reward_fn must look like path/to/file.py:function or module.function, got {spec!r}."
@@ -208,17 +213,58 @@ def load_reward_fn(spec: str) -> Callable:
         raise ValueError(sentence) from None
     if not callable(getattr(module, name, None)):
         raise ValueError(f"--reward_fn file {path} defines no function named {name!r}.")
-    return getattr(module, name)
+    return check_reward_fn(getattr(module, name), spec, columns)
 
 
 def discard(*_args) -> None:
     """A log_extra / log_metric that keeps nothing."""
 
 
-def takes_kwargs(fn: Callable) -> bool:
-    """True for a TRL-style reward function (one with **kwargs)."""
-    parameters = inspect.signature(fn).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids")  # TRL passes every other dataset column
+
+
+def check_reward_fn(fn: Callable, spec: str, columns: Sequence[str] | None = None) -> Callable:
+    """`fn`, or a ValueError when a parameter it requires is none of TRL's keywords and dataset `columns`."""
+    if fn is None or columns is None:
+        return fn
+    offered = {*REWARD_KEYWORDS, *(c for c in columns if c not in NOT_PASSED_COLUMNS)}
+    for parameter in inspect.signature(fn).parameters.values():
+        required = parameter.default is inspect.Parameter.empty
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY and required:
+            raise ValueError(
+                f"--reward_fn {spec}: parameter {parameter.name!r} is positional-only; reward functions are "
+                f"called by keyword, as in TRL ({', '.join(REWARD_KEYWORDS)} and the dataset's columns)."
+            )
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if required and parameter.name not in offered:
+            raise ValueError(
+                f"--reward_fn {spec}: parameter {parameter.name!r} is none of what a reward function gets "
+                f"({', '.join(REWARD_KEYWORDS)} and the dataset's columns, here: {', '.join(columns) or 'none'})."
+            )
+    return fn
+
+
+def is_async(fn: Callable) -> bool:
+    """Whether calling `fn` gives a coroutine: an `async def` function, a partial of one, or an object whose
+    `__call__` is one (what TRL checks)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+_EVENT_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop on a daemon thread for every async reward function, kept between calls as TRL keeps its
+    own (a client a function made in an earlier call stays on its loop)."""
+    global _EVENT_LOOP
+    if _EVENT_LOOP is None:
+        _EVENT_LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_EVENT_LOOP.run_forever, daemon=True).start()
+    return _EVENT_LOOP
 
 
 def call_reward_fn(
@@ -231,29 +277,57 @@ def call_reward_fn(
     log_extra: Callable[[str, list], None] = discard,
     log_metric: Callable[[str, float], None] = discard,
 ) -> torch.Tensor:
-    """Call a reward function, one value per completion: [B] float32; None becomes NaN (as TRL): a stop.
+    """Call a reward function by keyword, one value per completion: [B] float32; None becomes NaN (as TRL): a
+    stop. An `async def` one runs on `event_loop()`.
 
-    A TRL-style one gets TRL 1.16's keywords (the dataset's prompts, assistant messages as completions for
-    conversations, completion_ids, the other `columns`, trainer_state, log_extra, log_metric); any other
-    fn(prompts, completions)."""
-    if takes_kwargs(fn):
-        extra = {
-            k: v for k, v in (columns or {}).items() if k not in ("prompt", "completion", "completion_ids")
-        }
-        raw_prompts = (columns or {}).get("prompt")
-        if raw_prompts:  # the dataset's prompts, not their decoded (maybe truncated) tokens
-            prompts = list(raw_prompts)
-            if data.is_conversation(raw_prompts[0]):
-                completions = [[{"role": "assistant", "content": c}] for c in completions]
-        extra.update(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
-        values = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **extra))
-    else:
-        values = list(fn(prompts, completions))
+    The keywords are TRL 1.16's (the dataset's prompts, assistant messages as completions for conversations,
+    completion_ids, the other `columns`, trainer_state, log_extra, log_metric): all of them for a function with
+    **kwargs, else those its signature names (check_reward_fn refuses one it requires and does not get)."""
+    columns = columns or {}
+    raw_prompts = columns.get("prompt")
+    if raw_prompts:  # the dataset's prompts, not their decoded (maybe truncated) tokens
+        prompts = list(raw_prompts)
+        if data.is_conversation(raw_prompts[0]):
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+    keywords = {k: v for k, v in columns.items() if k not in NOT_PASSED_COLUMNS}
+    keywords.update(
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        trainer_state=trainer_state,
+        log_extra=log_extra,
+        log_metric=log_metric,
+    )
+    parameters = inspect.signature(fn).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        check_reward_fn(fn, getattr(fn, "__name__", "reward function"), list(columns))
+        keywords = {p.name: keywords[p.name] for p in parameters if p.name in keywords}
+    values = fn(**keywords)
+    if inspect.isawaitable(values):
+        values = asyncio.run_coroutine_threadsafe(values, event_loop()).result()
+    values = list(values)
     if len(values) != len(completions):
         raise ValueError(
             f"the reward function returned {len(values)} values for {len(completions)} completions."
         )
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+
+
+def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) -> torch.Tensor:
+    """Rewards [B, F] of the rows, one column per scorer; async reward functions wait for their answers together,
+    as TRL gathers them."""
+    waiting = [scorer for scorer in scorers if scorer.reward_fn is not None and is_async(scorer.reward_fn)]
+    with ThreadPoolExecutor(max_workers=max(1, len(waiting))) as pool:
+        futures = {
+            id(s): pool.submit(s, query_responses, mask, context_length, chunk, **kwargs) for s in waiting
+        }
+        scores = [
+            futures[id(s)].result()
+            if id(s) in futures
+            else s(query_responses, mask, context_length, chunk, **kwargs)
+            for s in scorers
+        ]
+    return torch.stack(scores, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
