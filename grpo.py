@@ -394,7 +394,7 @@ def sample(args, run, queries, query_mask):
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(call_logprobs)
     logprobs = torch.cat(logprobs)
-    responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_id, run.pad_id)
+    responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_ids, run.pad_id)
     return responses, lengths, utils.generation.lengths_to_mask(lengths, R), logprobs
 
 
@@ -613,7 +613,7 @@ class Run:
     weights: torch.Tensor
     engine: object
     pad_id: int
-    eos_id: int
+    eos_ids: torch.Tensor
     prompt_ids: list
     raw_prompts: list
     columns: dict
@@ -657,7 +657,7 @@ def setup(args: Args) -> Run:
     tokenizer = utils.loading.load_tokenizer(
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     model, flag = args.model_name_or_path, "--model_name_or_path"
@@ -670,6 +670,8 @@ def setup(args: Args) -> Run:
     )
     if args.disable_dropout:
         utils.loading.disable_dropout(policy)
+    # TRL 1.16 stops at the tokenizer's EOS and at every EOS id of the policy's generation_config.
+    eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
     ref_policy = reward_model = None
     if args.beta > 0:
         ref_policy = utils.loading.from_pretrained(
@@ -725,7 +727,7 @@ def setup(args: Args) -> Run:
         weights=weights,
         engine=engine,
         pad_id=pad_id,
-        eos_id=eos_id,
+        eos_ids=eos_ids,
         prompt_ids=prompt_ids,
         raw_prompts=raw_prompts,
         columns=columns,
@@ -767,7 +769,7 @@ def main(args: Args) -> None:
         context_length = queries.size(1)
         with accelerator.autocast():
             responses, lengths, response_mask, sampled_logprobs = sample(args, run, queries, query_mask)
-        has_eos = ((responses == run.eos_id) & response_mask).any(1)
+        has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )

@@ -314,7 +314,7 @@ def sample(args, run, queries, query_mask, prompt_of_row, generator):
             )
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(chunk_logprobs)
-    responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_id, run.pad_id)
+    responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_ids, run.pad_id)
     return (
         responses,
         lengths,
@@ -493,7 +493,7 @@ class Run:
     reward_fn: Callable | None
     judge: Callable | None
     pad_id: int
-    eos_id: int
+    eos_ids: torch.Tensor
     prompt_ids: list
     raw_prompts: list
     columns: dict
@@ -565,6 +565,8 @@ def setup(args: Args) -> Run:
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     for model in (policy, ref_policy) if args.disable_dropout else (ref_policy,):
         utils.loading.disable_dropout(model)
+    # TRL 1.16 stops at the tokenizer's EOS and at every EOS id of the policy's generation_config.
+    eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -606,7 +608,7 @@ def setup(args: Args) -> Run:
         reward_fn=reward_fn,
         judge=judge,
         pad_id=tokenizer.pad_token_id,
-        eos_id=tokenizer.eos_token_id,
+        eos_ids=eos_ids,
         prompt_ids=prompt_ids,
         raw_prompts=raw_prompts,
         columns=columns,
@@ -657,7 +659,7 @@ def main(args: Args) -> None:
         responses, lengths, response_mask, sampled_logprobs = sample(
             args, run, queries, query_mask, rows % P, run.sampling_generator
         )
-        has_eos = ((responses == run.eos_id) & response_mask).any(1)
+        has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
 
         # 2. Score: reference logprobs (prompts cut to --max_length) and rewards.
         rows_at = functools.partial(

@@ -379,7 +379,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
             logprobs.append(call_logprobs.unflatten(0, (num_completions, -1)))
     responses = torch.cat(responses, 1).flatten(0, 1)
     logprobs = torch.cat(logprobs, 1).flatten(0, 1)
-    responses, lengths = utils.generation.truncate_response(responses, run.stop_token_id, run.pad_id)
+    responses, lengths = utils.generation.truncate_response(responses, run.stop_token_ids, run.pad_id)
     return responses, lengths, utils.generation.lengths_to_mask(lengths, args.response_length), logprobs
 
 
@@ -594,8 +594,8 @@ class Run:
     weights: torch.Tensor
     engine: object
     pad_id: int
-    eos_id: int
-    stop_token_id: int | None
+    eos_ids: torch.Tensor
+    stop_token_ids: torch.Tensor | None
     recompute_old_logprobs: bool
     policy_path: str
     prompt_ids: list
@@ -666,8 +666,7 @@ def setup(args: Args) -> Run:
         tokenizer_path, tokenizer_flag = policy_path, policy_flag
     tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    stop_token_id = eos_id if args.stop_token == "eos" else args.stop_token_id
+    pad_id = tokenizer.pad_token_id
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     eval_prompt_ids = None
     if eval_dataset is not None:
@@ -684,6 +683,11 @@ def setup(args: Args) -> Run:
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     for model in (policy, ref_policy) if args.disable_dropout else (ref_policy,):
         utils.loading.disable_dropout(model)
+    # --stop_token eos: the tokenizer's EOS and every EOS id of the policy's generation_config (TRL 1.16).
+    eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
+    stop_token_ids = eos_ids if args.stop_token == "eos" else None
+    if args.stop_token_id is not None:
+        stop_token_ids = torch.tensor([args.stop_token_id], device=accelerator.device)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -726,8 +730,8 @@ def setup(args: Args) -> Run:
         weights=weights,
         engine=engine,
         pad_id=pad_id,
-        eos_id=eos_id,
-        stop_token_id=stop_token_id,
+        eos_ids=eos_ids,
+        stop_token_ids=stop_token_ids,
         recompute_old_logprobs=recompute_old_logprobs,
         policy_path=policy_path,
         prompt_ids=prompt_ids,
@@ -752,9 +756,8 @@ def main(args: Args) -> dict:
     accelerator, policy, optimizer = run.accelerator, run.policy, run.optimizer
     device, rank = accelerator.device, accelerator.process_index
     B, P, T = args.local_batch_size, args.local_dataloader_batch_size, args.temperature
-    finished_ids = torch.tensor(
-        [i for i in (run.stop_token_id, run.eos_id, run.pad_id) if i is not None], device=device
-    )
+    stops = [run.stop_token_ids] if run.stop_token_ids is not None else []
+    finished_ids = torch.cat([*stops, run.eos_ids, torch.tensor([run.pad_id], device=device)])
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start, start_time, metrics = run.start_step, time.time(), {}
@@ -797,7 +800,7 @@ def main(args: Args) -> dict:
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
-        has_eos = ((responses == run.eos_id) & response_mask).any(1)
+        has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
         loss_mask = response_mask

@@ -419,6 +419,48 @@ def test_a_reward_function_needing_a_missing_column_is_one_line(lab, tmp_path):
     assert last.endswith("the dataset's columns, here: prompt).")
 
 
+def test_sampling_stops_at_every_eos_id_of_the_generation_config(lab, tmp_path):
+    """TRL 1.16 stops at the tokenizer's EOS and at every EOS id of the policy's generation_config: with a second
+    EOS id (a token the policy samples often), no completion goes on past either, and some end at the second."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import utils.chat
+
+    tokenizer = AutoTokenizer.from_pretrained(lab / "policy")
+    model = AutoModelForCausalLM.from_pretrained(lab / "policy")
+    prompts = [json.loads(line)["prompt"] for line in open(lab / "prompts.jsonl")][:8]
+    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompts)
+    responses, lengths = utils.generation.complete(
+        model, tokenizer, prompt_ids, 8, 8, 1.0, torch.Generator().manual_seed(0)
+    )
+    eos = tokenizer.eos_token_id
+    counts = Counter(t for r, n in zip(responses.tolist(), lengths.tolist()) for t in r[:n] if t != eos)
+    second = counts.most_common(1)[0][0]
+    model.generation_config.eos_token_id = [eos, second]
+    model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    assert utils.generation.eos_token_ids(model, tokenizer) == [eos, second]
+    (tmp_path / "r.py").write_text(
+        "import json, os\n"
+        "def ids(completion_ids, **kwargs):\n"
+        "    with open(os.environ['IDS_LOG'], 'a') as f:\n"
+        "        f.writelines(json.dumps(row) + '\\n' for row in completion_ids)\n"
+        "    return [0.0] * len(completion_ids)\n"
+    )
+    flags = common_flags(tmp_path, "two_eos") + [
+        "--model_name_or_path", str(tmp_path / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{tmp_path / 'r.py'}:ids", "--num_generations", "4", "--max_steps", "2",
+        "--per_device_train_batch_size", "16",
+    ]  # fmt: skip
+    run_script(["grpo.py", *flags], env={"IDS_LOG": str(tmp_path / "ids.jsonl")})
+    rows = [json.loads(line) for line in open(tmp_path / "ids.jsonl")]
+    assert len(rows) == 32
+    assert all(not {eos, second} & set(row[:-1]) for row in rows)  # nothing sampled past either EOS id
+    assert sum(row[-1] == second for row in rows) >= 2
+
+
 PARTIAL_REWARD = """
 def half(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
     \"\"\"TRL-style: None (not judged) for completions starting with an odd token id (about half); logs a metric,

@@ -76,6 +76,9 @@ def test_truncate_response_edge_cases(pad_id):
     assert lengths.tolist()[:4] == [1, 4, 4, 2]
     same, full = utils.generation.truncate_response(responses, None, pad_id)
     assert torch.equal(same, responses) and full.tolist() == [4] * 5
+    # several stop ids (a generation_config's EOS ids, as TRL 1.16): the first of any of them
+    _, lengths = utils.generation.truncate_response(responses, [7, EOS], pad_id)
+    assert lengths.tolist()[:4] == [1, 3, 3, 2]
 
 
 def test_lengths_to_mask_and_last_token_indices():

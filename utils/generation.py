@@ -49,17 +49,27 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
 
 
 def truncate_response(
-    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
+    responses: torch.Tensor, stop_token_id: int | Sequence[int] | torch.Tensor | None, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Responses [B, R] cut after their first `stop_token_id` (pad after) -> (truncated [B, R], lengths [B]).
+    """Responses [B, R] cut after their first stop token, any of `stop_token_id` (one id or several; pad
+    after) -> (truncated [B, R], lengths [B]).
 
     Lengths count the stop token (R when none), so pad == stop is fine."""
     width = responses.size(1)
     if stop_token_id is None:
         return responses.clone(), torch.full((responses.size(0),), width, device=responses.device)
-    lengths = (first_true_indices(responses == stop_token_id) + 1).clamp(max=width)
+    stops = torch.as_tensor(stop_token_id, device=responses.device).flatten()
+    lengths = (first_true_indices(torch.isin(responses, stops)) + 1).clamp(max=width)
     keep = torch.arange(width, device=responses.device)[None, :] < lengths[:, None]
     return torch.where(keep, responses, torch.full_like(responses, pad_token_id)), lengths
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """The ids sampling stops at, as in TRL 1.16's GRPO, RLOO and online DPO: the tokenizer's EOS and every
+    EOS id of the model's generation_config (a chat model's end-of-turn, say)."""
+    config_ids = getattr(getattr(inner_model(model), "generation_config", None), "eos_token_id", None)
+    config_ids = [config_ids] if isinstance(config_ids, int) else list(config_ids or [])
+    return list(dict.fromkeys([tokenizer.eos_token_id, *config_ids]))
 
 
 def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -144,14 +154,15 @@ def complete(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions as the RL scripts sample them (greedy by default), cut after EOS: (responses, lengths)."""
+    """Completions as the RL scripts sample them (greedy by default), cut after any EOS id (eos_token_ids):
+    (responses, lengths)."""
     prompt_ids = fit_positions(model, prompt_ids, response_length)
     queries, query_mask = left_pad(prompt_ids, tokenizer.pad_token_id, next(model.parameters()).device)
     query_responses, _ = generate(
         model, queries, query_mask, response_length, temperature, chunk_size, generator
     )
     return truncate_response(
-        query_responses[:, queries.size(1) :], tokenizer.eos_token_id, tokenizer.pad_token_id
+        query_responses[:, queries.size(1) :], eos_token_ids(model, tokenizer), tokenizer.pad_token_id
     )
 
 
