@@ -1,0 +1,130 @@
+"""The two halves of a whole-update test: the same completions on our side and TRL's, and the weights after
+every optimizer step on both.
+
+Sampling is the one thing both sides must not do themselves: each side's sampler draws other random numbers.
+`completion(prompt, j)` is the j-th completion of a prompt (its token ids, a stable hash of both as the seed),
+and `next_index` counts the completions each prompt got so far, in files shared by every process of the run, so
+a group holds the same completions whichever process samples which of its rows. Our scripts get them through
+`utils.generation.generate` (tests/fixed_run.py swaps it), TRL's trainers through their `_generate_single_turn`.
+`StepRecorder` writes the trained parameters after each optimizer step (a global optimizer hook), so the
+comparison is of what each training loop did, not of a loss the test rebuilds."""
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+TOKENS = (2, 600)  # the tiny world's ids below 2 are <|endoftext|> and <|pad|>
+
+
+def completion(prompt_ids: list[int], j: int, length: int, eos_id: int) -> list[int]:
+    """The j-th completion of a prompt: `length` token ids, of which about 2 in 3 hold an EOS at a varied place
+    (everything after it pad-like noise that the scripts cut), the others run to the length limit."""
+    digest = hashlib.sha256(f"{list(map(int, prompt_ids))}|{j}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    ids = torch.randint(*TOKENS, (length,), generator=g).tolist()
+    if torch.rand((), generator=g).item() < 0.67:
+        ids[int(torch.randint(1, length, (), generator=g))] = eos_id
+    return ids
+
+
+def cut_at_eos(ids: list[int], eos_ids) -> list[int]:
+    """The ids up to and including the first EOS (as a sampler that stops there returns them)."""
+    for i, token in enumerate(ids):
+        if token in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def next_index(counter_dir: str | os.PathLike, prompt_ids: list[int]) -> int:
+    """How many completions this prompt got before (then one more), counted across processes."""
+    key = hashlib.sha256(str(list(map(int, prompt_ids))).encode()).hexdigest()[:20]
+    path = Path(counter_dir) / key
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        count = int(f.read() or 0)
+        f.seek(0)
+        f.truncate()
+        f.write(str(count + 1))
+    return count
+
+
+def trl_generate(trainer, counter_dir, length: int):
+    """A stand-in for a TRL 1.16 trainer's `_generate_single_turn`: fixed completions, cut after the first of
+    the trainer's EOS ids, as TRL's own sampler returns them (no logprobs: TRL computes its own)."""
+    eos_ids = list(trainer.eos_token_ids)
+
+    def generate_single_turn(prompt_ids, *args, **kwargs):
+        out = [
+            cut_at_eos(completion(p, next_index(counter_dir, p), length, eos_ids[0]), eos_ids)
+            for p in prompt_ids
+        ]
+        return out, None
+
+    return generate_single_turn
+
+
+class StepRecorder:
+    """Writes {name: parameter} of the trainable parameters of `model` (or the module that owns the optimizer's
+    parameters, found among `candidates()`) to out_dir/step{k}.safetensors after the k-th optimizer step, on the
+    first process only. A global hook: it sees the real steps only (accelerate skips the accumulating ones)."""
+
+    def __init__(self, out_dir, model=None, candidates=None):
+        self.out_dir, self.model, self.candidates, self.steps = Path(out_dir), model, candidates, 0
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.handle = register_optimizer_step_post_hook(self)
+
+    def owner(self, optimizer):
+        if self.model is not None:
+            return self.model
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for module in self.candidates():
+            if any(id(p) in params for p in module.parameters()):
+                return module
+        raise RuntimeError("StepRecorder: no module owns the optimizer's parameters")
+
+    def __call__(self, optimizer, args, kwargs):
+        from safetensors.torch import save_file
+
+        self.steps += 1
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        module = self.owner(optimizer)
+        module = getattr(module, "module", module)  # DDP
+        tensors = {
+            name.removeprefix("module."): p.detach().float().cpu().clone().contiguous()
+            for name, p in module.named_parameters()
+            if p.requires_grad
+        }
+        save_file(tensors, str(self.out_dir / f"step{self.steps}.safetensors"))
+
+    def remove(self):
+        self.handle.remove()
+
+
+def recorded_steps(out_dir) -> list[dict]:
+    """The recorded parameters, one dict a step, in step order."""
+    from safetensors.torch import load_file
+
+    paths = sorted(Path(out_dir).glob("step*.safetensors"), key=lambda p: int(p.stem[4:]))
+    return [load_file(str(p)) for p in paths]
+
+
+def assert_same_steps(ours: list[dict], theirs: list[dict], start: dict, rel=2e-3, min_steps=2):
+    """Equal numbers of optimizer steps (at least `min_steps`) and, after each, the same parameters: for every
+    tensor, the two sides' updates since `start` differ by at most `rel` of TRL's update (in norm). AdamW makes
+    rounding noise in a gradient near 0 into a full step of a few elements (about 1e-4 of the norm here), while
+    a sign, a mask or a scale changes the update of most elements."""
+    assert len(ours) == len(theirs) >= min_steps, (len(ours), len(theirs))
+    for step, (mine, trl) in enumerate(zip(ours, theirs), 1):
+        assert set(mine) == set(trl), (step, sorted(set(mine) ^ set(trl))[:5])
+        for name in mine:
+            update = (trl[name] - start[name].float()).norm()
+            gap = (mine[name] - trl[name]).norm()
+            assert gap <= rel * update + 1e-7, (
+                f"step {step}: {name}: |ours - TRL's| {gap:.3g}, TRL's update {update:.3g}"
+            )
