@@ -95,8 +95,8 @@ class Args:
     """Jinja file (or tokenizer folder) for conversational prompts"""
     context_overflow: Literal["refuse", "cut"] = "refuse"
     """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
-    max_prompt_length: int | None = 512
-    """keep only the last this many prompt tokens; None: all"""
+    max_prompt_length: int | None = None
+    """keep only the last this many prompt tokens (not a TRL 1.16 flag); None: whole prompts, as TRL 1.16"""
     bf16: bool = False
     """bf16 mixed precision"""
     gradient_checkpointing: bool = False
@@ -155,8 +155,8 @@ class Args:
     """optimizer steps in total (-1: from --num_train_epochs)"""
     num_train_epochs: float = 3.0
     """passes over the prompts if --max_steps is -1"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the centred rewards by the group's std, the batch's, or nothing (Dr. GRPO)"""
+    scale_rewards: str = "group"
+    """divide the centred rewards by the std of the group (group, True), the batch, or not (none, False)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
     """how the per-token losses are averaged (see aggregate_loss); cispo and sapo change the loss too"""
     epsilon: float = 0.2
@@ -509,6 +509,14 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(
             f"--temperature must be positive (GRPO needs sampled completions), got {args.temperature}."
         )
+    # TRL's GRPOConfig reads True as group and False as none.
+    args.scale_rewards = {"true": "group", "false": "none"}.get(
+        args.scale_rewards.lower(), args.scale_rewards
+    )
+    if args.scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(
+            f"--scale_rewards takes group, batch, none, True or False, got {args.scale_rewards!r}."
+        )
     if args.epsilon_high is None:
         args.epsilon_high = args.epsilon
     if not 0 < args.epsilon < 1 or args.epsilon_high <= 0:
@@ -659,7 +667,9 @@ def setup(args: Args) -> Run:
     )
     pad_id = tokenizer.pad_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
-    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    (prompt_ids,) = utils.loading.cut_prompts(
+        [utils.chat.tokenize_prompts(tokenizer, prompt_texts)], args.max_prompt_length
+    )
     model, flag = args.model_name_or_path, "--model_name_or_path"
     (prompt_ids,) = utils.loading.fit_prompts([prompt_ids], args, "max_completion_length", model, flag)
     longest = max(map(len, prompt_ids)) + args.max_completion_length

@@ -106,7 +106,7 @@ class Args:
     context_overflow: Literal["refuse", "cut"] = "refuse"
     """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_prompt_length: int | None = None
-    """keep only the last this many prompt tokens; None: all"""
+    """keep only the last this many prompt tokens (not a TRL 1.16 flag); None: whole prompts, as TRL 1.16"""
     bf16: bool = False
     """bf16 mixed precision"""
     gradient_checkpointing: bool = False
@@ -667,11 +667,14 @@ def setup(args: Args) -> Run:
     tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id = tokenizer.pad_token_id
-    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
+    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts)
     eval_prompt_ids = None
     if eval_dataset is not None:
         eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
-        eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
+        eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts)
+    prompt_ids, eval_prompt_ids = utils.loading.cut_prompts(
+        [prompt_ids, eval_prompt_ids], args.max_prompt_length
+    )
     completion_flag = flag(args, "response_length")  # --max_completion_length in a TRL 1.16 command line
     prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
         [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag, completion_flag

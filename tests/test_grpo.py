@@ -13,6 +13,7 @@ import torch
 
 import grpo
 import utils.generation
+import utils.loading
 import utils.run
 import utils.scoring
 from conftest import (
@@ -326,6 +327,22 @@ def test_bad_flags_are_refused_with_one_sentence(flags, message):
         grpo.fill_sizes(parse(flags), world_size=1)
 
 
+def test_prompts_are_whole_by_default_as_trl_1_16():
+    assert grpo.Args().max_prompt_length is None
+    assert utils.loading.cut_prompts([[[1, 2, 3]], None], None) == [[[1, 2, 3]], None]
+    assert utils.loading.cut_prompts([[[1, 2, 3], [4]], [[5, 6]]], 2) == [[[2, 3], [4]], [[5, 6]]]
+
+
+@pytest.mark.parametrize("given, meant", [("True", "group"), ("false", "none"), ("batch", "batch")])
+def test_scale_rewards_takes_trls_true_and_false(given, meant):
+    """TRL's GRPOConfig reads scale_rewards True as group and False as none."""
+    assert grpo.fill_sizes(parse(["--scale_rewards", given]), world_size=1).scale_rewards == meant
+    with pytest.raises(
+        ValueError, match="--scale_rewards takes group, batch, none, True or False, got 'std'"
+    ):
+        grpo.fill_sizes(parse(["--scale_rewards", "std"]), world_size=1)
+
+
 def test_no_reward_and_too_few_prompts():
     args = utils.run.parse_args(grpo.Args, ["--model_name_or_path", "m"])
     with pytest.raises(ValueError, match="at least one reward"):
@@ -430,7 +447,8 @@ def test_sampling_stops_at_every_eos_id_of_the_generation_config(lab, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(lab / "policy")
     model = AutoModelForCausalLM.from_pretrained(lab / "policy")
-    prompts = [json.loads(line)["prompt"] for line in open(lab / "prompts.jsonl")][:8]
+    all_prompts = [json.loads(line)["prompt"] for line in open(lab / "prompts.jsonl")]
+    prompts = all_prompts[:8]
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompts)
     responses, lengths = utils.generation.complete(
         model, tokenizer, prompt_ids, 8, 8, 1.0, torch.Generator().manual_seed(0)
@@ -449,12 +467,18 @@ def test_sampling_stops_at_every_eos_id_of_the_generation_config(lab, tmp_path):
         "        f.writelines(json.dumps(row) + '\\n' for row in completion_ids)\n"
         "    return [0.0] * len(completion_ids)\n"
     )
+    lengths = sorted(map(len, utils.chat.tokenize_prompts(tokenizer, all_prompts)))
+    cut_at = lengths[16]
+    longer = sum(n > cut_at for n in lengths)
+    assert longer > 0
     flags = common_flags(tmp_path, "two_eos") + [
         "--model_name_or_path", str(tmp_path / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
         "--reward_funcs", f"{tmp_path / 'r.py'}:ids", "--num_generations", "4", "--max_steps", "2",
-        "--per_device_train_batch_size", "16",
+        "--per_device_train_batch_size", "16", "--max_prompt_length", str(cut_at),
     ]  # fmt: skip
-    run_script(["grpo.py", *flags], env={"IDS_LOG": str(tmp_path / "ids.jsonl")})
+    proc = run_script(["grpo.py", *flags], env={"IDS_LOG": str(tmp_path / "ids.jsonl")})
+    # --max_prompt_length, which TRL 1.16 lacks, says what it cut
+    assert f"--max_prompt_length {cut_at}: {longer} of 32 prompts cut from the left to fit" in proc.stdout
     rows = [json.loads(line) for line in open(tmp_path / "ids.jsonl")]
     assert len(rows) == 32
     assert all(not {eos, second} & set(row[:-1]) for row in rows)  # nothing sampled past either EOS id

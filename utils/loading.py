@@ -161,6 +161,17 @@ def cut_from_left(
     return [None if prompts is None else [p[-room:] for p in prompts] for prompts in splits], cut
 
 
+def cut_prompts(splits: list[list[list[int]] | None], max_prompt_length: int | None) -> list:
+    """The prompt ids of every split with only their last `max_prompt_length` tokens (None: whole, as TRL 1.16),
+    in one line saying how many were cut."""
+    if max_prompt_length is None:
+        return splits
+    splits, cut = cut_from_left(splits, max_prompt_length)
+    total = sum(len(prompts) for prompts in splits if prompts)
+    say_once(f"--max_prompt_length {max_prompt_length}: {cut} of {total} prompts cut from the left to fit")
+    return splits
+
+
 def fit_prompts(
     splits: list[list[list[int]] | None],
     args,
