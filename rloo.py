@@ -497,16 +497,30 @@ def read_trl_flags(args: Args) -> Args:
             "--reward_fn (TRL 0.19, one function) and --reward_funcs (TRL 1.16) both name reward "
             "functions; put them all in --reward_funcs."
         )
-    utils.trl_flags.resolve(args, TRL_RENAMED, TRL_DEFAULTS, version, VERSIONS)
+    newer = utils.trl_flags.newer_flags(args, TRL_RENAMED, TRL1_ONLY)
+    changed = utils.trl_flags.resolve(args, TRL_RENAMED, TRL_DEFAULTS, version, VERSIONS)
     if args.reward_fn is not None:
         args.reward_funcs = [args.reward_fn]
     if version == "1.16" and args.stop_token is None and args.stop_token_id is None:
         args.stop_token = "eos"  # TRL 1.16 always stops at EOS
+        changed.append(("stop_token", None, "eos"))
     if version == "1.16" and args.total_episodes is None:
         args.max_steps = -1 if args.max_steps is None else args.max_steps
+        if args.num_train_epochs is None and args.max_steps == -1:
+            changed.append(("num_train_epochs", 1, 3.0))  # TRL 0.19's --total_episodes default: one epoch
         args.num_train_epochs = 3.0 if args.num_train_epochs is None else args.num_train_epochs
     if args.reward_clip_range is None and (version == "0.19" or args.normalize_reward):
         args.reward_clip_range = (10.0,)
+    elif version == "1.16" and args.reward_clip_range is None:
+        changed.append(("reward_clip_range", 10.0, None))
+    if version == "1.16":  # a single TRL 1.16 flag changes every default: say which
+        names = " ".join(f"--{name}" for name in newer)
+        reason = f"{names} {'is a TRL 1.16 flag' if len(newer) == 1 else 'are TRL 1.16 flags'}"
+        if args.trl_defaults == "1.16" or not newer:
+            reason = (
+                "--trl_defaults 1.16" if args.trl_defaults == "1.16" else "--reward_clip_range has two values"
+            )
+        utils.trl_flags.say_changed_defaults(changed, reason, TRL_RENAMED, VERSIONS)
     args.dialect = version
     return args
 

@@ -200,6 +200,24 @@ def parse(flags):
     return tyro.cli(rloo.Args, args=flags, use_underscores=True)
 
 
+def test_a_trl_1_16_flag_names_every_default_it_changes(capsys):
+    """One TRL 1.16 flag makes the command line TRL 1.16's, defaults included: one line says which changed."""
+    args = rloo.read_trl_flags(parse("--sft_model_path m --reward_model_path r --epsilon_high 0.3".split()))
+    line = capsys.readouterr().out.strip()
+    assert args.dialect == "1.16" and args.learning_rate == 1e-6 and len(line.splitlines()) == 1
+    assert line.startswith("--epsilon_high is a TRL 1.16 flag, so TRL 1.16's defaults apply: ")
+    for change in ("--learning_rate=3e-06->1e-06", "--seed=1->42", "--max_completion_length=53->512",
+                   "--num_iterations=4->1", "--num_train_epochs=1->3.0", "--stop_token=None->eos"):  # fmt: skip
+        assert change in line
+    assert "--num_generations" not in line  # the same default in both
+    given = "--sft_model_path m --reward_model_path r --epsilon_high 0.3 --learning_rate 3e-6 --seed 1"
+    rloo.read_trl_flags(parse(given.split()))
+    line = capsys.readouterr().out
+    assert "--learning_rate" not in line and "--seed" not in line and "--temperature=0.7->1.0" in line
+    rloo.read_trl_flags(parse("--sft_model_path m --reward_model_path r".split()))  # TRL 0.19's: nothing
+    assert capsys.readouterr().out == ""
+
+
 def test_seed_commands_parse_and_give_trl_batch_sizes():
     minimal = parse(
         "--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style --dataset_train_split "

@@ -23,15 +23,20 @@ def speaks(
     """`choice`, or with "auto" the newer version when any 1.x name is set, else the older."""
     if choice != "auto":
         return choice
-    newer = [name for name in (*renamed.values(), *new_only) if given(getattr(args, name))]
-    return versions[1] if newer else versions[0]
+    return versions[1] if newer_flags(args, renamed, new_only) else versions[0]
+
+
+def newer_flags(args, renamed: dict[str, str], new_only: Iterable[str]) -> list[str]:
+    """The 1.x names set on the command line."""
+    return [name for name in (*renamed.values(), *new_only) if given(getattr(args, name))]
 
 
 def resolve(
     args, renamed: dict[str, str], defaults: dict[str, tuple], version: str, versions: tuple[str, str]
 ):
     """Merge each `renamed` pair into its 0.x name (ValueError on two values), fill `defaults` still None from
-    (0.x default, 1.x default), and copy back to the 1.x names so the logged flags agree."""
+    (0.x default, 1.x default), and copy back to the 1.x names so the logged flags agree. Returns the
+    (name, 0.x default, 1.x default) filled in with the 1.x one where the two differ."""
     for old, new in renamed.items():
         a, b = getattr(args, old), getattr(args, new)
         if given(a) and given(b) and a != b:
@@ -41,11 +46,26 @@ def resolve(
             )
         if given(b):
             setattr(args, old, b)
+    changed = []
     for name, (old_default, new_default) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, new_default if version == versions[1] else old_default)
+            if version == versions[1] and old_default != new_default:
+                changed.append((name, old_default, new_default))
     for old, new in renamed.items():
         setattr(args, new, getattr(args, old))
+    return changed
+
+
+def say_changed_defaults(
+    changed: list[tuple], reason: str, renamed: dict[str, str], versions: tuple[str, str]
+):
+    """One line naming each default the newer version changed (flag=old->new), on the first process."""
+    from utils.loading import say_once
+
+    if changed:
+        values = ", ".join(f"--{renamed.get(n, n)}={shown(a)}->{shown(b)}" for n, a, b in changed)
+        say_once(f"{reason}, so TRL {versions[1]}'s defaults apply: {values}")
 
 
 def flag_name(name: str, renamed: dict[str, str], version: str, versions: tuple[str, str]) -> str:
