@@ -89,8 +89,10 @@ class Args:
     # Models
     pretrained_model: str = "runwayml/stable-diffusion-v1-5"
     """Stable-Diffusion pipeline: a hub id or a directory saved with save_pretrained"""
-    pretrained_revision: str = "main"
+    pretrained_revision: Annotated[str, tyro.conf.arg(aliases=("--model_revision",))] = "main"
     """revision of --pretrained_model on the hub"""
+    trust_remote_code: bool = False
+    """let hub pipelines and the CLIP model run their own code"""
     use_lora: bool = True
     """train LoRA adapters on the UNet's attention projections; --no_use_lora: the whole UNet"""
     lora_rank: int = 4
@@ -287,12 +289,12 @@ def jpeg_incompressibility(images: list[Image.Image], prompts: list[str]) -> lis
 class AestheticScorer:
     """The LAION aesthetic score (about 1-10): an MLP on the L2-normalised CLIP image embedding."""
 
-    def __init__(self, clip_model: str, head_path: str, device: torch.device):
+    def __init__(self, clip_model: str, head_path: str, device: torch.device, remote_code: bool = False):
         from transformers import AutoImageProcessor, CLIPModel
 
         try:
-            self.clip = CLIPModel.from_pretrained(clip_model).eval().to(device)
-            self.processor = AutoImageProcessor.from_pretrained(clip_model)
+            self.clip = CLIPModel.from_pretrained(clip_model, trust_remote_code=remote_code).eval().to(device)
+            self.processor = AutoImageProcessor.from_pretrained(clip_model, trust_remote_code=remote_code)
         except OSError as error:
             raise SystemExit(
                 f"Could not load the CLIP model '{clip_model}' ({type(error).__name__}); pass "
@@ -325,7 +327,9 @@ def make_reward_fn(args: Args, device: torch.device):
     if args.reward_fn in ("jpeg_compressibility", "jpeg_incompressibility"):
         return globals()[args.reward_fn]
     if args.reward_fn == "aesthetic":
-        return AestheticScorer(args.aesthetic_clip_model, args.aesthetic_head_path, device)
+        return AestheticScorer(
+            args.aesthetic_clip_model, args.aesthetic_head_path, device, args.trust_remote_code
+        )
     path, _, name = args.reward_fn.rpartition(":")
     spec = importlib.util.spec_from_file_location("ddpo_user_reward", path)
     module = importlib.util.module_from_spec(spec)
@@ -702,9 +706,15 @@ def setup(args: Args) -> Run:
 
     # the pipeline, in the dtype of the forward passes
     dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
+    if args.pretrained_revision != "main" and os.path.isdir(args.pretrained_model):
+        accelerator.print(f"--pretrained_revision {args.pretrained_revision} is ignored: a local folder")
     try:
         pipeline = StableDiffusionPipeline.from_pretrained(
-            args.pretrained_model, revision=args.pretrained_revision, dtype=dtype, safety_checker=None
+            args.pretrained_model,
+            revision=args.pretrained_revision,
+            dtype=dtype,
+            safety_checker=None,
+            trust_remote_code=args.trust_remote_code,
         )
     except OSError as error:
         raise ValueError(

@@ -73,6 +73,12 @@ class Args:
     # Models and data
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
     """policy to start from (usually the SFT model), hub id or local directory; also the reference"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     dataset_name: str = "trl-lib/tldr-preference"
     """preference pairs in any of TRL's formats: hub id, save_to_disk directory, jsonl/parquet files"""
     dataset_config: str | None = None
@@ -393,6 +399,7 @@ def setup(args: Args) -> Run:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    utils.loading.use_model_flags(args)
     utils.loading.fit_max_length(args)  # under --context_overflow cut, before the flag checks
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(

@@ -77,6 +77,12 @@ class Args:
     # Models and data
     model_name_or_path: str | None = None
     """the initial policy and its tokenizer; also the reference when beta > 0"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence classifier (one label) as a reward, before the --reward_funcs (TRL's order)"""
     reward_tokenizer_path: str | None = None
@@ -644,6 +650,7 @@ def setup(args: Args) -> Run:
     """Flags, data, tokenizer, models, optimizer, vLLM engine, scorers, resume and tracker."""
     from transformers import AutoModelForCausalLM
 
+    utils.loading.use_model_flags(args)
     # Checks before any model is loaded.
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size

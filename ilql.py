@@ -74,6 +74,12 @@ class Args:
     # Models and data
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
     """behaviour model and tokenizer (usually the SFT model that wrote the completions)"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     dataset_name: str = "data/ilql"
     """prompt, completion and reward columns (hub id, save_to_disk dir, json/jsonl/parquet files)"""
     dataset_train_split: str = "train"
@@ -647,6 +653,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    utils.loading.use_model_flags(args)
     utils.loading.fit_max_length(args)  # under --context_overflow cut, before the flag checks
     fill_sizes(args, 1)
     accelerator = utils.run.make_accelerator(

@@ -83,6 +83,12 @@ class Args:
     # Models and data
     model_name_or_path: str | None = None
     """the starting policy (usually the SFT model) and its tokenizer; also the reference"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     reward_model_path: Annotated[str | None, tyro.conf.arg(aliases=("--reward_model_name_or_path",))] = None
     """sequence classifier (one label) scoring each completion; or --reward_fn or --judge"""
     reward_tokenizer_path: str | None = None
@@ -511,6 +517,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM
 
+    utils.loading.use_model_flags(args)
     # Everything that can be checked before a model is loaded.
     fill_sizes(args, world_size=1)
     accelerator = utils.run.make_accelerator(

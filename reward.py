@@ -74,6 +74,12 @@ class Args:
     # Models and data
     model_name_or_path: str = "models/sft"
     """model to start from: a causal LM (the SFT model, given a new score head) or a one-label classifier"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     dataset_name: str = "data/tldr/preference"
     """preference pairs (optional margin column) in any of TRL's formats: hub id, save_to_disk dir or files"""
     dataset_config: str | None = None
@@ -89,7 +95,7 @@ class Args:
     context_overflow: Literal["refuse", "cut"] = "refuse"
     """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
-    """longest prompt + completion + EOS: prompts are cut from the left, rows still too long dropped"""
+    """longest prompt + completion + EOS: a pair with a longer chosen or rejected sequence is dropped"""
     normalize: bool = True
     """after training, shift the score so that the reference completions of --normalize_split average 0"""
     normalize_dataset: str | None = None
@@ -251,16 +257,6 @@ def gather_scores(score_model: nn.Module, loader, accelerator):
 
 
 # ---- data --------------------------------------------------------------------------------------------------
-def fit_to_max_length(prompt: list[int], completions: list[list[int]], max_length: int):
-    """(prompt + completion for each completion, prompt_was_cut), the prompt cut from the left so that the
-    longest fits; (None, False) when no prompt token fits. Completions keep their EOS: they are never cut."""
-    room = max_length - max(len(c) for c in completions)
-    if room < 1:
-        return None, False
-    kept = prompt[-room:]
-    return [kept + c for c in completions], len(kept) < len(prompt)
-
-
 def tokenize_rows(
     tokenizer,
     dataset,
@@ -269,22 +265,24 @@ def tokenize_rows(
     group_by: str | None = None,
     where: str = "the dataset",
 ):
-    """Rows {index, sequences (one per column), margin, group}, counts of rows / cut / dropped, and the sorted
-    group names (values of column `group_by`). Columns: [chosen, rejected] of pairs or [completion]."""
+    """Rows {index, sequences (one per column), margin, group}, counts of rows / dropped (a sequence longer
+    than `max_length`), and the sorted group names (values of column `group_by`). Columns: [chosen, rejected]
+    of pairs or [completion]."""
     ids = utils.data.reward_ids(dataset, tokenizer, where, columns)
     prompts, completions = ids[PROMPT], [ids[c] for c in columns]
     margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
     values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)
     group_names = sorted(set(values))
     group_index = {name: g for g, name in enumerate(group_names)}
-    rows, cut, dropped = [], 0, 0
+    rows, dropped = [], 0
     for i, prompt in enumerate(prompts):
-        sequences, was_cut = fit_to_max_length(prompt, [c[i] for c in completions], max_length)
-        cut, dropped = cut + was_cut, dropped + (sequences is None)
-        if sequences is not None:
-            group, margin = group_index[values[i]], float(margins[i])
-            rows.append({"index": i, "sequences": sequences, "margin": margin, "group": group})
-    return rows, {"rows": len(dataset), "prompt_cut": cut, "dropped": dropped}, group_names
+        sequences = [prompt + c[i] for c in completions]
+        if max(map(len, sequences)) > max_length:  # dropped whole, never cut, as TRL 1.16's RewardTrainer
+            dropped += 1
+            continue
+        group, margin = group_index[values[i]], float(margins[i])
+        rows.append({"index": i, "sequences": sequences, "margin": margin, "group": group})
+    return rows, {"rows": len(dataset), "dropped": dropped}, group_names
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict:
@@ -400,6 +398,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoConfig, get_scheduler
 
+    utils.loading.use_model_flags(args)
     utils.loading.fit_max_length(args)  # under --context_overflow cut, before the flag checks
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(
@@ -429,8 +428,8 @@ def setup(args: Args) -> Run:
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     for key, (rows, counts, _) in data.items():
         accelerator.print(
-            f"{key}: kept {len(rows)} of {counts['rows']} rows ({counts['prompt_cut']} with the prompt cut "
-            f"from the left), dropped {counts['dropped']} whose completion does not fit in --max_length"
+            f"{key}: dropped {counts['dropped']} of {counts['rows']} rows with a sequence longer than "
+            f"--max_length {args.max_length}"
         )
     train_rows = data["train"][0]
     fill_sizes(args, accelerator.num_processes, len(train_rows))
@@ -596,7 +595,6 @@ def main(args: Args) -> None:
         for key, (rows, counts, _) in run.data.items():
             final_metrics |= {
                 f"data/{key}_rows": len(rows),
-                f"data/{key}_prompt_cut": counts["prompt_cut"],
                 f"data/{key}_dropped": counts["dropped"],
             }
         dataset = f"{args.dataset_name} ({args.dataset_train_split})"

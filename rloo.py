@@ -79,6 +79,12 @@ class Args:
     # Models and data
     model_name_or_path: str | None = None
     """the policy's tokenizer, and its weights unless --sft_model_path"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     sft_model_path: str | None = None
     """the initial policy and the frozen reference of the KL penalty"""
     reward_model_path: str | None = None
@@ -631,6 +637,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM
 
+    utils.loading.use_model_flags(args)
     # Checks before any model is loaded.
     fill_sizes(args, 1)
     utils.vllm.check_args(args)

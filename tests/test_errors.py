@@ -96,6 +96,9 @@ CASES = [
     # a causal LM whose config says num_labels=1: it would score with a freshly initialised head
     ("rloo.py", ["--reward_model_path", "{lm1}"], ["--reward_model_path", "no trained score head"]),
     ("online_dpo.py", ["--reward_model_path", "{lm1}"], ["--reward_model_path", "no trained score head"]),
+    # an attention implementation transformers refuses: the message is transformers' own, on one line
+    ("sft.py", ["--attn_implementation", "foo"], ["--attn_implementation foo cannot load --model_name_or_path",
+                                                  "not supported"]),
 ]  # fmt: skip
 
 FLAG_CASES = [  # impossible flag values, refused before main() does anything: checked in-process
@@ -110,6 +113,8 @@ FLAG_CASES = [  # impossible flag values, refused before main() does anything: c
     ("ddpo.py", ["--train_batch_size", "-2"], ["--train_batch_size", "at least 1"]),
     ("ddpo.py", ["--train_batch_size", "0"], ["--train_batch_size", "at least 1"]),
     ("ddpo.py", ["--sample_num_batches_per_epoch", "0"], ["--sample_num_batches_per_epoch", "at least 1"]),
+    # transformers' attention flag has no meaning for a diffusers UNet
+    ("ddpo.py", ["--attn_implementation", "eager"], ["--attn_implementation", "diffusers"]),
 ]  # fmt: skip
 
 DEFAULTS = {  # enough for each script to reach its checks on the tiny world

@@ -330,6 +330,95 @@ def test_from_pretrained_errors(world, tmp_path):
         )
 
 
+def test_model_flags_reach_every_load(monkeypatch, capsys):
+    """From the command line to from_pretrained: --trust_remote_code goes to every load, --model_revision to the
+    loads of --model_name_or_path, --attn_implementation to the trained model's (here --sft_model_path) and
+    never to a tokenizer; an attention transformers cannot import is one sentence."""
+    import rloo
+
+    calls = []
+
+    class FakeModel:
+        @classmethod
+        def from_pretrained(cls, path, **kwargs):
+            calls.append((cls.__name__, path, kwargs))
+            return cls()
+
+    class FakeTokenizer(FakeModel):
+        pass
+
+    class FlashModel:
+        @classmethod
+        def from_pretrained(cls, path, **kwargs):
+            raise ImportError("FlashAttention2 has been toggled on, but it cannot be used:\nno package.")
+
+    monkeypatch.setattr(utils.loading, "MODEL_FLAGS", utils.loading.ModelFlags())  # restored afterwards
+    argv = ["--model_name_or_path", "org/tok", "--sft_model_path", "org/sft", "--model_revision", "v2",
+            "--trust_remote_code", "--attn_implementation", "eager"]  # fmt: skip
+    utils.loading.use_model_flags(utils.run.parse_args(rloo.Args, argv))
+    utils.loading.from_pretrained(FakeTokenizer, "org/tok", "--model_name_or_path")
+    utils.loading.from_pretrained(FakeModel, "org/sft", "--sft_model_path")
+    utils.loading.from_pretrained(FakeModel, "org/reward", "--reward_model_path")
+    assert calls == [
+        ("FakeTokenizer", "org/tok", {"trust_remote_code": True, "revision": "v2"}),
+        ("FakeModel", "org/sft", {"trust_remote_code": True, "attn_implementation": "eager"}),
+        ("FakeModel", "org/reward", {"trust_remote_code": True}),
+    ]
+    with pytest.raises(ValueError, match=r"^--attn_implementation eager cannot load --sft_model_path org/sft: "
+                       r"FlashAttention2 has been toggled on, but it cannot be used: no package\.$"):  # fmt: skip
+        utils.loading.from_pretrained(FlashModel, "org/sft", "--sft_model_path")
+    utils.loading.use_model_flags(
+        utils.run.parse_args(rloo.Args, ["--sft_model_path", "/x", "--model_revision", "v2"])
+    )
+    assert utils.loading.load_kwargs(FakeModel, "/x") == {}
+    assert capsys.readouterr().out == "--model_revision v2 is ignored: it applies to --model_name_or_path\n"
+
+
+@pytest.mark.parametrize(
+    "script", ["sft", "reward", "dpo", "ilql", "grpo", "online_dpo", "ppo", "rloo", "ddpo"]
+)
+def test_every_script_takes_the_model_flags(script, monkeypatch):
+    """TRL's --model_revision, --trust_remote_code and --attn_implementation are flags of every script (ddpo.py:
+    the first two), and setup() hands them to utils.loading before it does anything else."""
+    import importlib
+
+    module = importlib.import_module(script)
+    model_flags = {"model_revision", "trust_remote_code"} | (
+        {"attn_implementation"} if script != "ddpo" else set()
+    )
+    assert model_flags <= utils.run.known_flags(module.Args)
+    if script == "ddpo":
+        return  # its pipeline and CLIP loads take the flags directly
+
+    class Called(Exception):
+        pass
+
+    def called(args):
+        raise Called
+
+    monkeypatch.setattr(utils.loading, "use_model_flags", called)
+    with pytest.raises(Called):
+        module.setup(module.Args())
+
+
+def test_attn_implementation_reaches_the_trained_policy(world, tmp_path, monkeypatch, capsys):
+    """sft.py --attn_implementation eager: the policy of setup() runs eager attention (the tiny world's default
+    is sdpa); --model_revision of a local folder is one line saying it is ignored."""
+    import sft
+
+    monkeypatch.setattr(utils.loading, "MODEL_FLAGS", utils.loading.ModelFlags())  # restored afterwards
+    argv = ["--model_name_or_path", str(world / "policy"), "--dataset_name", str(world / "dataset"),
+            "--dataset_train_split", "sft", "--eval_strategy", "no", "--output_dir", str(tmp_path / "out"),
+            "--logging_dir", str(tmp_path / "runs"), "--attn_implementation", "eager", "--model_revision", "v2"]  # fmt: skip
+    run = sft.setup(utils.run.parse_args(sft.Args, argv))
+    run.tracker.close()
+    assert run.accelerator.unwrap_model(run.policy).config._attn_implementation == "eager"
+    assert (
+        f"--model_revision v2 is ignored: --model_name_or_path {world / 'policy'} is a local folder"
+        in capsys.readouterr().out
+    )
+
+
 def test_reward_fn_loading_and_checks(tmp_path):
     path = tmp_path / "rf.py"
     path.write_text(

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer settings: chat template, EOS, BOS
 # ----------------------------------------------------------------------------------------------------------------
-def set_chat_template(tokenizer, path: str | None) -> None:
-    """Set the template from `path` (--chat_template_path): a Jinja file or a tokenizer folder."""
+def set_chat_template(tokenizer, path: str | None, trust_remote_code: bool = False) -> None:
+    """Set the template from `path` (--chat_template_path): a Jinja file or a tokenizer folder (loaded with
+    --trust_remote_code)."""
     if path is None:
         return
     if os.path.isfile(path):
@@ -23,7 +24,7 @@ def set_chat_template(tokenizer, path: str | None) -> None:
     if os.path.isdir(path):
         from transformers import AutoTokenizer
 
-        template = AutoTokenizer.from_pretrained(path).chat_template
+        template = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).chat_template
         if template is None:
             raise ValueError(f"--chat_template_path {path}: that tokenizer has no chat template.")
         tokenizer.chat_template = template

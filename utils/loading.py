@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 
@@ -47,12 +48,66 @@ def config_dropout_kept(model: nn.Module):
             setattr(config, key, 0.0)
 
 
+@dataclasses.dataclass
+class ModelFlags:
+    """TRL's ModelConfig flags, as a script's setup() passes them (use_model_flags) to every load here."""
+
+    model_name_or_path: str | None = None
+    sft_model_path: str | None = None
+    model_revision: str = "main"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+
+
+MODEL_FLAGS = ModelFlags()
+
+
+def use_model_flags(args) -> None:
+    """Apply the run's --model_revision, --attn_implementation and --trust_remote_code to the loads that follow
+    (load_kwargs); one line when the revision cannot apply."""
+    global MODEL_FLAGS
+    MODEL_FLAGS = flags = ModelFlags(
+        **{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(ModelFlags)}
+    )
+    if flags.model_revision != "main" and flags.model_name_or_path is None:
+        say_once(f"--model_revision {flags.model_revision} is ignored: it applies to --model_name_or_path")
+    elif flags.model_revision != "main" and is_local(flags.model_name_or_path):
+        say_once(
+            f"--model_revision {flags.model_revision} is ignored: --model_name_or_path "
+            f"{flags.model_name_or_path} is a local folder, loaded as it is"
+        )
+
+
+def load_kwargs(cls, name_or_path: str) -> dict:
+    """from_pretrained's keyword arguments from MODEL_FLAGS: trust_remote_code for every load, the revision for
+    --model_name_or_path's, the attention for the policy's models (--model_name_or_path, --sft_model_path)."""
+    flags, kwargs = MODEL_FLAGS, {}
+    if flags.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    if name_or_path == flags.model_name_or_path and flags.model_revision != "main":
+        kwargs["revision"] = flags.model_revision
+    is_model = cls is not None and "Tokenizer" not in cls.__name__ and "Config" not in cls.__name__
+    policy_paths = (flags.model_name_or_path, flags.sft_model_path)
+    if is_model and flags.attn_implementation and name_or_path in policy_paths:
+        kwargs["attn_implementation"] = flags.attn_implementation
+    return kwargs
+
+
 def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
-    """`cls.from_pretrained`, with a ValueError for a missing path or an unreachable hub."""
+    """`cls.from_pretrained` with the run's model flags (load_kwargs), with a ValueError for a missing path, an
+    unreachable hub or an attention implementation that transformers refuses."""
     if is_local(name_or_path) and not os.path.exists(name_or_path):
         raise ValueError(f"{flag} {name_or_path} does not exist.")
+    kwargs = {**load_kwargs(cls, name_or_path), **kwargs}
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
+    except (ImportError, ValueError) as error:
+        if "attn_implementation" not in kwargs or isinstance(error, ValueError) and "attn" not in str(error):
+            raise
+        reason = " ".join(str(error).split())
+        raise ValueError(
+            f"--attn_implementation {kwargs['attn_implementation']} cannot load {flag} {name_or_path}: {reason}"
+        ) from None
     except OSError as error:
         if os.path.exists(name_or_path):
             raise
@@ -79,7 +134,7 @@ def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None 
     tokenizer = from_pretrained(AutoTokenizer, name_or_path, flag)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    set_chat_template(tokenizer, chat_template_path)
+    set_chat_template(tokenizer, chat_template_path, MODEL_FLAGS.trust_remote_code)
     return tokenizer
 
 
@@ -91,7 +146,7 @@ def model_positions(name_or_path: str) -> int | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(name_or_path, **load_kwargs(AutoConfig, name_or_path))
     except (OSError, ValueError):  # loading the model reports a bad path later
         return None
     return config_positions(config)

@@ -98,12 +98,9 @@ TRL_HARMLESS = {
     "dataset_num_proc": "data is prepared in one process",
     "dataloader_num_workers": "batches are built in the training process",
     "dataset_streaming": "the dataset is read whole",
-    "attn_implementation": "the model's default attention is used",
     "use_liger_kernel": "the plain PyTorch forward is used",
     "gradient_checkpointing_kwargs": "--gradient_checkpointing always uses non-reentrant checkpointing",
     "ddp_find_unused_parameters": "every parameter gets a gradient",
-    "trust_remote_code": "models load with the classes of the installed transformers",
-    "model_revision": "hub models load at their main revision",
     "log_completions": "tables of sample completions are printed --num_sample_generations times",
     "num_completions_to_print": "tables of sample completions show a few rows",
 }
@@ -122,6 +119,7 @@ TRL_REFUSED = {
     "logging_steps": "rloo.py and ppo.py log every update (a rollout and its optimizer steps), ddpo.py every epoch",
     "torch_dtype": "weights are trained in float32 (DeepSpeed's bf16 or --bf16 autocast give bf16 compute)",
     "dtype": "weights are trained in float32 (DeepSpeed's bf16 or --bf16 autocast give bf16 compute)",
+    "attn_implementation": "it picks a transformers model's attention; ddpo.py's UNet uses diffusers' own",
 }
 
 

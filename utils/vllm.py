@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.loading import load_kwargs
 from utils.logprobs import batched_response_logprobs
 from utils.run import gathered_for_generation
 
@@ -98,6 +99,7 @@ class Engine:
                 distributed_executor_backend="external_launcher" if world > 1 else None,
                 logprobs_mode="processed_logprobs",  # logprobs of logits / temperature, as the update uses
                 skip_tokenizer_init=True,  # token ids in and out; the policy folder may hold no tokenizer
+                **load_kwargs(None, model_path),  # --trust_remote_code, --model_revision
             )
         torch.set_num_threads = set_num_threads
         random.setstate(python_state)
