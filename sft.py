@@ -16,6 +16,8 @@ token. The EOS is appended so that the model learns to stop, which the later RL 
         --total_steps 1500 --output_dir models/sft
 """
 
+import bisect
+import collections
 import json
 import math
 import os
@@ -93,13 +95,17 @@ class Args:
     eos_token: str | None = None
     """token ending a completion, saved as the model's EOS (e.g. <|im_end|>); None: the tokenizer's"""
     packing: bool = False
-    """concatenate the examples (each ending with EOS) into blocks of --max_length tokens"""
+    """pack the examples (each ending with EOS) into rows of --max_length tokens (see --packing_strategy)"""
+    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd"
+    """bfd: whole examples best-fit into rows, each seeing only itself (bfd_split: long ones split); wrapped: cut"""
     context_overflow: Literal["refuse", "cut"] = "refuse"
     """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
-    """longest prompt + completion + EOS; a completion is never cut (the pair is dropped)"""
+    """longest prompt + completion + EOS, cut per --truncation_mode (dropped if no loss token is left)"""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    """a sequence over --max_length keeps its start (its end is cut, EOS too) or its end; not under --packing"""
     max_prompt_length: int | None = None
-    """keep the last this many prompt tokens; None: cut prompts only to fit --max_length"""
+    """keep the last this many prompt tokens, before --max_length applies (not a TRL flag); None: whole prompts"""
 
     # Algorithm
     learning_rate: float = 2e-5
@@ -163,71 +169,133 @@ def sum_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     """(sum_t -log p(labels[:, t+1] | tokens <= t), number of loss tokens) of a batch of labels [B, T].
 
     A sum: the caller divides by the loss tokens of the whole optimizer batch."""
+    if "position_ids" in batch:  # packed rows go in as one without a mask (TRL's padding-free batch)
+        real = batch["attention_mask"].bool()
+        ids, position_ids, labels = (batch[k][real][None] for k in ("input_ids", "position_ids", "labels"))
+        scored = labels[:, 1:] != IGNORE_INDEX
+        logprobs = utils.logprobs.token_logprobs(model, ids, None, scored, position_ids=position_ids)
+        return -logprobs.sum(), scored.sum()
     scored = batch["labels"][:, 1:] != IGNORE_INDEX
     logprobs = utils.logprobs.token_logprobs(model, batch["input_ids"], batch["attention_mask"], scored)
     return -logprobs.sum(), scored.sum()
 
 
 # ---- data --------------------------------------------------------------------------------------------------
-def truncate_example(
-    prompt_ids: list[int], completion_ids: list[int], max_length: int, max_prompt_length: int | None = None
-) -> tuple[list[int], list[int], str]:
-    """Fit a pair into `max_length` tokens by cutting the prompt from the left, never the completion.
+PACKING_CHUNK = 1000  # TRL packs with Dataset.map(batched=True): each 1,000 examples on their own
 
-    Returns (prompt_ids, completion_ids, "kept" | "truncated" | "dropped" when no prompt token fits)."""
+
+def truncate(
+    ids: list[int], mask: list[int], max_length: int, truncation_mode: str
+) -> tuple[list, list, str]:
+    """Cut a sequence and its loss mask to `max_length` tokens as TRL 1.16's SFTTrainer does: keep_start cuts
+    the end (EOS included), keep_end the start. Returns (ids, mask, "kept" | "truncated" | "dropped"), dropped
+    (empty) when no loss token is left."""
     status = "kept"
-    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-        prompt_ids, status = prompt_ids[len(prompt_ids) - max_prompt_length :], "truncated"
-    room = max_length - len(completion_ids)
-    if room < min(1, len(prompt_ids)):
-        return [], [], "dropped"
-    if len(prompt_ids) > room:
-        prompt_ids, status = prompt_ids[len(prompt_ids) - room :], "truncated"
-    return prompt_ids, completion_ids, status
+    if len(ids) > max_length:
+        keep = slice(0, max_length) if truncation_mode == "keep_start" else slice(len(ids) - max_length, None)
+        ids, mask, status = ids[keep], mask[keep], "truncated"
+    return (ids, mask, status) if any(mask) else ([], [], "dropped")
 
 
-def pack_sequences(sequences: list[list[int]], block_size: int) -> list[list[int]]:
-    """Concatenate `sequences` and cut the stream into blocks of `block_size` tokens (the last shorter)."""
-    stream = [token for sequence in sequences for token in sequence]
-    return [stream[i : i + block_size] for i in range(0, len(stream), block_size)]
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of indices into `lengths` (each at most `capacity`): longest first (ties in order), each into the bin
+    with the least room that fits it, the first to reach that room, else into a new bin."""
+    bins, rooms, bins_by_room = [], [], {}  # rooms: the sorted free spaces some bin has
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = bisect.bisect_left(rooms, lengths[i])
+        if k < len(rooms):
+            room, b = rooms[k], bins_by_room[rooms[k]].popleft()
+            if not bins_by_room[room]:
+                del bins_by_room[room], rooms[k]
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        room -= lengths[i]
+        if room > 0:
+            if room not in bins_by_room:
+                bins_by_room[room] = collections.deque()
+                bisect.insort(rooms, room)
+            bins_by_room[room].append(b)
+    return bins
+
+
+def pack_rows(rows: list[dict], max_length: int, strategy: str) -> list[dict]:
+    """TRL 1.16's packing, PACKING_CHUNK rows at a time. bfd: each example cut to `max_length` (bfd_split:
+    split into pieces of it) and placed by best_fit_decreasing; its first token carries no loss and
+    `seq_lengths` gives its position ids. wrapped: the examples concatenated and cut every `max_length`."""
+    packed = []
+    for start in range(0, len(rows), PACKING_CHUNK):
+        chunk = rows[start : start + PACKING_CHUNK]
+        if strategy == "wrapped":
+            ids, mask = ([t for r in chunk for t in r[key]] for key in ("input_ids", "loss_mask"))
+            cuts = range(0, len(ids), max_length)
+            packed += [
+                {"input_ids": ids[i : i + max_length], "loss_mask": mask[i : i + max_length]} for i in cuts
+            ]
+            continue
+        pieces = []
+        for row in chunk:
+            cuts = range(0, len(row["input_ids"]), max_length) if strategy == "bfd_split" else [0]
+            pieces += [
+                (row["input_ids"][i : i + max_length], row["loss_mask"][i : i + max_length]) for i in cuts
+            ]
+        for members in best_fit_decreasing([len(ids) for ids, _ in pieces], max_length):
+            ids = [t for i in members for t in pieces[i][0]]
+            # no loss on a first token: it would be predicted from the end of the previous example
+            mask = [m for i in members for m in [0, *pieces[i][1][1:]]]
+            lengths = [len(pieces[i][0]) for i in members]
+            packed.append({"input_ids": ids, "loss_mask": mask, "seq_lengths": lengths})
+    return packed
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask and labels [B, T] (IGNORE_INDEX where loss_mask is 0)."""
+    """Right-padded input_ids, attention_mask and labels [B, T] (IGNORE_INDEX where loss_mask is 0); rows packed
+    by bfd add position_ids, from 0 in each example."""
     # Masks come from the lengths, not the pad id: an EOS that doubles as padding is still trained on.
     input_ids = utils.generation.pad([r["input_ids"] for r in rows], pad_token_id)
     attention_mask = utils.generation.pad([[1] * len(r["input_ids"]) for r in rows], 0)
     loss_mask = utils.generation.pad([r["loss_mask"] for r in rows], 0).bool()
     labels = torch.where(loss_mask, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if "seq_lengths" in rows[0]:
+        positions = [[p for n in r["seq_lengths"] for p in range(n)] for r in rows]
+        batch["position_ids"] = utils.generation.pad(positions, 0)
+    return batch
 
 
 def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict[str, int]]:
-    """Rows {input_ids, loss_mask} of a split in any of TRL's SFT formats; kept/truncated/dropped counts."""
+    """Rows {input_ids, loss_mask} of a split in any of TRL's SFT formats, cut or packed as TRL 1.16's
+    SFTTrainer prepares them; kept/truncated/dropped counts of the examples."""
     kind, examples = utils.data.sft_examples(
         dataset, tokenizer, where, args.dataset_text_field, args.assistant_only_loss
     )
     counts, rows, max_prompt_length = {"kept": 0, "truncated": 0, "dropped": 0}, [], args.max_prompt_length
-    if kind == "prompt_completion":
-        for prompt_ids, completion_ids, completion_mask in examples:
-            p, c, status = truncate_example(prompt_ids, completion_ids, args.max_length, max_prompt_length)
-            counts[status] += 1
-            if status != "dropped":
-                prompt_mask = [0 if args.completion_only_loss else 1] * len(p)
-                rows.append({"input_ids": p + c, "loss_mask": prompt_mask + completion_mask})
-    else:
-        for ids, mask in examples:
-            status = "kept"
-            if len(ids) > args.max_length and not args.packing:  # plain text: keep the beginning, and say so
-                ids, mask, status = ids[: args.max_length], mask[: args.max_length], "truncated"
-            counts[status] += 1
+    for example in examples:
+        prompt_cut = False
+        if kind == "prompt_completion":
+            prompt_ids, completion_ids, completion_mask = example
+            if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+                prompt_ids, prompt_cut = prompt_ids[len(prompt_ids) - max_prompt_length :], True
+            ids = prompt_ids + completion_ids
+            mask = [0 if args.completion_only_loss else 1] * len(prompt_ids) + completion_mask
+        else:
+            ids, mask = example
+        if args.packing:  # TRL drops nothing before packing; bfd cuts what does not fit a row
+            cut = args.packing_strategy == "bfd" and len(ids) > args.max_length
+            status = "truncated" if cut else "kept"
+        else:
+            ids, mask, status = truncate(ids, mask, args.max_length, args.truncation_mode)
+        counts["truncated" if prompt_cut and status == "kept" else status] += 1
+        if status != "dropped":
             rows.append({"input_ids": ids, "loss_mask": mask})
     if not rows:
-        raise ValueError(f"{where}: all {counts['dropped']} examples were dropped; raise --max_length.")
+        raise ValueError(
+            f"{where}: all {counts['dropped']} examples were dropped: none has a loss token within "
+            f"--max_length {args.max_length}; raise it."
+        )
     if args.packing:
-        ids = pack_sequences([r["input_ids"] for r in rows], args.max_length)
-        masks = pack_sequences([r["loss_mask"] for r in rows], args.max_length)
-        rows = [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, masks)]
+        rows = pack_rows(rows, args.max_length, args.packing_strategy)
     return rows, counts
 
 

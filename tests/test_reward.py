@@ -99,17 +99,6 @@ def test_eval_metrics_hand_computed():
 
 
 # ------------------------------------------------------------------------------------------ data and truncation
-def test_fit_to_max_length_cuts_the_prompt_from_the_left_never_the_completion():
-    prompt, completions = [10, 11, 12, 13], [[5, EOS], [6, 7, EOS]]
-    assert reward.fit_to_max_length(prompt, completions, 7) == (
-        [prompt + [5, EOS], prompt + [6, 7, EOS]],
-        False,
-    )
-    assert reward.fit_to_max_length(prompt, completions, 5) == ([[12, 13, 5, EOS], [12, 13, 6, 7, EOS]], True)
-    assert reward.fit_to_max_length(prompt, completions, 4) == ([[13, 5, EOS], [13, 6, 7, EOS]], True)
-    assert reward.fit_to_max_length(prompt, completions, 3) == (None, False)  # no room for a prompt token
-
-
 def test_completion_ids_end_with_one_eos(world):
     tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
     eos = tokenizer.eos_token_id
@@ -120,7 +109,9 @@ def test_completion_ids_end_with_one_eos(world):
     assert empty == [eos]
 
 
-def test_tokenize_rows_counts_cut_and_dropped_rows(world):
+def test_tokenize_rows_drops_rows_longer_than_max_length(world):
+    """A pair with a chosen or rejected sequence over --max_length is dropped whole, never cut, as TRL 1.16's
+    RewardTrainer filters it."""
     tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
     long = " rent deposit boss salary promotion sister brother wedding"
     dataset = datasets.Dataset.from_dict({
@@ -133,17 +124,16 @@ def test_tokenize_rows_counts_cut_and_dropped_rows(world):
 
     lengths = [length(t) for t in (" so then but really just", " rent", " tbh", " rent tbh", long)]
     assert lengths == [5, 1, 1, 2, 8]
-    # max_length 6: row 0 (5 + 2 tokens) loses a prompt token, row 1 (1 + 3) fits, row 2 (8 + EOS) is dropped
+    # max_length 6: row 0 (5 + 1 + EOS) is dropped, row 1 (1 + 2 + EOS) fits, row 2 (2 + 8 + EOS) is dropped
     rows, counts, groups = reward.tokenize_rows(tokenizer, dataset, ["chosen", "rejected"], 6, "kind")
-    assert counts == {"rows": 3, "prompt_cut": 1, "dropped": 1} and groups == ["p", "q"]
-    assert [(r["index"], r["margin"], r["group"]) for r in rows] == [(0, 0.5, 0), (1, 0.0, 1)]
-    assert [len(s) for s in rows[0]["sequences"]] == [6, 6] and [len(s) for s in rows[1]["sequences"]] == [
-        3,
-        4,
-    ]
+    assert counts == {"rows": 3, "dropped": 2} and groups == ["p", "q"]
+    assert [(r["index"], r["margin"], r["group"]) for r in rows] == [(1, 0.0, 1)]
+    assert [len(s) for s in rows[0]["sequences"]] == [3, 4]
+    rows, counts, _ = reward.tokenize_rows(tokenizer, dataset, ["chosen", "rejected"], 7, "kind")
+    assert counts == {"rows": 3, "dropped": 1} and [len(s) for s in rows[0]["sequences"]] == [7, 7]
     assert all(s[-1] == tokenizer.eos_token_id for r in rows for s in r["sequences"])
     so_then = tokenizer(" so then but really just", add_special_tokens=False)["input_ids"]
-    assert rows[0]["sequences"][0][:4] == so_then[1:]  # the prompt keeps its end
+    assert rows[0]["sequences"][0][:5] == so_then  # the whole prompt
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -211,9 +201,7 @@ def common_flags(world, tmp_path, name="out", dataset=None, test_split="preferen
 
 
 def test_end_to_end_learns_and_the_output_serves_ppo(world, tmp_path):
-    # --max_length 12 keeps only the end of each prompt: the completions (key words vs hedges) carry most of the
-    # signal, and short rows keep this test fast; the full-prompt path runs in the other CLI tests.
-    flags = ["--max_length", "12", "--learning_rate", "1e-3", "--per_device_train_batch_size", "16",
+    flags = ["--max_length", "96", "--learning_rate", "1e-3", "--per_device_train_batch_size", "16",
              "--total_steps", "80", "--lr_scheduler_type", "constant_with_warmup", "--warmup_ratio", "0.1",
              "--eval_steps", "40", "--logging_steps", "20", "--normalize_std", "--seed", "2"]  # fmt: skip
     proc = run_script(common_flags(world, tmp_path) + flags, timeout=300)
@@ -221,7 +209,7 @@ def test_end_to_end_learns_and_the_output_serves_ppo(world, tmp_path):
     metrics = card_metrics(out)
     assert metrics["eval/accuracy"] > 0.6, proc.stdout[-3000:]
     assert metrics["eval/num_pairs"] == 200 and metrics["data/train_rows"] == 600
-    assert metrics["data/train_prompt_cut"] == 600 and metrics["data/train_dropped"] == 0
+    assert metrics["data/train_dropped"] == 0 and "data/train_prompt_cut" not in metrics
     for name in (
         "train/loss",
         "train/accuracy",

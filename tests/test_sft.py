@@ -16,54 +16,78 @@ EOS, PAD = 0, 1
 
 
 # ---------------------------------------------------------------------------------------------- truncation rules
-def test_truncate_example_hand_cases():
-    t = sft.truncate_example
-    assert t([5, 6, 7], [8, 9, EOS], 10) == ([5, 6, 7], [8, 9, EOS], "kept")
-    assert t([5, 6, 7], [8, 9, EOS], 6) == ([5, 6, 7], [8, 9, EOS], "kept")  # exactly full
-    assert t([1, 2, 3, 4, 5, 6], [8, EOS], 100, 4) == ([3, 4, 5, 6], [8, EOS], "truncated")  # keeps the end
-    assert t([1, 2, 3, 4, 5, 6], [7, 8, EOS], 6) == ([4, 5, 6], [7, 8, EOS], "truncated")  # cut to fit
-    assert t([1, 2, 3, 4, 5, 6], [7, 8, EOS], 6, 2) == ([5, 6], [7, 8, EOS], "truncated")  # both limits
-    assert t([1, 2], [7, 8, EOS], 4) == ([2], [7, 8, EOS], "truncated")  # one prompt token left
-    assert t([1, 2], [7, 8, EOS], 3) == ([], [], "dropped")  # the completion is never cut
-    assert t([1, 2], [6, 7, 8, EOS], 3) == ([], [], "dropped")
-    assert t([], [7, EOS], 2) == ([], [7, EOS], "kept")  # an empty prompt needs no room
+def test_truncate_hand_cases():
+    t = sft.truncate
+    ids, mask = [5, 6, 7, 8, 9, EOS], [0, 0, 0, 1, 1, 1]
+    assert t(ids, mask, 6, "keep_start") == (ids, mask, "kept")  # exactly full
+    assert t(ids, mask, 5, "keep_start") == (
+        [5, 6, 7, 8, 9],
+        [0, 0, 0, 1, 1],
+        "truncated",
+    )  # the EOS goes first
+    assert t(ids, mask, 4, "keep_start") == ([5, 6, 7, 8], [0, 0, 0, 1], "truncated")  # into the completion
+    assert t(ids, mask, 3, "keep_start") == ([], [], "dropped")  # no loss token left
+    assert t(ids, mask, 3, "keep_end") == ([8, 9, EOS], [1, 1, 1], "truncated")  # the prompt's start goes
+    assert t([5, 6], [1, 1], 1, "keep_start") == ([5], [1], "truncated")  # plain text
 
 
-def slow_truncate(prompt, completion, max_length, max_prompt_length):
-    """Drop prompt tokens one at a time from the left while a limit is exceeded; give up if none is left."""
-    prompt, cut = list(prompt), False
-    while max_prompt_length is not None and len(prompt) > max_prompt_length:
-        prompt.pop(0)
+def slow_truncate(ids, mask, max_length, mode):
+    """Drop tokens one at a time from the end (keep_start) or the start (keep_end); drop a row left untrained."""
+    ids, mask, cut = list(ids), list(mask), False
+    while len(ids) > max_length:
+        ids.pop(-1 if mode == "keep_start" else 0)
+        mask.pop(-1 if mode == "keep_start" else 0)
         cut = True
-    while len(prompt) + len(completion) > max_length:
-        if len(prompt) <= 1:
-            return [], [], "dropped"
-        prompt.pop(0)
-        cut = True
-    if not prompt and len(completion) > max_length:
+    if 1 not in mask:
         return [], [], "dropped"
-    return prompt, list(completion), "truncated" if cut else "kept"
+    return ids, mask, "truncated" if cut else "kept"
 
 
-def test_truncate_example_matches_slow_loop():
+def test_truncate_matches_slow_loop():
     rng = random.Random(0)
     statuses = set()
     for _ in range(2000):
-        prompt = [rng.randrange(2, 50) for _ in range(rng.randrange(1, 12))]
-        completion = [rng.randrange(2, 50) for _ in range(rng.randrange(0, 6))] + [EOS]
-        max_length = rng.randrange(1, 16)
-        max_prompt_length = rng.choice([None, rng.randrange(1, 10)])
-        got = sft.truncate_example(prompt, completion, max_length, max_prompt_length)
-        assert got == slow_truncate(prompt, completion, max_length, max_prompt_length)
-        if got[2] != "dropped":
-            assert got[1] == completion and len(got[0]) + len(got[1]) <= max_length
-            assert got[0] == prompt[len(prompt) - len(got[0]) :]  # a suffix of the prompt
+        prompt_length, completion_length = rng.randrange(0, 12), rng.randrange(0, 6)
+        ids = [rng.randrange(2, 50) for _ in range(prompt_length + completion_length)] + [EOS]
+        mask = [0] * prompt_length + [1] * (completion_length + 1)
+        max_length, mode = rng.randrange(1, 16), rng.choice(["keep_start", "keep_end"])
+        got = sft.truncate(ids, mask, max_length, mode)
+        assert got == slow_truncate(ids, mask, max_length, mode)
         statuses.add(got[2])
     assert statuses == {"kept", "truncated", "dropped"}
 
 
 # ---------------------------------------------------------------------------------------------- packing
-def slow_pack(sequences, block_size):
+def slow_best_fit_decreasing(lengths, capacity):
+    """Longest first (ties in order); scan every bin for the least room that fits, ties to the bin that has had
+    that room the longest; else open a bin."""
+    bins, rooms, since = [], [], []  # since: the step at which the bin reached its room
+    for step, i in enumerate(sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))):
+        fits = [b for b in range(len(bins)) if rooms[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: (rooms[b], since[b]))
+        else:
+            b = len(bins)
+            bins.append([]), rooms.append(capacity), since.append(step)
+        bins[b].append(i)
+        rooms[b] -= lengths[i]
+        since[b] = step
+    return bins
+
+
+def test_best_fit_decreasing_matches_slow_loop():
+    assert sft.best_fit_decreasing([3, 5, 2, 4, 1], 6) == [[1, 4], [3, 2], [0]]
+    rng = random.Random(1)
+    for _ in range(300):
+        capacity = rng.randrange(1, 20)
+        lengths = [rng.randrange(1, capacity + 1) for _ in range(rng.randrange(0, 40))]
+        bins = sft.best_fit_decreasing(lengths, capacity)
+        assert bins == slow_best_fit_decreasing(lengths, capacity)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
+
+
+def slow_wrap(sequences, block_size):
     blocks, current = [], []
     for sequence in sequences:
         for token in sequence:
@@ -74,25 +98,40 @@ def slow_pack(sequences, block_size):
     return blocks + ([current] if current else [])
 
 
-def test_pack_sequences_loses_and_repeats_nothing():
-    assert sft.pack_sequences([[5, 6, EOS], [7, EOS], [8, 9, 10, EOS]], 4) == [
-        [5, 6, EOS, 7],
-        [EOS, 8, 9, 10],
-        [EOS],
+def test_pack_rows_by_strategy():
+    rows = [
+        {"input_ids": ids, "loss_mask": [1] * len(ids)}
+        for ids in ([5, 6, EOS], [7, EOS], [8, 9, 10, 11, EOS])
     ]
-    assert sft.pack_sequences([[5, EOS], [6, EOS]], 2) == [[5, EOS], [6, EOS]]  # boundaries on the EOS
-    rng = random.Random(1)
-    for _ in range(200):
+    bfd = sft.pack_rows(rows, 4, "bfd")
+    assert bfd == [
+        {"input_ids": [8, 9, 10, 11], "loss_mask": [0, 1, 1, 1], "seq_lengths": [4]},  # cut: its EOS is lost
+        {"input_ids": [5, 6, EOS], "loss_mask": [0, 1, 1], "seq_lengths": [3]},
+        {"input_ids": [7, EOS], "loss_mask": [0, 1], "seq_lengths": [2]},
+    ]
+    split = sft.pack_rows(rows, 4, "bfd_split")
+    assert [r["input_ids"] for r in split] == [[8, 9, 10, 11], [5, 6, EOS, EOS], [7, EOS]]
+    assert split[1]["seq_lengths"] == [3, 1] and split[1]["loss_mask"] == [0, 1, 1, 0]
+    wrapped = sft.pack_rows(rows, 4, "wrapped")
+    assert [r["input_ids"] for r in wrapped] == [[5, 6, EOS, 7], [EOS, 8, 9, 10], [11, EOS]]
+    assert all("seq_lengths" not in r and r["loss_mask"] == [1] * len(r["input_ids"]) for r in wrapped)
+    # TRL packs each 1,000 examples apart: the row at the seam is short
+    many = [{"input_ids": [5, 6, EOS], "loss_mask": [1, 1, 1]}] * (sft.PACKING_CHUNK + 1)
+    assert [len(r["input_ids"]) for r in sft.pack_rows(many, 7, "wrapped")][-3:] == [7, 4, 3]
+    rng = random.Random(2)
+    for _ in range(100):
         docs = [
             [rng.randrange(2, 50) for _ in range(rng.randrange(0, 9))] + [EOS]
             for _ in range(rng.randrange(1, 8))
         ]
         block = rng.randrange(1, 12)
-        blocks = sft.pack_sequences(docs, block)
-        assert blocks == slow_pack(docs, block)
-        assert [t for b in blocks for t in b] == [t for d in docs for t in d]  # same tokens, same order
-        assert all(len(b) == block for b in blocks[:-1]) and 0 < len(blocks[-1]) <= block
-        assert sum(t == EOS for b in blocks for t in b) == len(docs)  # one EOS closes each document
+        rows = [{"input_ids": d, "loss_mask": [1] * len(d)} for d in docs]
+        assert [r["input_ids"] for r in sft.pack_rows(rows, block, "wrapped")] == slow_wrap(docs, block)
+        for strategy in ("bfd", "bfd_split"):
+            packed = sft.pack_rows(rows, block, strategy)
+            assert all(len(r["input_ids"]) == sum(r["seq_lengths"]) <= block for r in packed)
+            kept = sum(len(d) if strategy == "bfd_split" else min(len(d), block) for d in docs)
+            assert sum(len(r["input_ids"]) for r in packed) == kept
 
 
 # ---------------------------------------------------------------------------------------------- collate and loss
@@ -190,14 +229,19 @@ def test_tokenize_split_counts_truncated_and_dropped(tokenizer):
         {"prompt": ["TL;DR:", long_prompt, "TL;DR:"], "completion": [" cat", " cat", " cat" * 20]}
     )
     rows, counts = sft.tokenize_split(data, tokenizer, args_for(max_length=12), "x")
-    assert counts == {"kept": 1, "truncated": 1, "dropped": 1}
-    assert [len(r["input_ids"]) for r in rows][1] == 12
+    assert counts == {"kept": 1, "truncated": 1, "dropped": 1}  # the long prompt fills the 12 tokens: dropped
+    assert [len(r["input_ids"]) for r in rows] == [6, 12]
+    assert tokenizer.decode(rows[1]["input_ids"]) == "TL;DR:" + " cat" * 8  # the completion's end is cut
+    rows, counts = sft.tokenize_split(
+        data, tokenizer, args_for(max_length=12, truncation_mode="keep_end"), "x"
+    )
+    assert counts == {"kept": 1, "truncated": 2, "dropped": 0}
     assert tokenizer.decode(rows[1]["input_ids"]).endswith("dog TL;DR: cat" + tokenizer.eos_token)
     rows, counts = sft.tokenize_split(data, tokenizer, args_for(max_length=40, max_prompt_length=5), "x")
     assert counts == {"kept": 2, "truncated": 1, "dropped": 0}  # "TL;DR:" is 4 tokens, the long prompt 37
     assert len(rows[1]["input_ids"]) == 5 + 2 and rows[2]["loss_mask"] == [0] * 4 + [1] * 21
     with pytest.raises(ValueError, match="all 1 examples were dropped"):
-        sft.tokenize_split(data.select([2]), tokenizer, args_for(max_length=12), "x")
+        sft.tokenize_split(data.select([1]), tokenizer, args_for(max_length=12), "x")
 
 
 def test_plain_text_with_and_without_packing(tokenizer):
@@ -212,11 +256,16 @@ def test_plain_text_with_and_without_packing(tokenizer):
     )
     assert counts == {"kept": 2, "truncated": 1, "dropped": 0}
     assert [r["input_ids"] for r in rows] == [docs[0], docs[1], docs[2][:8]]
-    args = args_for(dataset_text_field="content", max_length=8, packing=True)
+    args = args_for(dataset_text_field="content", max_length=8, packing=True, packing_strategy="wrapped")
     rows, counts = sft.tokenize_split(data, tokenizer, args, "x")
     assert counts["truncated"] == 0 and all(len(r["input_ids"]) == 8 for r in rows[:-1])
     assert [t for r in rows for t in r["input_ids"]] == [t for d in docs for t in d]
     assert all(m == [1] * len(r["input_ids"]) for r in rows for m in [r["loss_mask"]])
+    rows, counts = sft.tokenize_split(
+        data, tokenizer, args_for(**{**vars(args), "packing_strategy": "bfd"}), "x"
+    )
+    assert counts == {"kept": 2, "truncated": 1, "dropped": 0}  # whole examples; the long one cut to a row
+    assert sorted(n for r in rows for n in r["seq_lengths"]) == sorted(min(len(d), 8) for d in docs)
 
 
 # ---------------------------------------------------------------------------------------------- command line

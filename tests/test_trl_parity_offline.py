@@ -6,6 +6,8 @@ TRL's loss methods are private (DPOTrainer._compute_loss, SFTTrainer.compute_los
 but fixed at 1.16, the version pinned for the tests. Where we differ on purpose, the test asserts the difference
 and says why."""
 
+import itertools
+
 import datasets
 import pytest
 import torch
@@ -347,3 +349,153 @@ def test_reward_batch_loss_accuracy_and_gradients_are_trls(
     assert metrics["eval/accuracy"] == pytest.approx(their_accuracy, abs=1e-7)
     assert_same_grads(grads(model), grads(trainer.model))
     assert "score.bias" in grads(model) and "score.bias" not in grads(trainer.model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SFT truncation and packing
+# ----------------------------------------------------------------------------------------------------------------
+SFT_EXAMPLES = 20  # the tiny world's prompts are 52 tokens, its completions 2-4 and an EOS
+
+
+def trl_sft(world, tokenizer, model=None, rows=SFT_EXAMPLES, **config):
+    """SFTTrainer 1.16 on the first `rows` SFT examples; its train_dataset is the prepared one."""
+    data = datasets.load_from_disk(str(world / "dataset"))["sft"].select(range(rows))
+    cfg = trl.SFTConfig(**trl_kwargs() | config)
+    return trl.SFTTrainer(
+        model=model or causal_lm(world), args=cfg, train_dataset=data, processing_class=tokenizer
+    )
+
+
+def our_sft_rows(world, tokenizer, rows=SFT_EXAMPLES, **flags) -> list[dict]:
+    data = datasets.load_from_disk(str(world / "dataset"))["sft"].select(range(rows))
+    return sft.tokenize_split(data, tokenizer, sft.Args(**flags), "rows")[0]
+
+
+def their_loss_mask(row: dict) -> list[int]:
+    """The tokens with a label in a prepared row of TRL, less each packed example's first, which its collator
+    takes off the loss."""
+    mask = [int(label != sft.IGNORE_INDEX) for label in row["labels"]]
+    if "seq_lengths" in row:
+        for start in itertools.accumulate([0, *row["seq_lengths"][:-1]]):
+            mask[start] = 0
+    return mask
+
+
+def assert_same_rows(ours: list[dict], theirs) -> None:
+    """Our rows are TRL's prepared rows: the same ids, loss tokens and packed lengths, in order."""
+    assert len(ours) == len(theirs)
+    for row, their_row in zip(ours, theirs):
+        assert row["input_ids"] == their_row["input_ids"]
+        assert row["loss_mask"] == their_loss_mask(their_row)
+        assert row.get("seq_lengths") == their_row.get("seq_lengths")
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+def test_sft_truncation_is_trls(world, tokenizer, truncation_mode):
+    """--max_length cuts as SFTTrainer 1.16: keep_start (its default) cuts the end of prompt + completion + EOS,
+    the EOS first, then into the completion; a row left without a loss token is dropped (keep_end: cuts the
+    prompt's start). Where TRL keeps no row, ours refuses in one sentence."""
+    kept = {}
+    for max_length in (57, 56, 54, 53, 52):
+        theirs = trl_sft(
+            world, tokenizer, max_length=max_length, truncation_mode=truncation_mode
+        ).train_dataset
+        kept[max_length] = len(theirs)
+        if not len(theirs):
+            with pytest.raises(ValueError, match=f"all {SFT_EXAMPLES} examples were dropped"):
+                our_sft_rows(world, tokenizer, max_length=max_length, truncation_mode=truncation_mode)
+            continue
+        ours = our_sft_rows(world, tokenizer, max_length=max_length, truncation_mode=truncation_mode)
+        assert_same_rows(ours, theirs)
+        ended = sum(row["input_ids"][-1] == tokenizer.eos_token_id for row in ours)
+        assert ended == (20 if truncation_mode == "keep_end" else {57: 20, 56: 18}.get(max_length, 0))
+    assert kept == {57: 20, 56: 20, 54: 20, 53: 20, 52: 0 if truncation_mode == "keep_start" else 20}
+
+
+def test_sft_packing_of_many_rows_is_trls():
+    """pack_rows against TRL's pack_dataset on 2,500 sequences of mixed lengths: the same rows, in the same order,
+    with the same example lengths, for each strategy (1,000 examples at a time, as TRL's batched map)."""
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 90, (2500,), generator=rng).tolist()
+    ids = [torch.randint(2, 200, (n,), generator=rng).tolist() for n in lengths]
+    masks = [[int(i % 3 > 0) for i in range(n)] for n in lengths]
+    rows = [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, masks)]
+    labels = [[t if m else sft.IGNORE_INDEX for t, m in zip(i, mask)] for i, mask in zip(ids, masks)]
+    data = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    for strategy in ("bfd", "bfd_split", "wrapped"):
+        assert_same_rows(sft.pack_rows(rows, 64, strategy), trl.pack_dataset(data, 64, strategy))
+
+
+@pytest.mark.parametrize(
+    "packing_strategy, max_length, completion_only_loss",
+    [("bfd", 128, True), ("bfd", 128, False), ("bfd_split", 40, False), ("wrapped", 128, True)],
+)
+def test_sft_packed_rows_loss_and_gradients_are_trls(
+    world, tokenizer, perturbed, packing_strategy, max_length, completion_only_loss
+):
+    """--packing (bfd, TRL 1.16's default; bfd_split; wrapped) builds SFTTrainer's packed rows, and one batch of
+    them gives TRL's collated batch (bfd: padding-free, one row, position ids from 0 in each example), loss and
+    gradients."""
+    config = dict(max_length=max_length, packing=True, packing_strategy=packing_strategy)
+    trainer = trl_sft(world, tokenizer, causal_lm(world, perturbed), completion_only_loss=completion_only_loss,
+                      **config)  # fmt: skip
+    rows = our_sft_rows(world, tokenizer, completion_only_loss=completion_only_loss, **config)
+    assert_same_rows(rows, trainer.train_dataset)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    ours_batch = sft.collate(rows[:4], tokenizer.pad_token_id)
+    real = ours_batch["attention_mask"].bool()
+    for key in ("input_ids", "position_ids", "labels") if packing_strategy != "wrapped" else ours_batch:
+        ours_key = ours_batch[key][real][None] if packing_strategy != "wrapped" else ours_batch[key]
+        assert torch.equal(ours_key, batch[key]), key
+
+    trainer.model.zero_grad()
+    theirs = trainer.compute_loss(trainer.model, dict(batch))
+    theirs.backward()
+    policy = causal_lm(world, perturbed)
+    nll, tokens = sft.sum_token_nll(policy, ours_batch)
+    (nll / tokens).backward()
+    torch.testing.assert_close((nll / tokens).detach(), theirs.detach(), rtol=0, atol=LOSS_ATOL)
+    assert_same_grads(grads(policy), grads(trainer.model))
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_sft_packed_examples_do_not_attend_to_each_other(world, tokenizer, attn_implementation):
+    """The loss of rows packed by bfd is the loss of their examples each alone: transformers 5 builds a
+    block-diagonal mask from the position ids for eager and sdpa attention. Without them it would differ."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()  # fmt: skip
+    flags = dict(max_length=128, completion_only_loss=False)
+    packed = our_sft_rows(world, tokenizer, rows=8, packing=True, **flags)
+    alone = our_sft_rows(world, tokenizer, rows=8, **flags)
+    assert len(packed) == 4 and all(len(row["seq_lengths"]) == 2 for row in packed)
+    with torch.no_grad():
+        packed_nll, packed_tokens = sft.sum_token_nll(model, sft.collate(packed, tokenizer.pad_token_id))
+        alone_nll, alone_tokens = sft.sum_token_nll(model, sft.collate(alone, tokenizer.pad_token_id))
+        crossing = sft.collate(packed, tokenizer.pad_token_id)
+        del crossing["position_ids"]
+        crossing_nll, _ = sft.sum_token_nll(model, crossing)
+    assert packed_tokens == alone_tokens
+    torch.testing.assert_close(packed_nll, alone_nll, rtol=1e-5, atol=0)
+    assert abs(crossing_nll - alone_nll) > 1e-4 * alone_nll  # 10 times the tolerance above; measured 1.4e-3
+
+
+def test_reward_max_length_drops_pairs_as_trl(world, tokenizer):
+    """--max_length drops a pair whose chosen or rejected sequence (prompt + completion + EOS) is longer, as
+    RewardTrainer 1.16 filters its prepared dataset; nothing is cut (tests/test_reward.py: none left is refused)."""
+    from transformers import AutoModelForSequenceClassification
+
+    data = datasets.load_from_disk(str(world / "dataset"))["preference"].select(range(20))
+    kept = {}
+    for max_length in (58, 57, 56, 55, 54):
+        model = AutoModelForSequenceClassification.from_pretrained(world / "reward", num_labels=1)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        cfg = trl.RewardConfig(**trl_kwargs(), max_length=max_length)
+        theirs = trl.RewardTrainer(model=model, args=cfg, train_dataset=data, processing_class=tokenizer)
+        theirs = theirs.train_dataset
+        rows, counts, _ = reward.tokenize_rows(tokenizer, data, [reward.CHOSEN, reward.REJECTED], max_length)
+        kept[max_length] = len(theirs)
+        assert counts == {"rows": 20, "dropped": 20 - len(theirs)}
+        assert [row["sequences"] for row in rows] == [[r["chosen_ids"], r["rejected_ids"]] for r in theirs]
+    assert kept == {58: 20, 57: 17, 56: 8, 55: 2, 54: 0}

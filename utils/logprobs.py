@@ -18,12 +18,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """Forward a causal LM on padded rows with matching position ids."""
+def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask, position_ids=None, **kwargs):
+    """Forward a causal LM on padded rows with matching position ids; or, given `position_ids` and no attention
+    mask, on packed examples (positions from 0 in each), which the model keeps from attending to each other."""
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=position_ids,
         use_cache=False,
         **kwargs,
     )
@@ -48,25 +51,26 @@ def token_logprobs(
     score_mask: torch.Tensor,
     temperature: float = 1.0,
     with_stats: bool = False,
+    position_ids: torch.Tensor | None = None,
 ):
     """Logprobs [B, T-1]: entry t is log softmax(logits_t / temperature)[input_ids[:, t + 1]] where
     `score_mask` [B, T-1] is true, 0 elsewhere. `with_stats`: (logprobs, entropy, mean logit), each [B, T-1].
-    The LM head sees scored positions only."""
+    The LM head sees scored positions only. `position_ids` with attention_mask None: packed rows (see forward)."""
     score_mask = score_mask.bool()
     targets = input_ids[:, 1:][score_mask]
-    out = lm_head.swapped_head_logprobs(
-        model, lambda: forward(model, input_ids, attention_mask), score_mask, targets, temperature, with_stats
-    )
+
+    def run_forward():
+        return forward(model, input_ids, attention_mask, position_ids)
+
+    out = lm_head.swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, with_stats)
     if out is None:
-        out = _plain_token_logprobs(
-            model, input_ids, attention_mask, score_mask, targets, temperature, with_stats
-        )
+        out = _plain_token_logprobs(run_forward, score_mask, targets, temperature, with_stats)
     return out
 
 
-def _plain_token_logprobs(model, input_ids, attention_mask, score_mask, targets, temperature, with_stats):
+def _plain_token_logprobs(run_forward, score_mask, targets, temperature, with_stats):
     """token_logprobs through the full logits [N, V]: the reference, and for heads the tiling cannot swap."""
-    logits = forward(model, input_ids, attention_mask).logits[:, :-1][score_mask].float()
+    logits = run_forward().logits[:, :-1][score_mask].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     logprobs = lm_head.scatter(
         logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), score_mask
