@@ -1,8 +1,9 @@
 """grpo.py against TRL 1.16's GRPOTrainer, running TRL's own code on the tiny world's policy (CPU, float32).
 
 - the loss and every parameter's gradient of one micro-batch: TRL's `_compute_loss` and grpo.py's functions on the
-  same weights and the same batch, for every loss type both have, each scale_rewards, beta 0 and > 0 (with TRL's
-  bias-corrected KL, and without it), on- and off-policy, with and without vLLM importance weights;
+  same weights and the same batch, for every loss type both have, beta 0 and > 0 (with TRL's bias-corrected KL,
+  and without it), on- and off-policy, with and without vLLM importance weights (both sides get the same
+  advantages, so scale_rewards is compared where advantages are made, below, and in test_update_parity_grpo.py);
 - the advantages and reward metrics TRL's `_generate_and_score_completions` makes from the same rewards (some
   None), the old logprobs it recomputes (and when), and its vLLM importance weights and sampling metrics for each
   `vllm_importance_sampling_mode` (its generation stubbed with fixed completions);
@@ -96,17 +97,16 @@ def grads(model):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 @pytest.mark.parametrize("beta,bias_correction", [(0.0, True), (0.1, True), (0.1, False)])
 @pytest.mark.parametrize("off_policy", [False, True])
-def test_loss_and_gradients_equal_trls(world, tmp_path_factory, ours, loss_type, scale_rewards, beta,
-                                       bias_correction, off_policy):  # fmt: skip
+def test_loss_and_gradients_equal_trls(world, tmp_path_factory, ours, loss_type, beta, bias_correction,
+                                       off_policy):  # fmt: skip
     """One micro-batch (ga = steps_per_generation = 1): TRL's `_compute_loss` and grpo.py's token losses and
     aggregation give the same loss and the same gradient of every parameter, and the same kl and entropy
     metrics. Off-policy the old and reference logprobs are the current ones plus noise (some ratios clipped);
     on-policy TRL has no old logprobs and grpo.py uses the detached current ones (ratio 1, gradient not 0)."""
     flags = dict(loss_type=loss_type, beta=beta, use_bias_correction_kl=bias_correction, epsilon_high=0.28,
-                 scale_rewards=scale_rewards)  # fmt: skip
+                 scale_rewards="group")  # fmt: skip
     if loss_type == "cispo":
         flags["epsilon_high"] = 1.1  # CISPO caps the ratio's weight at epsilon_high
     trainer = trl_trainer(world, tmp_path_factory, **flags)
@@ -114,7 +114,7 @@ def test_loss_and_gradients_equal_trls(world, tmp_path_factory, ours, loss_type,
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch(seed=1)
     g = torch.Generator().manual_seed(2)
     rewards = torch.randint(0, 3, (B,), generator=g).float()
-    advantages = grpo.group_advantages(rewards, G, scale_rewards)
+    advantages = grpo.group_advantages(rewards, G, "group")
     with torch.no_grad():
         current = our_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)[0]
     old = current + 0.3 * torch.randn(B, R, generator=g) if off_policy else None

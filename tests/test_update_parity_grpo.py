@@ -176,8 +176,10 @@ def test_each_step_equals_trls(lab, tmp_path, case):
 
 
 def test_two_processes_equal_trls(lab, tmp_path):
-    """Two processes (gloo): the loss normalised over both processes' tokens, gathered rewards, as TRL."""
-    flags = dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    """Two processes (gloo): the loss normalised over both processes' tokens, each process's advantages from
+    the gathered rewards (their batch std too), as TRL."""
+    flags = dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                 scale_rewards="batch")  # fmt: skip
     our_steps, our_log = ours(lab, tmp_path / "ours", flags, 2, nproc=2)
     trl_steps, trl_log = theirs(trl_spec(lab, tmp_path, flags, 2), nproc=2)
     assert_same_metrics(our_log, trl_log, one_micro_batch=False)
