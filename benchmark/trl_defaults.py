@@ -55,11 +55,9 @@ ppo.py's training with.
 """
 # What a default table cannot show: where the same flag does something else (written by hand).
 RECORDED_NOTES = {
-    "ppo": """Where the same flag means something else (measured against TRL 1.12's `PPOTrainer.train()` by
-`tests/test_update_parity_ppo.py`):
-
-Three of TRL 1.12's defaults do nothing in its PPOTrainer; the record's runs keep all three (with gradient norms
-above 1) and ppo.py in float32 without clipping takes the same steps:
+    "ppo": """Measured against TRL 1.12's `PPOTrainer.train()` by `tests/test_update_parity_ppo.py`. Three of TRL 1.12's
+defaults do nothing in its PPOTrainer; the record's runs keep all three (with gradient norms above 1), and ppo.py
+in float32 without clipping takes the same steps:
 
 - `max_grad_norm`: TRL 1.12's PPO never clips gradients (its loop calls `optimizer.step()` without clipping), so
   its `1.0` does nothing; ours clips at the value given and does nothing at its `None`.
@@ -69,15 +67,18 @@ above 1) and ppo.py in float32 without clipping takes the same steps:
   mixed precision (transformers' `Trainer` passes it on; PPOTrainer replaces that), so it trains in float32
   unless accelerate itself is told bf16 (`accelerate launch --mixed_precision bf16`, a DeepSpeed config); ours
   trains under bf16 autocast with `--bf16` and then recomputes the old logprobs (`--recompute_old_logprobs`).
+
+Where the same flag means something else:
+
 - `num_mini_batches`: TRL 1.12 splits `per_device_train_batch_size * gradient_accumulation_steps` rows into
   mini-batches; ours takes `num_mini_batches` mini-batches of that many rows (`local_batch_size` is their
   product, as in the N+ code). The same with `--num_mini_batches 1`.
-
-And where the two differ on purpose:
-
-- `--stop_token eos`: TRL puts the score on the position after the EOS (when there is one) and trains the critic
-  there too; ours puts it on the EOS, the N+ paper's fix. The same when a completion has no stop token.
+- `stop_token eos`: TRL puts the score on the position after the EOS (where the response has one) and trains the
+  critic there too; ours puts it on the EOS, the N+ paper's fix. The same for a completion without a stop token,
+  and for the policy when `lam` is 1 (the extra step telescopes away).
 - `whiten_rewards`: over the response and, in TRL, the position after the EOS; the same without a stop token.
+- `eval_strategy`: TRL 1.12's PPOTrainer does not read it (its sample tables follow `num_sample_generations`
+  alone); ours prints no tables with `no`.
 """,
 }
 

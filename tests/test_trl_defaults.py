@@ -23,10 +23,10 @@ def page() -> dict[str, list[list[str]]]:
     return td.read_tables(td.PAGE.read_text())
 
 
-@pytest.mark.parametrize("script", list(td.SCRIPTS))
+@pytest.mark.parametrize("script", [*td.SCRIPTS, *td.RECORDED])
 def test_page_lists_every_shared_flag_whose_default_differs(page, script):
-    """The page's (flag, ours, TRL 1.16) cells are recomputed from the script's Args and TRL's config class and
-    must match exactly, in order; every row carries a reason."""
+    """The page's (flag, ours, TRL) cells are recomputed from the script's Args and TRL's config class (TRL 1.12's
+    PPOConfig from its record) and must match exactly, in order; every row carries a reason."""
     rows, shared, _ = td.differences(script)
     assert shared >= 15, f"{script}.py shares only {shared} flags with TRL: the comparison lost its fields"
     assert script in page, f"docs/trl_defaults.md has no `## {script}.py` section: {REGENERATE}"
@@ -39,9 +39,21 @@ def test_page_lists_every_shared_flag_whose_default_differs(page, script):
     assert not missing, f"{script}.py: rows without a reason in docs/trl_defaults.md: {missing}"
 
 
-def test_page_says_ppo_has_no_trl_counterpart():
+def test_ppo_is_compared_with_trl_1_12s_config_from_its_record(page):
+    """TRL 1.16 has no PPO, so ppo.py's table reads TRL 1.12's PPOConfig from benchmark/trl_ppo_record.py's record,
+    made in TRL 1.12's environment; the defaults TRL's PPOTrainer never applies are listed, and the page says so."""
+    import json
+
     assert not hasattr(trl, "PPOConfig") and not hasattr(trl, "PPOTrainer")
-    assert "`ppo.py` has no table: TRL 1.16 has no PPO" in td.PAGE.read_text()
+    record = json.loads(td.RECORDED["ppo"][3].read_text())
+    assert record["made_by"]["versions"]["trl"] == "1.12.0"
+    defaults = td.trl_defaults("ppo")
+    assert defaults["bf16"] is True and defaults["max_grad_norm"] == 1.0 and defaults["kl_coef"] == 0.05
+    listed = {row[0] for row in page["ppo"]}
+    named = "seed bf16 gradient_checkpointing eval_strategy save_steps max_grad_norm".split()  # issue 48's
+    assert set(named) <= listed
+    text = td.PAGE.read_text()
+    assert "| flag | ours | TRL 1.12 | why |" in text and "PPO never clips gradients" in text
 
 
 def test_trl_defaults_are_read_as_a_user_gets_them():
