@@ -428,8 +428,8 @@ def setup(args: Args) -> Run:
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # takes the run name of a resumed run
     for key, (rows, counts, _) in data.items():
         accelerator.print(
-            f"{key}: dropped {counts['dropped']} of {counts['rows']} rows with a sequence longer than "
-            f"--max_length {args.max_length}"
+            f"{key}: kept {len(rows)} of {counts['rows']} rows, dropped {counts['dropped']} with a sequence "
+            f"longer than --max_length {args.max_length}"
         )
     train_rows = data["train"][0]
     fill_sizes(args, accelerator.num_processes, len(train_rows))
