@@ -427,7 +427,8 @@ def setup(args: Args) -> Run:
         eval_prompts, eval_references = utils.data.sample_prompts(
             eval_split, tokenizer, where, args.num_samples, args.dataset_text_field
         )
-    longest = max(len(row["input_ids"]) for row in train_rows + eval_rows)
+    # positions restart at each example packed by bfd: the model sees no more than the longest example
+    longest = max(max(row.get("seq_lengths", [len(row["input_ids"])])) for row in train_rows + eval_rows)
     utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     fill_sizes(args, accelerator.num_processes, len(train_rows))
     accelerator.print(f"train: {counts}, eval: {eval_counts}; {args.total_steps} steps of {args.batch_size}")

@@ -212,7 +212,9 @@ def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_p
 
     assert utils.loading.model_positions(str(world / "policy")) == 256
     out = tmp_path / "out"
-    proc = run_script(["sft.py", *sft_flags(world, out, "long", max_length=2000, packing=True)], check=False)
+    # wrapped packing: positions run along the whole row (bfd's restart at each example, which fits)
+    flags = sft_flags(world, out, "long", max_length=2000, packing=True, packing_strategy="wrapped")
+    proc = run_script(["sft.py", *flags], check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last == (f"sft.py: error: this run's sequences reach 2000 tokens, more than the 256 positions of "
@@ -220,7 +222,8 @@ def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_p
                     "--context_overflow cut.")  # fmt: skip
     assert not out.exists()
     # Cut by choice: --max_length lowered to the model's positions, said in one line; the blocks fit.
-    flags = sft_flags(world, out, "long", steps=1, max_length=2000, packing=True, context_overflow="cut")
+    flags = sft_flags(world, out, "long", steps=1, max_length=2000, packing=True, packing_strategy="wrapped",
+                      context_overflow="cut")  # fmt: skip
     proc = run_script(["sft.py", *flags])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("--context_overflow cut")]
     assert lines == [
