@@ -76,6 +76,12 @@ class Args:
     # Models and data
     model_name_or_path: str = "EleutherAI/pythia-1b-deduped"
     """the model to fine-tune (hub id or local directory)"""
+    model_revision: str = "main"
+    """revision (branch, tag or commit) of --model_name_or_path on the hub"""
+    trust_remote_code: bool = False
+    """let hub models and tokenizers run their own modelling code (every load)"""
+    attn_implementation: str | None = None
+    """attention of the trained model (and its reference): eager, sdpa, flash_attention_2...; None: the default"""
     dataset_name: str = "trl-lib/tldr"
     """hub id, save_to_disk directory, folder of {split}.jsonl files, or a json/jsonl/parquet file"""
     dataset_config: str | None = None
@@ -397,6 +403,7 @@ def setup(args: Args) -> Run:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+    utils.loading.use_model_flags(args)
     utils.loading.fit_max_length(args)  # under --context_overflow cut, before the flag checks
     fill_sizes(args, 1)
     utils.checkpoint.check_output_dir(
@@ -415,7 +422,7 @@ def setup(args: Args) -> Run:
         utils.chat.set_eos_token(tokenizer, args.eos_token)
     if tokenizer.pad_token_id is None:  # e.g. Pythia: pad with EOS (every mask here comes from lengths)
         tokenizer.pad_token = tokenizer.eos_token
-    utils.chat.set_chat_template(tokenizer, args.chat_template_path)
+    utils.chat.set_chat_template(tokenizer, args.chat_template_path, args.trust_remote_code)
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
     train_split = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     train_rows, counts = tokenize_split(train_split, tokenizer, args, f"split {args.dataset_train_split!r}")
