@@ -80,6 +80,15 @@ Where the same flag means something else:
 - `eval_strategy`: TRL 1.12's PPOTrainer does not read it (its sample tables follow `num_sample_generations`
   alone); ours prints no tables with `no`.
 """,
+    "rloo": """Measured against TRL 1.16's `RLOOTrainer.train()` by `tests/test_update_parity_rloo.py` (the weights after
+every optimizer step, from a TRL 1.16 command line and from a TRL 0.19 one). Where the same flag means something
+else:
+
+- `lr_scheduler_type`: ours sets the learning rate once an update (a generation and its `--num_iterations` x
+  `--num_mini_batches` optimizer steps), as TRL 0.19's RLOOTrainer stepped its scheduler once a batch: each
+  update holds the rate TRL 1.16 has at its first step, while TRL 1.16 steps its scheduler after every optimizer
+  step. The same with one optimizer step an update or `--lr_scheduler_type constant`.
+""",
 }
 
 
@@ -191,7 +200,7 @@ def render(reasons: dict[tuple[str, str], str]) -> str:
             record = RECORDED[script][3].relative_to(ROOT)
             source += f" of TRL {trl_version(script)}, read from {record}"
         parts.append(f"## {script}.py ({source})\n\n{shared} flags shared, {len(rows)} defaults differ.\n")
-        if script in RECORDED:
+        if script in RECORDED_NOTES:
             parts.append(RECORDED_NOTES[script])
         if rows:
             lines = [HEADER.replace("1.16", trl_version(script)), "|---|---|---|---|"]

@@ -68,6 +68,22 @@ def trl_generate(trainer, counter_dir, length: int):
     return generate_single_turn
 
 
+def trl_generate_ids(trainer, counter_dir, length: int):
+    """`trl_generate` for a trainer whose `_generate_single_turn(prompt_ids, images, multimodal_fields)` returns
+    the completion ids alone (RLOOTrainer 1.16: it recomputes every logprob itself)."""
+    with_logprobs = trl_generate(trainer, counter_dir, length)
+    return lambda prompt_ids, *args, **kwargs: with_logprobs(prompt_ids)[0]
+
+
+def trl_without_vllm() -> None:
+    """Make TRL, imported after this, take vLLM for absent: the trainers here sample the fixed completions, and
+    TRL's modules import an installed vLLM (with torch's compiler) whether it is used or not, about 6 s of CPU
+    per process. A TRL already imported keeps its vLLM."""
+    import trl.import_utils as trl_imports  # `as`: trl is a lazy module
+
+    trl_imports.is_vllm_available = lambda *args, **kwargs: False
+
+
 class StepRecorder:
     """Writes {name: parameter} of the trainable parameters of `model` (or the module that owns the optimizer's
     parameters, found among `candidates()`) to out_dir/step{k}.safetensors after the k-th optimizer step, on the
