@@ -55,6 +55,29 @@ ppo.py's training with.
 """
 # What a default table cannot show: where the same flag does something else (written by hand).
 RECORDED_NOTES = {
+    "sft": """Measured against TRL 1.16's `SFTTrainer.train()` by `tests/test_update_parity_offline.py` (the weights after
+every optimizer step, with gradient accumulation and on two processes). Where the logs differ:
+
+- `train/lr` is the learning rate the next step will use, read after the scheduler's step (0 after the last step of
+  a linear schedule); TRL's `learning_rate` (transformers 5's `Trainer`) is the one the step just used.
+""",
+    "reward": """Measured against TRL 1.16's `RewardTrainer.train()` by `tests/test_update_parity_offline.py` (the weights
+after every optimizer step, with gradient accumulation, a margin column and the centring term).
+Where the logs differ:
+
+- `train/lr` is the learning rate the next step will use, read after the scheduler's step (0 after the last step of
+  a linear schedule); TRL's `learning_rate` (transformers 5's `Trainer`) is the one the step just used.
+""",
+    "dpo": """Measured against TRL 1.16's `DPOTrainer.train()` by `tests/test_update_parity_offline.py` (the weights after
+every optimizer step, for sigmoid, ipo, robust and hinge, with gradient accumulation). Where the logs differ:
+
+- `lr` is the learning rate the next step will use, read after the scheduler's step (0 after the last step of
+  a linear schedule); TRL's `learning_rate` (transformers 5's `Trainer`) is the one the step just used.
+- With `--loss_type ipo`, `rewards/*` are beta times the log-ratios averaged over each completion's tokens (what
+  IPO's loss compares); TRL logs beta times the summed log-ratios whatever the loss type.
+- `logits/chosen` and `logits/rejected` average each completion's mean logit over the pairs; TRL's average over
+  every completion token of a micro-batch.
+""",
     "ppo": """Measured against TRL 1.12's `PPOTrainer.train()` by `tests/test_update_parity_ppo.py`. Three of TRL 1.12's
 defaults do nothing in its PPOTrainer; the record's runs keep all three (with gradient norms above 1), and ppo.py
 in float32 without clipping takes the same steps:
