@@ -30,10 +30,14 @@ import sys
 import pytest
 import torch
 
+import fixed_completions
 from conftest import OFFLINE_ENV, ROOT, read_metrics, run_torchrun, weights
 from fixed_completions import assert_same_steps, recorded_steps
 
-trl = pytest.importorskip("trl")
+pytest.importorskip("trl")
+fixed_completions.trl_without_vllm()  # before TRL's trainers are imported (here and under torchrun)
+import trl  # noqa: E402
+
 if trl.__version__ != "1.16.0":
     pytest.skip(f"compared with TRL 1.16.0's trainers; found trl {trl.__version__}", allow_module_level=True)
 
