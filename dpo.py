@@ -92,13 +92,13 @@ class Args:
     context_overflow: Literal["refuse", "cut"] = "refuse"
     """sequences longer than the model's positions: refuse (before loading it) or cut them to fit (one line)"""
     max_length: int = 1024
-    """most tokens of prompt + completion: completions are cut to fit, rows with no room dropped"""
-    max_prompt_length: int | None = 512
-    """most prompt tokens (see --truncation_mode); a default not under --max_length becomes half of it"""
+    """most tokens of each prompt + completion sequence, cut per --truncation_mode (TRL 1.16's meaning)"""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    """a sequence over --max_length keeps its start (a pair whose prompt fills it is dropped) or its end"""
+    max_prompt_length: int | None = None
+    """not a TRL 1.16 flag: keep each prompt's last this many tokens, before --max_length (None: all)"""
     max_completion_length: int | None = None
-    """most completion tokens (None: only --max_length limits them); also the eval sample length"""
-    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    """which end of a prompt longer than --max_prompt_length is kept"""
+    """not a TRL 1.16 flag: keep each completion's first this many tokens, before --max_length; sample table length"""
 
     # Algorithm
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
@@ -251,44 +251,85 @@ def completion_logps(model, batch: dict[str, torch.Tensor]):
 
 
 # ---- data --------------------------------------------------------------------------------------------------
-def truncate_pair(prompt, chosen, rejected, args: Args):
-    """(prompt, chosen, rejected) cut to the length flags (completions keep their start), or None if no
-    completion token fits."""
-    if args.max_prompt_length is not None and len(prompt) > args.max_prompt_length:
-        keep_end = args.truncation_mode == "keep_end"
-        prompt = prompt[-args.max_prompt_length :] if keep_end else prompt[: args.max_prompt_length]
-    room = min(args.max_length - len(prompt), args.max_completion_length or args.max_length)
-    return (prompt, chosen[:room], rejected[:room]) if args.max_length - len(prompt) >= 1 else None
+def fit_sequence(prompt: list[int], completion: list[int], args: Args) -> tuple[list[int], list[int]]:
+    """prompt + completion cut to --max_length as TRL 1.16's DataCollatorForPreference cuts each sequence:
+    keep_start keeps its first tokens, keep_end its last (the prompt's start goes first)."""
+    if args.truncation_mode == "keep_start":
+        return prompt[: args.max_length], completion[: max(0, args.max_length - len(prompt))]
+    cut = max(0, len(prompt) + len(completion) - args.max_length)
+    return prompt[cut:], completion[max(0, cut - len(prompt)) :]
+
+
+def truncate_pair(prompt, chosen, rejected, args: Args) -> dict | None:
+    """A pair's row {prompt, chosen_prompt, chosen, rejected_prompt, rejected}, each sequence cut by
+    fit_sequence (its prompt part in *_prompt); None for a pair TRL 1.16 drops (keep_start and a prompt that
+    fills --max_length)."""
+    if args.truncation_mode == "keep_start" and len(prompt) >= args.max_length:
+        return None
+    chosen_prompt, chosen = fit_sequence(prompt, chosen, args)
+    rejected_prompt, rejected = fit_sequence(prompt, rejected, args)
+    return {"prompt": prompt, "chosen_prompt": chosen_prompt, "chosen": chosen,
+            "rejected_prompt": rejected_prompt, "rejected": rejected}  # fmt: skip
 
 
 def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict]:
-    """Rows {index, prompt, chosen, rejected} of pairs in any of TRL's formats, completions ending with EOS;
-    the counts of truncated and dropped rows."""
+    """Rows (truncate_pair's, with their index) of pairs in any of TRL's formats, completions ending with EOS,
+    after our own --max_prompt_length / --max_completion_length; the counts of pairs, dropped pairs, prompts
+    and completions our flags cut, and sequences --max_length cut."""
     texts = utils.data.preference_texts(dataset, tokenizer, where)
     ids = [utils.chat.encode(tokenizer, texts[c], leading=c == "prompt") for c in COLUMNS]
     eos, rows = tokenizer.eos_token_id, []
     counts = {"pairs": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
+    counts["sequences_truncated"] = 0
     for prompt, chosen, rejected in zip(*ids):
         chosen, rejected = [t if t[-1:] == [eos] else t + [eos] for t in (chosen, rejected)]
-        fitted = truncate_pair(prompt, chosen, rejected, args)
-        if fitted is None:
+        if args.max_prompt_length is not None:
+            counts["prompts_truncated"] += len(prompt) > args.max_prompt_length
+            prompt = prompt[-args.max_prompt_length :]
+        if args.max_completion_length is not None:
+            cap = args.max_completion_length
+            counts["completions_truncated"] += sum(len(c) > cap for c in (chosen, rejected))
+            chosen, rejected = chosen[:cap], rejected[:cap]
+        row = truncate_pair(prompt, chosen, rejected, args)
+        if row is None:
             counts["dropped"] += 1
             continue
-        counts["prompts_truncated"] += len(fitted[0]) < len(prompt)
-        counts["completions_truncated"] += len(fitted[1]) + len(fitted[2]) < len(chosen) + len(rejected)
-        rows.append({"index": len(rows), "prompt": fitted[0], "chosen": fitted[1], "rejected": fitted[2]})
+        for side, completion in (("chosen", chosen), ("rejected", rejected)):
+            counts["sequences_truncated"] += len(row[f"{side}_prompt"] + row[side]) < len(prompt + completion)
+        rows.append({"index": len(rows), **row})
     if not rows:
         raise ValueError(
-            f"{where}: no prompt leaves room for a completion under --max_length {args.max_length}; "
-            "raise --max_length or set a smaller --max_prompt_length."
+            f"{where}: no prompt leaves room for a completion under --max_length {args.max_length} "
+            "(--truncation_mode keep_start drops a pair whose prompt fills it, as TRL 1.16 does); raise "
+            "--max_length, or pass --truncation_mode keep_end or a --max_prompt_length under it."
         )
     return rows, counts
 
 
-def concatenated_inputs(prompts, chosens, rejecteds, pad_token_id: int) -> dict[str, torch.Tensor]:
+def describe_counts(counts: dict, args: Args, where: str) -> str:
+    """One line on what the length flags did to a split, and a line for each of our own flags that is set."""
+    lines = [
+        f"{where}: kept {counts['pairs'] - counts['dropped']} of {counts['pairs']} pairs, dropped "
+        f"{counts['dropped']} whose prompt fills --max_length {args.max_length} (--truncation_mode "
+        f"{args.truncation_mode}, as TRL 1.16); {counts['sequences_truncated']} sequences cut to it"
+    ]
+    if args.max_prompt_length is not None:
+        lines.append(
+            f"{where}: --max_prompt_length {args.max_prompt_length} (not a TRL 1.16 flag) cut "
+            f"{counts['prompts_truncated']} prompts from the left"
+        )
+    if args.max_completion_length is not None:
+        lines.append(
+            f"{where}: --max_completion_length {args.max_completion_length} (not a TRL 1.16 flag) cut "
+            f"{counts['completions_truncated']} completions from the right"
+        )
+    return "\n".join(lines)
+
+
+def concatenated_inputs(chosen_prompts, chosens, rejected_prompts, rejecteds, pad_token_id: int) -> dict:
     """One right-padded batch [2B, T], prompt+chosen rows then prompt+rejected rows, and completion_mask."""
     # Masks come from the lengths, not the pad id: pad == eos is safe.
-    pairs = list(zip(list(prompts) * 2, list(chosens) + list(rejecteds)))
+    pairs = list(zip(list(chosen_prompts) + list(rejected_prompts), list(chosens) + list(rejecteds)))
     return {
         "input_ids": utils.generation.pad([p + c for p, c in pairs], pad_token_id),
         "attention_mask": utils.generation.pad([[1] * (len(p) + len(c)) for p, c in pairs], 0),
@@ -297,7 +338,8 @@ def concatenated_inputs(prompts, chosens, rejecteds, pad_token_id: int) -> dict[
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    batch = concatenated_inputs(*[[r[c] for r in rows] for c in COLUMNS], pad_token_id)
+    columns = ("chosen_prompt", "chosen", "rejected_prompt", "rejected")
+    batch = concatenated_inputs(*[[r[c] for r in rows] for c in columns], pad_token_id)
     return {**batch, "index": torch.tensor([r["index"] for r in rows])}
 
 
@@ -325,13 +367,11 @@ def sample_table(model, rows: list[dict], tokenizer, length: int) -> dict[str, l
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
 POSITIVE_FLAGS = """per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps
-logging_steps""".split()
+logging_steps max_length""".split()
 
 
 def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
     """Check the flags; with the number of training pairs, fill in the batch size and the steps."""
-    if args.max_prompt_length == Args.max_prompt_length and args.max_prompt_length >= args.max_length:
-        args.max_prompt_length = max(1, args.max_length // 2)  # the default follows a smaller --max_length
     if args.beta <= 0:
         raise ValueError(f"--beta must be positive, got {args.beta}.")
     if not 0 <= args.label_smoothing < 0.5:
@@ -340,6 +380,10 @@ def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args
         raise ValueError(f"--label_smoothing has no effect with --loss_type {args.loss_type}; leave it at 0.")
     if args.max_prompt_length is not None and not 0 < args.max_prompt_length < args.max_length:
         raise ValueError(f"--max_prompt_length must be in [1, --max_length - 1 = {args.max_length - 1}].")
+    if args.max_completion_length is not None and args.max_completion_length < 1:
+        raise ValueError(
+            f"--max_completion_length must be at least 1 (or None), got {args.max_completion_length}."
+        )
     for flag in POSITIVE_FLAGS:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
@@ -416,18 +460,21 @@ def setup(args: Args) -> Run:
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
-    split_rows, counts = {"test": []}, {"test": {}}
+    split_rows, counts, said = {"test": []}, {"test": {}}, []
     for key, split in (("train", args.dataset_train_split), ("test", test_split)):
         if split is not None:
             dataset = utils.data.load_split(args.dataset_name, split, args.dataset_config)
             split_rows[key], counts[key] = tokenize_dataset(dataset, tokenizer, args, f"split {split!r}")
+            said.append(describe_counts(counts[key], args, f"split {split!r}"))
     train_rows, eval_rows = split_rows["train"], split_rows["test"]
     longest = max(
-        len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) for r in train_rows + eval_rows
+        len(r[f"{side}_prompt"]) + len(r[side])
+        for r in train_rows + eval_rows
+        for side in ("chosen", "rejected")
     )
     utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     if accelerator.is_main_process:
-        print(f"train split: {counts['train']}\ntest split: {counts['test']}")
+        print("\n".join(said))
     collate_fn = partial(collate, pad_token_id=tokenizer.pad_token_id)
     eval_loader = DataLoader(eval_rows, args.per_device_eval_batch_size, collate_fn=collate_fn)
     fill_sizes(args, accelerator.num_processes, len(train_rows))

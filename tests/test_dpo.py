@@ -96,16 +96,32 @@ def test_implicit_rewards():
 # Data layout
 # ----------------------------------------------------------------------------------------------------------------
 def test_truncate_pair():
-    args = dpo.Args(max_length=10, max_prompt_length=4)
+    """TRL 1.16's cut of each prompt + completion at --max_length: keep_start cuts its end and drops a pair whose
+    prompt fills it; keep_end cuts its start, the prompt's first, each sequence on its own."""
     prompt, chosen, rejected = list(range(6)), [10, 11, 12, 13, 14, 15, 16, 17], [20, 21]
-    assert dpo.truncate_pair(prompt, chosen, rejected, args) == ([2, 3, 4, 5], chosen[:6], rejected)
-    keep_start = replace(args, truncation_mode="keep_start")
-    assert dpo.truncate_pair(prompt, chosen, rejected, keep_start) == ([0, 1, 2, 3], chosen[:6], rejected)
-    capped = replace(args, max_completion_length=3)
-    assert dpo.truncate_pair(prompt, chosen, rejected, capped) == ([2, 3, 4, 5], chosen[:3], rejected)
-    whole_prompt = replace(args, max_prompt_length=None)
-    assert dpo.truncate_pair(list(range(9)), chosen, rejected, whole_prompt) == (list(range(9)), [10], [20])
-    assert dpo.truncate_pair(list(range(10)), chosen, rejected, whole_prompt) is None
+
+    def cut(*pair, **flags):
+        row = dpo.truncate_pair(*pair, dpo.Args(**flags))
+        return row and tuple(row[k] for k in ("chosen_prompt", "chosen", "rejected_prompt", "rejected"))
+
+    assert cut(prompt, chosen, rejected, max_length=10) == (prompt, chosen[:4], prompt, rejected)
+    assert cut(list(range(9)), chosen, rejected, max_length=10) == (
+        list(range(9)),
+        [10],
+        list(range(9)),
+        [20],
+    )
+    assert cut(list(range(10)), chosen, rejected, max_length=10) is None
+    keep_end = {"truncation_mode": "keep_end"}
+    assert cut(prompt, chosen, rejected, max_length=10, **keep_end) == ([4, 5], chosen, prompt, rejected)
+    assert cut(prompt, chosen, rejected, max_length=5, **keep_end) == ([], chosen[3:], [3, 4, 5], rejected)
+    assert cut(list(range(10)), chosen, rejected, max_length=10, **keep_end) == (
+        [8, 9],
+        chosen,
+        [2, 3, 4, 5, 6, 7, 8, 9],
+        rejected,
+    )
+    assert dpo.Args().truncation_mode == "keep_start" and dpo.Args().max_prompt_length is None  # TRL 1.16's
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +133,8 @@ def tokenizer(world):
 
 @pytest.mark.parametrize("mode", ["keep_end", "keep_start"])
 def test_completion_only_mask_with_truncation(tokenizer, mode):
+    """Our --max_prompt_length keeps each prompt's end whichever the --truncation_mode; --max_length then cuts
+    each sequence as TRL 1.16 (keep_end: the third chosen sequence loses its whole prompt and its first token)."""
     import datasets
 
     eos = tokenizer.eos_token_id
@@ -129,19 +147,36 @@ def test_completion_only_mask_with_truncation(tokenizer, mode):
     full_prompts = [encode(p) for p in rows["prompt"]]
     assert counts["prompts_truncated"] == sum(len(p) > 6 for p in full_prompts) > 0
     batch = dpo.collate(out, tokenizer.pad_token_id)
-    n = len(out)
+    n, kept = len(out), slice(None, 12) if mode == "keep_start" else slice(-12, None)
     for i, (row, full) in enumerate(zip(out, full_prompts)):
-        expected_prompt = full if len(full) <= 6 else (full[-6:] if mode == "keep_end" else full[:6])
-        assert row["prompt"] == expected_prompt
-        room = 12 - len(expected_prompt)
+        assert row["prompt"] == full[-6:]
         chosen = encode(rows["chosen"][i].replace(tokenizer.eos_token, "")) + [eos]  # one EOS, not two
         rejected = encode(rows["rejected"][i]) + [eos]
-        for r, completion in ((i, chosen[:room]), (n + i, rejected[:room])):
+        for r, completion in ((i, chosen), (n + i, rejected)):
+            ids, mask = (
+                (full[-6:] + completion)[kept],
+                ([False] * len(full[-6:]) + [True] * len(completion))[kept],
+            )
             length, width = batch["attention_mask"][r].sum().item(), batch["input_ids"].size(1)
-            assert batch["input_ids"][r, :length].tolist() == expected_prompt + completion
-            mask = [False] * len(expected_prompt) + [True] * len(completion) + [False] * (width - length)
-            assert batch["completion_mask"][r].tolist() == mask
-    assert counts["completions_truncated"] == 1 and counts["dropped"] == 0  # the third chosen lost its tail
+            assert batch["input_ids"][r, :length].tolist() == ids
+            assert batch["completion_mask"][r].tolist() == mask + [False] * (width - length)
+    assert counts["sequences_truncated"] == 1 and counts["dropped"] == 0  # the third chosen sequence
+    assert counts["completions_truncated"] == 0  # no --max_completion_length
+    capped = dpo.tokenize_dataset(
+        datasets.Dataset.from_dict(rows), tokenizer, replace(args, max_completion_length=2), "rows"
+    )
+    assert [r["chosen"] for r in capped[0]] == [encode(c)[:2] for c in rows["chosen"]]
+    # " rent" and " tbh" with their EOS are 2 tokens, the other four completions longer
+    assert capped[1]["completions_truncated"] == 4 and capped[1]["sequences_truncated"] == 0
+    lines = dpo.describe_counts(
+        capped[1], replace(args, max_completion_length=2), "split 'train'"
+    ).splitlines()
+    assert lines == [
+        f"split 'train': kept 3 of 3 pairs, dropped 0 whose prompt fills --max_length 12 "
+        f"(--truncation_mode {mode}, as TRL 1.16); 0 sequences cut to it",
+        "split 'train': --max_prompt_length 6 (not a TRL 1.16 flag) cut 2 prompts from the left",
+        "split 'train': --max_completion_length 2 (not a TRL 1.16 flag) cut 4 completions from the right",
+    ]
 
 
 def test_rows_without_room_are_dropped_and_counted(tokenizer):
@@ -151,8 +186,11 @@ def test_rows_without_room_are_dropped_and_counted(tokenizer):
     args = dpo.Args(max_length=4, max_prompt_length=None)
     out, counts = dpo.tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, args, "rows")
     assert counts["dropped"] == 1 and len(out) == 1 and out[0]["index"] == 0
-    with pytest.raises(ValueError, match="no prompt leaves room.*--max_length 1"):
+    with pytest.raises(ValueError, match="no prompt leaves room.*--max_length 1 "):
         dpo.tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, replace(args, max_length=1), "rows")
+    keep_end = replace(args, truncation_mode="keep_end")  # drops nothing: the prompt's start goes
+    out, counts = dpo.tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, keep_end, "rows")
+    assert counts["dropped"] == 0 and len(out) == 2 and len(out[0]["chosen_prompt"] + out[0]["chosen"]) == 4
 
 
 def test_concatenated_forward_equals_two_forwards(world, tokenizer):
@@ -176,7 +214,7 @@ def test_concatenated_forward_equals_two_forwards(world, tokenizer):
     with torch.no_grad():
         pad_id = tokenizer.pad_token_id
         logps, lengths, logits = dpo.completion_logps(
-            model, dpo.concatenated_inputs(prompts, chosens, rejecteds, pad_id)
+            model, dpo.concatenated_inputs(prompts, chosens, prompts, rejecteds, pad_id)
         )
         (chosen_logps, _, chosen_logits), (rejected_logps, _, rejected_logits) = (
             alone(chosens),
@@ -287,7 +325,7 @@ def test_bad_input_is_refused_before_loading(world, small_data, tmp_path):
             r"missing column\(s\) \['chosen'\]: expected \['prompt', 'chosen'",
         ),
         (
-            {"max_length": 20, "max_prompt_length": None},
+            {"max_length": 20},
             "no prompt leaves room for a completion under --max_length 20",
         ),
         (

@@ -273,7 +273,7 @@ def test_cut_from_left_keeps_the_last_tokens():
     assert cut_from_left(splits, 3) == ([[[3, 4, 5], [6, 7], [8, 9, 10]], None, [[12, 13, 14]]], 2)
     assert cut_from_left(splits, 5) == (splits, 0)
     assert cut_from_left([[]], 2) == ([[]], 0)
-    # --max_length down to the positions; a prompt limit no longer under it becomes half of it, as dpo.py's does.
+    # --max_length down to the positions; a prompt limit no longer under it becomes half of it.
     assert fitted_lengths(2000, 512, 256) == (256, 128)
     assert fitted_lengths(2000, 100, 256) == (256, 100)
     assert fitted_lengths(2000, None, 256) == (256, None)
@@ -373,8 +373,9 @@ def long_rows(tmp_path, script):
 @pytest.mark.slow  # each script twice: up to its refusal, then one update with the cut (about 30 s each)
 @pytest.mark.parametrize("script", ["dpo", "reward", "ilql", "ppo", "online_dpo"])
 def test_every_other_script_refuses_longer_sequences_or_cuts_them(script, world, tmp_path):
-    """At the default lengths (dpo, ilql: --max_length 1024, --max_prompt_length 512) a 300-token prompt is
-    refused before loading; with --context_overflow cut one line says what was cut, and one update trains."""
+    """At the default lengths (dpo, reward: --max_length 1024; ilql with --max_prompt_length 512) a 300-token
+    prompt is refused before loading; with --context_overflow cut one line says what was cut, and one update
+    trains (dpo drops the long prompt's pair, as TRL 1.16's keep_start does)."""
     out, data, policy, reward = (
         tmp_path / "out",
         long_rows(tmp_path, script),
@@ -384,7 +385,7 @@ def test_every_other_script_refuses_longer_sequences_or_cuts_them(script, world,
     model_flag = "--sft_model_path" if script == "ppo" else "--model_name_or_path"
     model = reward if script == "reward" else policy
     flags = {
-        "dpo": ["--eval_strategy", "no"],
+        "dpo": ["--eval_strategy", "no", "--per_device_train_batch_size", "4"],
         "reward": ["--eval_strategy", "no"],
         "ilql": [],
         "ppo": ["--reward_model_path", reward, "--response_length", "6", "--total_episodes", "8"],
@@ -408,8 +409,10 @@ def test_every_other_script_refuses_longer_sequences_or_cuts_them(script, world,
         said += f" positions of {model_flag} {model}"
     else:
         said = f"--max_length 1024 lowered to the 256 positions of {model_flag} {model}"
-        said += ", --max_prompt_length 512 to 128" if script in ("dpo", "ilql") else ""
+        said += ", --max_prompt_length 512 to 128" if script == "ilql" else ""
     assert lines == [f"--context_overflow cut: {said}"]
+    if script == "dpo":
+        assert "kept 7 of 8 pairs, dropped 1 whose prompt fills --max_length 256" in proc.stdout
     assert (out / "config.json").exists()
 
 

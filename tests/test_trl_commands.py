@@ -33,7 +33,7 @@ RL_SCRIPTS = ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")
 SIZES = {
     "sft.py": "--max_steps 2 --max_length 96 --gradient_accumulation_steps 2 --eval_steps 2 --num_samples 2 "
     "--response_length 4 --per_device_eval_batch_size 8",
-    "dpo.py": "--max_steps 2 --max_length 96 --max_prompt_length 64 --gradient_accumulation_steps 2 --eval_steps 2 "
+    "dpo.py": "--max_steps 2 --max_length 96 --gradient_accumulation_steps 2 --eval_steps 2 "
     "--per_device_eval_batch_size 8",
     "reward.py": "--max_steps 2 --max_length 96 --per_device_train_batch_size 4 --eval_steps 2",
     "online_dpo.py": "--max_steps 2 --max_new_tokens 6 --per_device_train_batch_size 4 --gradient_accumulation_steps 1",

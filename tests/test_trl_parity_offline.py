@@ -141,17 +141,17 @@ def test_dpo_batch_is_trls(world, split, tokenizer, perturbed):
     """Our tokenization and collation of preference rows give TRL's batch, token for token: prompt + chosen rows
     then prompt + rejected rows, right-padded, with the same completion mask (EOS included, prompt excluded)."""
     _, batch = trl_dpo(world, split, tokenizer, perturbed, "sigmoid")
-    rows, _ = dpo.tokenize_dataset(split("preference"), tokenizer, dpo.Args(max_prompt_length=None), "rows")
+    rows, _ = dpo.tokenize_dataset(split("preference"), tokenizer, dpo.Args(), "rows")
     ours = dpo.collate(rows, tokenizer.pad_token_id)
     for key in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(ours[key].long(), batch[key].long()), key
 
 
 def test_dpo_truncation_is_trls_without_max_prompt_length(world, split, tokenizer, perturbed):
-    """TRL 1.16 cuts prompt + completion to --max_length keeping the start (truncation_mode keep_start, its only
-    supported mode) and drops a row whose prompt fills it; ours does the same with --max_prompt_length None. A
-    difference on purpose: our --truncation_mode picks the end kept of a prompt longer than --max_prompt_length
-    (TRL before 1.0), keep_end by default so that the final instruction (TL;DR:) survives."""
+    """TRL 1.16 cuts prompt + completion to --max_length keeping the start (truncation_mode keep_start, its
+    default) and drops a row whose prompt fills it; ours does the same by default (--max_prompt_length None),
+    here on prompts of three lengths. Our own --max_prompt_length, not a TRL 1.16 flag, keeps each prompt's end
+    so that the final instruction (TL;DR:) survives and no row is dropped."""
     # Prompts of three lengths (their beginnings cut), all ending with the instruction.
     data = split("preference").map(
         lambda row, i: {"prompt": row["prompt"][(0, 6, 60)[i % 3] :]}, with_indices=True
@@ -164,17 +164,54 @@ def test_dpo_truncation_is_trls_without_max_prompt_length(world, split, tokenize
                              processing_class=tokenizer)  # fmt: skip
     kept = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     batch = trainer.data_collator(kept)
-    args = dpo.Args(max_length=max_length, max_prompt_length=None, truncation_mode="keep_start")
+    args = dpo.Args(max_length=max_length)
     rows, counts = dpo.tokenize_dataset(data, tokenizer, args, "rows")
-    assert 0 < counts["dropped"] == ROWS - len(kept) and counts["completions_truncated"] > 0
+    assert 0 < counts["dropped"] == ROWS - len(kept) and counts["sequences_truncated"] > 0
     ours = dpo.collate(rows, tokenizer.pad_token_id)
     for key in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(ours[key].long(), batch[key].long()), key
-    # Our defaults (main lowers --max_prompt_length to max_length // 2 when it does not fit under --max_length):
-    default_args = dpo.Args(max_length=max_length, max_prompt_length=max_length // 2)
-    default_rows, _ = dpo.tokenize_dataset(data, tokenizer, default_args, "rows")
-    assert len(default_rows) == ROWS  # nothing dropped: the prompt gives way
-    assert all(row["prompt"][-len(tail) :] == tail for row in default_rows)  # and keeps the instruction
+    cut_args = dpo.Args(max_length=max_length, max_prompt_length=max_length // 2)
+    cut_rows, _ = dpo.tokenize_dataset(data, tokenizer, cut_args, "rows")
+    assert len(cut_rows) == ROWS  # nothing dropped: the prompt gives way
+    assert all(row["chosen_prompt"][-len(tail) :] == tail for row in cut_rows)  # and keeps the instruction
+
+
+DPO_PAIRS = 20  # the tiny world's prompts are 52 tokens, its completions 2-4 and an EOS
+
+
+@pytest.mark.filterwarnings("ignore:The `'keep_end'` truncation mode is deprecated:FutureWarning")
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+def test_dpo_max_length_and_truncation_mode_are_trls(world, tokenizer, truncation_mode):
+    """A TRL 1.16 command line's --max_length and --truncation_mode, parsed with our defaults, give TRL's
+    rows: DPOTrainer's prepared dataset (keep_start drops a pair whose prompt fills --max_length) through its
+    collator, which cuts each prompt + completion sequence (keep_start its end, keep_end its start), equal to
+    our collated rows, ids and masks. Where TRL keeps no pair, ours refuses in one sentence (#48)."""
+    data = datasets.load_from_disk(str(world / "dataset"))["preference"].select(range(DPO_PAIRS))
+    kept, cut = {}, {}
+    for max_length in (58, 56, 53, 52, 40):
+        cfg = trl.DPOConfig(**trl_kwargs(), max_length=max_length, truncation_mode=truncation_mode)
+        trainer = trl.DPOTrainer(model=causal_lm(world), ref_model=causal_lm(world), args=cfg,
+                                 train_dataset=data, processing_class=tokenizer)  # fmt: skip
+        theirs = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+        kept[max_length] = len(theirs)
+        flags = ["--max_length", str(max_length), "--truncation_mode", truncation_mode]
+        args = dpo.fill_sizes(tyro.cli(dpo.Args, args=flags), 1)
+        if not theirs:
+            with pytest.raises(ValueError, match="no prompt leaves room for a completion under --max_length"):
+                dpo.tokenize_dataset(data, tokenizer, args, "rows")
+            continue
+        rows, counts = dpo.tokenize_dataset(data, tokenizer, args, "rows")
+        assert counts["dropped"] == DPO_PAIRS - len(theirs)
+        batch, ours = trainer.data_collator(theirs), dpo.collate(rows, tokenizer.pad_token_id)
+        for key in ("input_ids", "attention_mask", "completion_mask"):
+            assert torch.equal(ours[key].long(), batch[key].long()), (max_length, key)
+        whole = [
+            len(r["prompt_ids"]) + len(r[f"{side}_ids"]) for r in theirs for side in ("chosen", "rejected")
+        ]
+        cut[max_length] = sum(length > max_length for length in whole)
+        assert counts["sequences_truncated"] == cut[max_length]
+    assert kept == {58: 20, 56: 20, 53: 20, 52: 0 if truncation_mode == "keep_start" else 20, 40: kept[52]}
+    assert cut == {58: 0, 56: 15, 53: 40} | ({} if truncation_mode == "keep_start" else {52: 40, 40: 40})
 
 
 @pytest.mark.parametrize(

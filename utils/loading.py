@@ -182,8 +182,8 @@ def say_once(line: str) -> None:
 
 
 def fitted_lengths(max_length: int, max_prompt_length: int | None, positions: int) -> tuple[int, int | None]:
-    """`max_length` lowered to `positions`; a `max_prompt_length` then not under it becomes half of it (as
-    dpo.py's default does), so the scripts' rule 0 < max_prompt_length < max_length still holds."""
+    """`max_length` lowered to `positions`; a `max_prompt_length` then not under it becomes half of it, so the
+    scripts' rule 0 < max_prompt_length < max_length still holds."""
     max_length = min(max_length, positions)
     if max_prompt_length is not None and max_prompt_length >= max_length:
         max_prompt_length = max(1, max_length // 2)
