@@ -13,7 +13,9 @@ ratio and its clipping, the loss and its scale under accumulation and across pro
 AdamW after gradient clipping is blind to a uniform scale of the gradient (a baseline that counts the completion
 itself scales every advantage by (k-1)/k, a loss divided by the accumulation twice halves it): the logged loss and
 gradient norm catch those. The cases with several epochs over a generation train at LR / 10, so that the second
-epoch's ratios fall both inside and outside the clip range.
+epoch's ratios fall both inside and outside the clip range, and with a KL coefficient of 1: the policy is its
+reference until the first step, and after one step of LR / 10 the KL is small (its sign shows in the weights
+at 0.1 by a hair).
 
 TRL 0.19's dialect (`--rloo_k --kl_coef --num_ppo_epochs --total_episodes --reward_fn`, 0.19's defaults) maps
 onto a TRL 1.16 configuration wherever 0.19's rules and 1.16's meet: test_0_19_dialect_equals_trls runs such a
@@ -55,7 +57,7 @@ CASES = {
              reward_funcs=["shape", "vowels"], reward_weights=[1.0, -2.0]), 2,
     ),
     "kl_accumulation_iterations_truncated": (
-        dict(beta=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2,
+        dict(beta=1.0, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2,
              mask_truncated_completions=True, epsilon_high=0.28, lr_scheduler_type="constant",
              learning_rate=LR / 10), 4,
     ),
@@ -234,10 +236,10 @@ def test_0_19_dialect_equals_trls(lab, tmp_path):
     """A TRL 0.19 command line (its names, its defaults: no gradient clipping; --total_episodes) as the TRL 1.16
     configuration its rules mean: two updates of two epochs each."""
     argv = ["--sft_model_path", str(lab / "policy"), "--reward_fn", f"{lab / 'reward.py'}:shape", "--rloo_k",
-            str(G), "--kl_coef", "0.1", "--num_ppo_epochs", "2", "--response_length", str(R), "--temperature",
+            str(G), "--kl_coef", "1.0", "--num_ppo_epochs", "2", "--response_length", str(R), "--temperature",
             str(T), "--learning_rate", str(LR / 10), "--stop_token", "eos", "--total_episodes", str(2 * G * P),
             "--per_device_train_batch_size", str(G * P), "--lr_scheduler_type", "constant", "--seed", "3"]  # fmt: skip
-    flags = dict(beta=0.1, per_device_train_batch_size=G * P, num_iterations=2, max_grad_norm=0.0, epsilon=0.2,
+    flags = dict(beta=1.0, per_device_train_batch_size=G * P, num_iterations=2, max_grad_norm=0.0, epsilon=0.2,
                  lr_scheduler_type="constant", learning_rate=LR / 10)  # fmt: skip
     our_steps, our_log = ours(lab, tmp_path / "ours", argv)
     trl_steps, trl_log = theirs(dict(lab=str(lab), out=str(tmp_path), flags=flags, steps=4))
