@@ -154,7 +154,7 @@ class Args:
     learning_rate: float | None = None
     """AdamW learning rate; None: 3e-6 / 1e-6"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """linear: decay to 0 over the updates"""
+    """linear: decay to 0 over the updates (TRL 1.16 dialect: over the optimizer steps)"""
     max_grad_norm: float | None = None
     """clip the gradient norm to this (0: no clipping); None: 0 / 1.0"""
     per_device_train_batch_size: int = 8
@@ -305,6 +305,18 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange, clipran
         clipfrac = utils.stats.masked_mean((clipped > unclipped).float(), weights)
         approxkl = utils.stats.masked_mean(0.5 * log_ratio**2, weights)
     return loss, ratio.detach()[weights.bool()], clipfrac, approxkl
+
+
+def learning_rate(args, update: int, steps_done: int, steps_per_update: int) -> float:
+    """The rate of the next optimizer step of `update` (from 1) after `steps_done` of its steps: linear decay to 0
+    over the updates (TRL 0.19: one rate an update) or over the optimizer steps (TRL 1.16), or constant."""
+    if args.lr_scheduler_type != "linear":
+        return args.learning_rate
+    if args.dialect == "1.16":
+        done, total = (update - 1) * steps_per_update + steps_done, args.num_total_batches * steps_per_update
+    else:
+        done, total = update - 1, args.num_total_batches
+    return args.learning_rate * (1 - done / total)
 
 
 def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: values, rank=0):
@@ -790,11 +802,6 @@ def main(args: Args) -> dict:
         updates, initial=start, total=args.num_total_batches, disable=not accelerator.is_local_main_process
     )
     for update in progress:
-        decay = 1 - (update - 1) / args.num_total_batches if args.lr_scheduler_type == "linear" else 1.0
-        lr = args.learning_rate * decay
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-
         # 1. Sample: k completions of each of P prompts, completion-major (row i <- prompt i % P).
         examples = next(run.batches)  # dataset indices
         queries, query_mask = utils.generation.left_pad(
@@ -845,11 +852,14 @@ def main(args: Args) -> dict:
         policy.train()
         stats = torch.zeros(4, device=device)  # loss, approxkl, clipfrac, entropy
         ratio_sums = torch.zeros(3, device=device)  # ratio - 1, (ratio - 1)^2 (exact near 1), count
-        grad_norms, num_micro_batches = [], 0
+        grad_norms, lrs, num_micro_batches = [], [], 0
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(B, generator=run.shuffle_generator).to(device)
             for idx in order.split(args.per_device_train_batch_size):
                 run.checkpointer.boundary()
+                lr = learning_rate(args, update, len(grad_norms), steps_per_update)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 with accelerator.accumulate(policy):
                     query_responses, attention_mask = rows_at(idx)
                     logprobs, entropy, _ = utils.logprobs.response_logprobs(
@@ -870,6 +880,7 @@ def main(args: Args) -> dict:
                     optimizer.zero_grad()
                     if accelerator.sync_gradients:
                         grad_norms.append(utils.run.grad_norm_after_step(policy, measured))
+                        lrs.append(lr)
                 with torch.no_grad():
                     entropy_mean = utils.stats.masked_mean(entropy, response_mask[idx])
                     stats += torch.stack([loss.detach(), approxkl, clipfrac, entropy_mean])
@@ -902,7 +913,7 @@ def main(args: Args) -> dict:
                 "val/ratio": 1 + ratio_shift.item(),
                 "val/ratio_var": (ratio_sums[1] / ratio_sums[2] - ratio_shift**2).clamp(min=0).item(),
                 "val/num_eos_tokens": accelerator.reduce(has_eos.sum(), reduction="sum").item(),
-                "lr": lr,
+                "lr": sum(lrs) / len(lrs),
                 "episode": episode,
             }
             if grad_norm is not None:

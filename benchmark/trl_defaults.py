@@ -107,10 +107,10 @@ Where the same flag means something else:
 every optimizer step, from a TRL 1.16 command line and from a TRL 0.19 one). Where the same flag means something
 else:
 
-- `lr_scheduler_type`: ours sets the learning rate once an update (a generation and its `--num_iterations` x
-  `--num_mini_batches` optimizer steps), as TRL 0.19's RLOOTrainer stepped its scheduler once a batch: each
-  update holds the rate TRL 1.16 has at its first step, while TRL 1.16 steps its scheduler after every optimizer
-  step. The same with one optimizer step an update or `--lr_scheduler_type constant`.
+- `lr_scheduler_type linear`: under TRL 1.16's flags the rate decays after every optimizer step, as TRL 1.16's;
+  under TRL 0.19's it is set once an update (a generation and its `--num_ppo_epochs` x `--num_mini_batches`
+  optimizer steps), as TRL 0.19's RLOOTrainer stepped its scheduler once a batch. `lr` logs the mean rate of the
+  update's steps (TRL 1.16 logs each step's).
 """,
 }
 

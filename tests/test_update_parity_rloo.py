@@ -24,10 +24,9 @@ no TRL 1.16 counterpart (`--token_level_kl`, `--whiten_rewards`, `--normalize_re
 whitening, `--missing_eos_penalty`, no stop at EOS without `--stop_token eos`) is covered by tests/test_rloo.py's
 loops written from the equations and tests/test_trl_parity_rloo.py.
 
-One difference is deliberate and avoided here: rloo.py sets the learning rate once an update (TRL 0.19's
-RLOOTrainer stepped its scheduler once a batch), TRL 1.16 once an optimizer step, so with several optimizer steps
-an update (`--num_iterations` > 1) the linear schedules differ: those cases use a constant learning rate
-(docs/trl_defaults.md)."""
+Under TRL 1.16's flags the linear schedule decays after every optimizer step, as TRL 1.16's (the accumulation
+case runs it over 4 steps in 2 updates); under TRL 0.19's it is set once an update, as TRL 0.19's RLOOTrainer
+stepped its scheduler once a batch, so the 0.19 case uses a constant learning rate (docs/trl_defaults.md)."""
 
 import json
 import os
@@ -58,8 +57,7 @@ CASES = {
     ),
     "kl_accumulation_iterations_truncated": (
         dict(beta=1.0, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2,
-             mask_truncated_completions=True, epsilon_high=0.28, lr_scheduler_type="constant",
-             learning_rate=LR / 10), 4,
+             mask_truncated_completions=True, epsilon_high=0.28, learning_rate=LR / 10), 4,
     ),
 }  # fmt: skip
 
