@@ -122,8 +122,8 @@ MUTATIONS = [
       "clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)", "epsilon_high ignored"),
     M("rloo.py", "    return (advantages - kept.mean()) / (kept.std() + 1e-4) * mask",
       "    return (advantages - kept.mean()) / (kept.std() + 1e-4)", "normalised advantages keep padding"),
-    M("rloo.py", "decay = 1 - (update - 1) / args.num_total_batches if", "decay = 1 - update / args.num_total_batches if",
-      "learning-rate decay off by one update"),
+    M("rloo.py", "done, total = (update - 1) * steps_per_update + steps_done",
+      "done, total = update * steps_per_update + steps_done", "learning-rate decay off by one update"),
     # ---- online_dpo.py
     M("online_dpo.py", "    verdicts = (second > first).long()", "    verdicts = (second < first).long()",
       "the worse completion chosen"),
@@ -176,13 +176,38 @@ MUTATIONS = [
     M("reward.py", "        loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()",
       "        loss = loss + center_rewards_coefficient * ((chosen - rejected) ** 2).mean()",
       "centring term of the difference"),
+    M("dpo.py", "return losses.mean(), torch.stack", "return losses.sum(), torch.stack", "pair losses summed, not averaged"),
+    # ---- held out: written after the whole-update tests, then checked
+    M("grpo.py", "ref_logprobs[idx], args.use_bias_correction_kl", "ref_logprobs[idx].roll(1, 0), args.use_bias_correction_kl",
+      "reference logprobs of another row", held_out=True),
+    M("grpo.py", "clip_grad_norm(accelerator, policy, args.max_grad_norm) or grad_norm",
+      "clip_grad_norm(accelerator, policy, 2 * args.max_grad_norm) or grad_norm", "gradient clipped at twice the norm",
+      held_out=True),
+    M("grpo.py", "policy, query_responses, attention_mask, context_length, T, with_stats=True",
+      "policy, query_responses, attention_mask, context_length, 1.0, with_stats=True",
+      "training logprobs without the temperature", held_out=True),
+    M("rloo.py", "policy, query_responses, attention_mask, context_length, T, with_stats=True",
+      "policy, query_responses, attention_mask, context_length, 1.0, with_stats=True",
+      "training logprobs without the temperature", held_out=True),
+    M("rloo.py", "loss_mask = response_mask & finished(responses, lengths, finished_ids)[:, None]",
+      "loss_mask = response_mask", "mask_truncated_completions ignored", held_out=True),
+    M("online_dpo.py", "beta = beta_for_epoch(args.beta, (update - 1) // updates_per_epoch)",
+      "beta = beta_for_epoch(args.beta, update // updates_per_epoch)", "beta of the next epoch", held_out=True),
+    M("reward.py", "loss = reward_loss(chosen, rejected, batch[\"margin\"], args.center_rewards_coefficient)",
+      "loss = reward_loss(chosen, rejected, batch[\"margin\"].flip(0), args.center_rewards_coefficient)",
+      "margins of other pairs", held_out=True),
+    M("ppo.py", "rewards = whiten(rewards, response_mask, shift_mean=False, accelerator=whitening)",
+      "rewards = whiten(rewards, response_mask, shift_mean=True, accelerator=whitening)",
+      "--whiten_rewards shifts the mean", held_out=True),
 ]  # fmt: skip
 
 
 @dataclass
 class Args:
     only: str | None = None
-    """run the mutations whose file or description contains this"""
+    """run the mutations of this file (e.g. grpo.py), or whose description contains this"""
+    held_out: bool = False
+    """run only the mutations written after the tests"""
     list_only: bool = False
     """print the mutations and their tests, run nothing"""
     output: str = "benchmark/results/mutations.json"
@@ -262,7 +287,14 @@ def run_one(mutation: Mutation, args: Args) -> dict:
 
 
 def main(args: Args) -> None:
-    chosen = [m for m in MUTATIONS if not args.only or args.only in m.file or args.only in m.what]
+    def selected(m: Mutation) -> bool:
+        if args.held_out and not m.held_out:
+            return False
+        if args.only and args.only.endswith(".py"):
+            return m.file == args.only
+        return not args.only or args.only in m.what
+
+    chosen = [m for m in MUTATIONS if selected(m)]
     if args.list_only:
         for m in chosen:
             print(f"{m.file:14} {m.what:55} {' '.join(tests_for(m, args)[0])}")
@@ -279,14 +311,16 @@ def main(args: Args) -> None:
               flush=True)  # fmt: skip
     summary = {r: sum(x["result"] == r for x in results) for r in ("caught", "missed", "stale", "timeout")}
     record = {
-        "command": "python benchmark/mutations.py" + (f" --only {args.only}" if args.only else ""),
+        "command": "python benchmark/mutations.py"
+        + (f" --only {args.only}" if args.only else "")
+        + (" --held_out" if args.held_out else ""),
         "commit": commit,
         "machine": f"{os.cpu_count()} CPUs",
         "summary": summary,
         "results": results,
     }
     path = ROOT / args.output
-    if path.exists() and args.only:  # a partial run updates the record's entries it ran
+    if path.exists() and (args.only or args.held_out):  # a partial run updates the record's entries it ran
         old = json.loads(path.read_text())
         ran = {(r["file"], r["what"]) for r in results}
         record["results"] = [r for r in old["results"] if (r["file"], r["what"]) not in ran] + results
