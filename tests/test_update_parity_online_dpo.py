@@ -79,8 +79,8 @@ def no_dropout(path):
     (path / "config.json").write_text(json.dumps(config))
 
 
-def start_ours(lab, out, flags: dict) -> subprocess.Popen:
-    """online_dpo.py's main() with fixed completions, started in a process of its own (TRL's side runs meanwhile)."""
+def our_argv(lab, out, flags: dict) -> list[str]:
+    """tests/fixed_run.py's command line of online_dpo.py with `flags`."""
     argv = ["tests/fixed_run.py", "online_dpo.py", "--model_name_or_path", str(lab / "policy"),
             "--dataset_name", str(lab / "prompts.jsonl"), "--reward_fn", f"{lab / 'reward.py'}:shape",
             "--max_new_tokens", str(R), "--temperature", str(T), "--learning_rate", str(LR),
@@ -89,6 +89,12 @@ def start_ours(lab, out, flags: dict) -> subprocess.Popen:
             "--num_sample_generations", "0"]  # fmt: skip
     for key, value in flags.items():
         argv += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def start_ours(lab, out, flags: dict) -> subprocess.Popen:
+    """online_dpo.py's main() with fixed completions, started in a process of its own (TRL's side runs meanwhile)."""
+    argv = our_argv(lab, out, flags)
     (out / "counter").mkdir(parents=True)
     env = {**os.environ, **OFFLINE_ENV}
     env.update(FIXED_COMPLETIONS=str(out / "counter"), STEPS_OUT=str(out / "steps"))
@@ -215,3 +221,27 @@ def test_each_step_equals_trls(lab, tmp_path, case):
     if accumulation > 1:
         assert all(log["grad_norm"] > 10 * MAX_GRAD_NORM for log in our_log)
         assert [log["beta"] for log in our_log] == flags["beta"]
+
+
+def test_two_processes_take_one_processs_steps(lab, tmp_path):
+    """Two processes (gloo) at the same global batch take the steps of one (TRL's two-process run is not
+    compared: its val/contain_eos_token is process 0's): the loss is scaled over both processes' pairs, so the
+    weights and the gradient norm (which a uniform scale would change, AdamW after clipping not) agree."""
+    from conftest import run_torchrun
+
+    flags = dict(loss_type="sigmoid", beta=0.1, gradient_accumulation_steps=2, missing_eos_penalty=1.0)
+    one = start_ours(lab, tmp_path / "one", {**flags, "per_device_train_batch_size": 4})
+    one_steps, one_log = finish_ours(one, tmp_path / "one")
+    two = tmp_path / "two"
+    argv = our_argv(lab, two, {**flags, "per_device_train_batch_size": 2})
+    (two / "counter").mkdir(parents=True)
+    os.environ.update(FIXED_COMPLETIONS=str(two / "counter"), STEPS_OUT=str(two / "steps"))
+    try:
+        run_torchrun(argv, nproc=2)
+    finally:
+        del os.environ["FIXED_COMPLETIONS"], os.environ["STEPS_OUT"]
+    assert_same_steps(one_steps, recorded_steps(two / "steps"), weights(lab / "policy"))
+    two_log = read_metrics(two / "runs" / "ours")
+    for mine, theirs in zip(one_log, two_log, strict=True):
+        for name in ["grad_norm", "loss/dpo_avg", "rewards/margins", "objective/scores"]:
+            assert theirs[name] == pytest.approx(mine[name], rel=1e-4, abs=1e-6), name
