@@ -84,6 +84,31 @@ def trl_without_vllm() -> None:
     trl_imports.is_vllm_available = lambda *args, **kwargs: False
 
 
+def trl_train(build_trainer, target: str, spec: dict, nproc: int = 1):
+    """TRL's train() of `build_trainer(spec)` (`target`: its "module:function" for tests/trl_fixed_run.py) in this
+    process or on `nproc` processes -> (weights after each step, the log history's training lines)."""
+    import json
+
+    out = spec["out"]
+    if nproc == 1:
+        torch.manual_seed(0)
+        trainer = build_trainer(spec)
+        recorder = StepRecorder(f"{out}/trl_steps", model=trainer.model)
+        try:
+            trainer.train()
+        finally:
+            recorder.remove()
+        history = trainer.state.log_history
+    else:
+        from conftest import run_torchrun
+
+        with open(f"{out}/spec.json", "w") as f:
+            json.dump(spec, f)
+        run_torchrun(["tests/trl_fixed_run.py", target, f"{out}/spec.json"], nproc=nproc)
+        history = json.load(open(f"{out}/trl_history.json"))
+    return recorded_steps(f"{out}/trl_steps"), [h for h in history if "loss" in h]
+
+
 class StepRecorder:
     """Writes {name: parameter} of the trainable parameters of `model` (or the module that owns the optimizer's
     parameters, found among `candidates()`) to out_dir/step{k}.safetensors after the k-th optimizer step, on the

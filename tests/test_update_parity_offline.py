@@ -28,7 +28,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import fixed_completions
 from conftest import OFFLINE_ENV, ROOT, read_metrics, run_torchrun, weights
@@ -171,25 +170,7 @@ def build_trainer(spec: dict):
 
 def theirs(spec: dict, nproc: int):
     """TRL's train() (in this process, or on `nproc` processes) -> (weights after each step, log history)."""
-    out = spec["out"]
-    if nproc == 1:
-        from fixed_completions import StepRecorder
-
-        torch.manual_seed(0)
-        trainer = build_trainer(spec)
-        recorder = StepRecorder(f"{out}/trl_steps", model=trainer.model)
-        try:
-            trainer.train()
-        finally:
-            recorder.remove()
-        history = trainer.state.log_history
-    else:
-        with open(f"{out}/spec.json", "w") as f:
-            json.dump(spec, f)
-        run_torchrun(["tests/trl_fixed_run.py", "test_update_parity_offline:build_trainer", f"{out}/spec.json"],
-                     nproc=nproc)  # fmt: skip
-        history = json.load(open(f"{out}/trl_history.json"))
-    return recorded_steps(f"{out}/trl_steps"), [h for h in history if "loss" in h]
+    return fixed_completions.trl_train(build_trainer, "test_update_parity_offline:build_trainer", spec, nproc)
 
 
 def assert_same_metrics(script: str, our_log: list[dict], trl_log: list[dict], skip=()):

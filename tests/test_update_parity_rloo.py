@@ -32,8 +32,8 @@ import json
 import os
 
 import pytest
-import torch
 
+import fixed_completions
 from conftest import make_rl_lab, read_metrics, run_script, run_torchrun, weights
 from fixed_completions import assert_same_steps, recorded_steps
 
@@ -155,25 +155,7 @@ def build_trainer(spec: dict):
 
 def theirs(spec: dict, nproc: int = 1):
     """TRL's train() (in this process, or on `nproc` processes) -> (weights after each step, log history)."""
-    out = spec["out"]
-    if nproc == 1:
-        from fixed_completions import StepRecorder
-
-        torch.manual_seed(0)
-        trainer = build_trainer(spec)
-        recorder = StepRecorder(f"{out}/trl_steps", model=trainer.model)
-        try:
-            trainer.train()
-        finally:
-            recorder.remove()
-        history = trainer.state.log_history
-    else:
-        with open(f"{out}/spec.json", "w") as f:
-            json.dump(spec, f)
-        run_torchrun(["tests/trl_fixed_run.py", "test_update_parity_rloo:build_trainer", f"{out}/spec.json"],
-                     nproc=nproc)  # fmt: skip
-        history = json.load(open(f"{out}/trl_history.json"))
-    return recorded_steps(f"{out}/trl_steps"), [h for h in history if "loss" in h]
+    return fixed_completions.trl_train(build_trainer, "test_update_parity_rloo:build_trainer", spec, nproc)
 
 
 # Our metric: TRL's name for it. The loss, entropy and clip fraction are means over the update's micro-batches on
