@@ -113,6 +113,27 @@ def test_greedy_tokens_equal_transformers(lab):
 
 
 @needs_vllm
+def test_sampling_knobs_reach_the_engine(lab):
+    """--top_k 1 at temperature 1 is greedy in vLLM too; under top_k 5, top_p 0.8 and a repetition penalty every
+    token vLLM samples is one that `warp_logits` (transformers' shaping) keeps."""
+    queries, query_mask = utils.generation.left_pad(prompts(8, seed=5), PAD)
+    greedy, _ = utils.generation.generate(lab.model, queries, query_mask, 8, 0.0, 8)
+    noise = torch.Generator().manual_seed(0)
+    top1, _ = lab.engine.generate(lab.model, queries, query_mask, 8, 1.0, 8, noise, top_k=1)
+    assert torch.equal(top1, greedy)
+    knobs = {"top_k": 5, "top_p": 0.8}
+    sampled, _ = lab.engine.generate(lab.model, queries, query_mask, 8, 1.0, 8, noise, **knobs)
+    Q = queries.size(1)
+    mask = torch.cat([query_mask, torch.ones_like(sampled[:, Q:], dtype=torch.bool)], 1)
+    with torch.no_grad():
+        positions = utils.logprobs.position_ids_from_mask(mask.long())
+        logits = lab.model(sampled, attention_mask=mask, position_ids=positions).logits.float()
+    for step in range(8):
+        kept = utils.generation.warp_logits(logits[:, Q - 1 + step], sampled[:, : Q + step], 1.0, **knobs)
+        assert kept.gather(1, sampled[:, Q + step, None]).isfinite().all()
+
+
+@needs_vllm
 def test_sampled_logprobs_equal_the_training_forward(lab):
     """vLLM's logprobs of its sampled tokens (at the temperature) equal the training forward's within 1e-4 in
     float32; EOS is sampled and does not stop a row (the caller truncates); the noise is the caller's: equal

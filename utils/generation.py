@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -98,6 +99,70 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     return ids.clamp_(max=probs.size(-1) - 1)
 
 
+SAMPLING_KNOBS = {"top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}  # off, as in TRL
+
+
+def sampling_knobs(args) -> dict:
+    """The flags among SAMPLING_KNOBS that shape sampling, --generation_kwargs (a JSON object of the same names)
+    over them, those left off left out; a ValueError for a value out of range or another name."""
+    import json
+
+    knobs = {name: getattr(args, name, off) for name, off in SAMPLING_KNOBS.items()}
+    extra = getattr(args, "generation_kwargs", None)
+    if extra:
+        extra = json.loads(extra) if isinstance(extra, str) else extra
+        unknown = sorted(set(extra) - set(SAMPLING_KNOBS))
+        if unknown:
+            raise ValueError(
+                f"--generation_kwargs takes {', '.join(SAMPLING_KNOBS)} here, not {', '.join(unknown)}."
+            )
+        knobs.update(extra)
+    if knobs["top_k"] < 0 or not 0 < knobs["top_p"] <= 1 or knobs["repetition_penalty"] <= 0:
+        raise ValueError("--top_k must be >= 0, --top_p in (0, 1] and --repetition_penalty > 0.")
+    if knobs["min_p"] is not None and not 0 <= knobs["min_p"] <= 1:
+        raise ValueError(f"--min_p must be in [0, 1], got {knobs['min_p']}.")
+    return {name: value for name, value in knobs.items() if value != SAMPLING_KNOBS[name]}
+
+
+def warp_logits(
+    logits: torch.Tensor,
+    seen_ids: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+) -> torch.Tensor:
+    """The logits [B, V] sampling draws from, as transformers' `generate` (TRL's sampler) shapes them, in its
+    order: every id of `seen_ids` [B, T] (prompt, padding, tokens so far) has its logit l turned into l / p
+    (l > 0) or l * p (repetition penalty p); then / temperature (not at 0); then only the top_k highest
+    (0: all), the smallest set of highest-probability ids whose probability sums to more than top_p, and the
+    ids whose probability is at least min_p times the highest are kept, each keeping the most likely id; the
+    others get -inf."""
+    if repetition_penalty != 1.0:
+        seen = logits.gather(1, seen_ids)
+        logits = logits.scatter(
+            1, seen_ids, torch.where(seen < 0, seen * repetition_penalty, seen / repetition_penalty)
+        )
+    if temperature > 0:
+        logits = logits / temperature
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    if top_k:
+        drop |= logits < logits.topk(min(top_k, logits.size(-1)), -1).values[:, -1:]
+        logits = logits.masked_fill(drop, -math.inf)
+    if top_p < 1.0:
+        ascending, order = logits.sort(-1)
+        below = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        below[:, -1] = False  # the most likely id stays
+        drop |= below.scatter(1, order, below)
+        logits = logits.masked_fill(drop, -math.inf)
+    if min_p is not None:
+        probs = logits.softmax(-1)
+        small = probs < min_p * probs.amax(-1, keepdim=True)
+        drop |= small.scatter(1, probs.argmax(-1, keepdim=True), False)
+    return logits.masked_fill(drop, -math.inf)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -107,9 +172,12 @@ def generate(
     temperature: float,
     chunk_size: int,
     generator: torch.Generator | None = None,
+    **knobs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample `response_length` tokens from softmax(logits / temperature) (greedy at 0) after `queries` [B, Q]
-    -> (query_responses [B, Q+R], logprobs [B, R] under logits / temperature); no stop at EOS."""
+    """Sample `response_length` tokens from softmax(logits / temperature) (greedy at 0) after `queries` [B, Q],
+    the logits first shaped by `knobs` (`warp_logits`: top_k, top_p, min_p, repetition_penalty) -> (query_responses
+    [B, Q+R], logprobs [B, R] under logits / temperature, unshaped, as the training forward gives them); no stop
+    at EOS."""
     all_tokens, all_logprobs = [], []
     last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     for i in range(0, queries.size(0), chunk_size):
@@ -127,11 +195,12 @@ def generate(
             )
             past = out.past_key_values
             logits = out.logits[:, -1].float()
+            shaped = warp_logits(logits, tokens, temperature, **knobs) if knobs else logits
             if temperature > 0:
                 logits = logits / temperature
-                next_ids = sample_categorical(logits.softmax(-1), generator)
+                next_ids = sample_categorical((shaped if knobs else logits).softmax(-1), generator)
             else:
-                next_ids = logits.argmax(-1, keepdim=True)
+                next_ids = shaped.argmax(-1, keepdim=True)
             logprobs.append(logits.log_softmax(-1).gather(1, next_ids))
             tokens = torch.cat([tokens, next_ids], 1)
             mask = torch.cat([mask, torch.ones_like(next_ids)], 1)

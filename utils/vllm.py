@@ -117,9 +117,11 @@ class Engine:
         chunk_size: int,
         generator: torch.Generator | None = None,
         engine_logprobs: bool = False,
+        **knobs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`utils.generation.generate` with vLLM -> (query_responses [B, Q+R], logprobs [B, R]); the logprobs
-        are `model`'s forward's, or with `engine_logprobs` vLLM's own."""
+        are `model`'s forward's, or with `engine_logprobs` vLLM's own; `knobs` (top_k, top_p, min_p,
+        repetition_penalty) go to vLLM's sampler, whose repetition penalty sees no padding."""
         from vllm import SamplingParams
 
         prompts = [row[mask].tolist() for row, mask in zip(queries, query_mask.bool())]
@@ -148,6 +150,7 @@ class Engine:
                 logprobs=0,
                 seed=seed,
                 detokenize=False,
+                **{**knobs, "min_p": knobs.get("min_p") or 0.0},
             )  # fmt: skip
             for seed in seeds
         ]
