@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+import utils.signals
 from utils.run import TrainingInterrupted, bare, gathering
 
 STATE_FILE = "trainer_state.json"
@@ -258,6 +259,7 @@ class StopSignal:
 
     def _on_signal(self, signum, frame) -> None:
         self.name = signal.Signals(signum).name
+        utils.signals.RECEIVED.append(self.name)  # run_cli still stops a run that got it after its last check
 
     def requested(self) -> bool:
         """True on every process when any got a signal: they must save together."""

@@ -30,13 +30,102 @@ FORMATS = (
 # ----------------------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------------------
+DATA_ENDINGS = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".safetensors", ".bin", ".pt")
+
+
 def is_local(name_or_path: str) -> bool:
-    """Whether `name_or_path` is a local path (which must exist) rather than a hub id."""
+    """Whether `name_or_path` is a local path (which must exist) rather than a hub id: it exists, starts with
+    . / or ~, has more than one /, a backslash or a file ending, or its first folder exists here."""
+    first = name_or_path.split("/")[0]
     return (
         os.path.exists(name_or_path)
         or name_or_path.startswith((".", "/", "~"))
         or name_or_path.count("/") > 1
+        or "\\" in name_or_path
+        or name_or_path.lower().endswith(DATA_ENDINGS)
+        or (first != name_or_path and os.path.isdir(first))
     )
+
+
+def missing_path(name_or_path: str, flag: str) -> ValueError:
+    """The error for a local path that does not exist: its first missing part, and the closest names beside it."""
+    import difflib
+
+    path = os.path.normpath(os.path.expanduser(name_or_path))
+    parent, missing = os.path.dirname(path), os.path.basename(path)
+    while parent and not os.path.isdir(parent):
+        parent, missing = os.path.dirname(parent), os.path.basename(parent)
+    names = sorted(os.listdir(parent or "."))
+    close = difflib.get_close_matches(missing, names, n=3, cutoff=0.6)
+    where = f"{parent}/" if parent else "this folder"
+    hint = f"; did you mean {' or '.join(close)}?" if close else "."
+    return ValueError(f"{flag} {name_or_path} does not exist: {where} has no {missing}{hint}")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+def folder_holds(path: str) -> str:
+    """What a local folder holds, as a phrase for an error: nothing, a model, a tokenizer, a dataset, checkpoints."""
+    names = set(os.listdir(path))
+    if not names:
+        return "is an empty folder"
+    if "trainer_state.json" in names:
+        return "is a training checkpoint (for --resume_from_checkpoint)"
+    if "config.json" in names or "adapter_config.json" in names:
+        return "holds a model"
+    if names & set(TOKENIZER_FILES):
+        return "holds only a tokenizer"
+    if names & {"dataset_dict.json", "dataset_info.json"} or any(n.endswith(DATA_ENDINGS[:4]) for n in names):
+        return "holds a dataset"
+    if any(n.startswith("checkpoint-") for n in names):
+        return "holds only checkpoints of a run (for --resume_from_checkpoint latest)"
+    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    return f"holds no model, tokenizer or dataset ({shown})"
+
+
+def hub_offline() -> bool:
+    """Whether the hub is switched off (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE or HF_DATASETS_OFFLINE)."""
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in names)
+
+
+_HUB_CHECKED: dict[tuple[str, str], str | None] = {}  # (kind, name) -> why it cannot load, or None
+
+
+def check_hub_id(name: str, flag: str, kind: str, instead: str) -> None:
+    """For a `name` that is not here and reads as a hub id (`org/name`): online, one request to the hub (no
+    retries) and a ValueError at once when the hub cannot be reached or has no such `kind` (model or dataset)
+    and the hub cache has no copy; offline, nothing (the load reads the cache, and fails at once)."""
+    if hub_offline():
+        return
+    if (kind, name) not in _HUB_CHECKED:
+        _HUB_CHECKED[kind, name] = _hub_problem(name, kind)
+    problem = _HUB_CHECKED[kind, name]
+    if problem:
+        raise ValueError(f"{flag} {name} is not a local folder and {problem}; {instead}.")
+
+
+def _hub_problem(name: str, kind: str) -> str | None:
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    info = HfApi().model_info if kind == "model" else HfApi().dataset_info
+    try:
+        info(name, timeout=10)
+    except (HFValidationError, RepositoryNotFoundError) as error:
+        if isinstance(error, HFValidationError):
+            return "not a valid hub id"
+        return f"no {kind} of that name is on the hub (or it is private: log in with `hf auth login`)"
+    except HfHubHTTPError:  # gated, a server error: the load itself says why
+        return None
+    except Exception as error:  # noqa: BLE001 - any network failure: say it once instead of retrying
+        cached = os.path.join(constants.HF_HUB_CACHE, f"{kind}s--{name.replace('/', '--')}")
+        if os.path.isdir(cached):  # the load falls back to the cached copy
+            return None
+        reason = " ".join(str(error).split())[:120] or type(error).__name__
+        return f"not reachable on the hub ({reason})"
+    return None
 
 
 def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
@@ -99,23 +188,57 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
         elif any(os.path.isfile(path) for path in files):
             return load_split(next(path for path in files if os.path.isfile(path)), split, None, flag)
         else:
+            holds = folder_holds(name_or_path)
+            if holds == "holds a dataset":
+                found = sorted(n for n in os.listdir(name_or_path) if n.endswith(tuple(builders)))
+                holds = f"has no {split}.jsonl (it holds {', '.join(found) or 'other files'})"
             raise ValueError(
-                f"{flag} {name_or_path} holds no dataset saved with save_to_disk and no {split}.jsonl."
+                f"{flag} {name_or_path} {holds}; pass a dataset saved with save_to_disk or a folder of "
+                "{split}.jsonl files."
             )
     elif is_local(name_or_path):
-        raise ValueError(f"{flag} {name_or_path} does not exist.")
+        raise missing_path(name_or_path, flag)
     else:
+        instead = "without network pass a save_to_disk directory or json/jsonl/parquet files"
+        check_hub_id(name_or_path, flag, "dataset", instead)
         try:
             dataset = datasets.load_dataset(name_or_path, config, split=split)
         except (ConnectionError, OSError) as error:
+            why = "HF_HUB_OFFLINE is set" if hub_offline() else type(error).__name__
             raise ValueError(
-                f"{flag} {name_or_path!r}{f' ({config})' if config else ''} could not be loaded from the hub "
-                f"({type(error).__name__}); without network pass a save_to_disk directory or json/jsonl/parquet "
-                "files."
+                f"{flag} {name_or_path}{f' ({config})' if config else ''} is not a local folder and not reachable "
+                f"on the hub ({why}); {instead}."
             ) from None
     if len(dataset) == 0:  # else an index error later
         raise ValueError(f"{flag} {name_or_path}: split {split!r} has no rows.")
     return dataset
+
+
+def has_split(name_or_path: str, split: str, config: str | None = None) -> bool:
+    """Whether `load_split` would find `split`; True where only loading can tell (a hub id offline, a missing
+    path), so that loading gives the reason."""
+    import json
+
+    if config is not None and os.path.isdir(name_or_path):
+        name_or_path = os.path.join(name_or_path, config)
+    if os.path.isfile(name_or_path):
+        return split in ("train", os.path.splitext(os.path.basename(name_or_path))[0])
+    if os.path.isdir(name_or_path):
+        saved = os.path.join(name_or_path, "dataset_dict.json")
+        if os.path.exists(saved):
+            with open(saved) as f:
+                return split in json.load(f).get("splits", [split])
+        saved_dataset = os.path.exists(os.path.join(name_or_path, "dataset_info.json"))  # any split: that one
+        endings = (".json", ".jsonl", ".parquet", ".csv")
+        return saved_dataset or any(os.path.isfile(os.path.join(name_or_path, split + e)) for e in endings)
+    if is_local(name_or_path):
+        return True
+    try:
+        import datasets
+
+        return split in datasets.get_dataset_split_names(name_or_path, config)
+    except Exception:  # offline, gated or unknown: load_split says which
+        return True
 
 
 def bad_json_line(path: str) -> tuple[int, str] | None:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from utils.chat import set_chat_template
-from utils.data import is_local
+from utils.data import TOKENIZER_FILES, check_hub_id, folder_holds, hub_offline, is_local, missing_path
 from utils.run import main_process
 
 
@@ -93,27 +93,66 @@ def load_kwargs(cls, name_or_path: str) -> dict:
     return kwargs
 
 
+def check_source(cls, name_or_path: str, flag: str) -> None:
+    """ValueError, before anything loads, for a path that does not exist, a folder without what `cls` reads
+    (a model needs config.json, a tokenizer its files) or a hub id the hub cannot give (one request, no retries)."""
+    kind = "tokenizer" if "Tokenizer" in cls.__name__ else "model"
+    if os.path.isfile(name_or_path):
+        raise ValueError(f"{flag} {name_or_path} is a file; pass the folder saved with save_pretrained.")
+    if os.path.isdir(name_or_path):
+        names = set(os.listdir(name_or_path))
+        has = (
+            names & set(TOKENIZER_FILES)
+            if kind == "tokenizer"
+            else names & {"config.json", "adapter_config.json"}
+        )
+        if not has and not (kind == "tokenizer" and "config.json" in names):
+            needed = "tokenizer.json" if kind == "tokenizer" else "config.json"
+            raise ValueError(
+                f"{flag} {name_or_path} {folder_holds(name_or_path)}: no {kind} saved with save_pretrained there "
+                f"(no {needed}){saved_models_near(name_or_path)}."
+            )
+    elif is_local(name_or_path):
+        raise missing_path(name_or_path, flag)
+    else:
+        check_hub_id(
+            name_or_path, flag, "model", "without network pass a local directory saved with save_pretrained"
+        )
+
+
+def saved_models_near(path: str) -> str:
+    """`; models next to it: a, b` naming up to three sibling folders that hold a model, or ''."""
+    parent = os.path.dirname(os.path.normpath(path)) or "."
+    found = [n for n in sorted(os.listdir(parent)) if os.path.isfile(os.path.join(parent, n, "config.json"))]
+    return f"; models next to it: {', '.join(os.path.join(parent, n) for n in found[:3])}" if found else ""
+
+
 def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
-    """`cls.from_pretrained` with the run's model flags (load_kwargs), with a ValueError for a missing path, an
-    unreachable hub or an attention implementation that transformers refuses."""
-    if is_local(name_or_path) and not os.path.exists(name_or_path):
-        raise ValueError(f"{flag} {name_or_path} does not exist.")
+    """`cls.from_pretrained` with the run's model flags (load_kwargs), with a ValueError for a missing path, a
+    folder without a model, an unreachable hub or an attention implementation that transformers refuses."""
+    check_source(cls, name_or_path, flag)
     kwargs = {**load_kwargs(cls, name_or_path), **kwargs}
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
     except (ImportError, ValueError) as error:
-        if "attn_implementation" not in kwargs or isinstance(error, ValueError) and "attn" not in str(error):
-            raise
         reason = " ".join(str(error).split())
-        raise ValueError(
-            f"--attn_implementation {kwargs['attn_implementation']} cannot load {flag} {name_or_path}: {reason}"
-        ) from None
+        if "attn_implementation" in kwargs and (isinstance(error, ImportError) or "attn" in str(error)):
+            raise ValueError(
+                f"--attn_implementation {kwargs['attn_implementation']} cannot load {flag} {name_or_path}: {reason}"
+            ) from None
+        if isinstance(error, ImportError) or not os.path.isdir(name_or_path):
+            raise
+        raise ValueError(f"{flag} {name_or_path} could not be loaded: {reason[:300]}") from None
     except OSError as error:
+        if os.path.isdir(name_or_path):  # a folder with a config.json but not what `cls` needs
+            reason = " ".join(str(error).split())
+            raise ValueError(f"{flag} {name_or_path} could not be loaded: {reason[:300]}") from None
         if os.path.exists(name_or_path):
             raise
+        why = "HF_HUB_OFFLINE is set and the hub cache has no copy" if hub_offline() else type(error).__name__
         raise ValueError(
-            f"{flag} {name_or_path!r} could not be loaded from the hub ({type(error).__name__}); "
-            "without network pass a local directory saved with save_pretrained."
+            f"{flag} {name_or_path} is not a local folder and not reachable on the hub ({why}); without network "
+            "pass a local directory saved with save_pretrained."
         ) from None
 
 
@@ -141,10 +180,13 @@ def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None 
 POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
-def model_positions(name_or_path: str) -> int | None:
-    """The model's positions from its config alone (POSITION_ATTRIBUTES); None when unknown."""
+def model_positions(name_or_path: str, flag: str | None = None) -> int | None:
+    """The model's positions from its config alone (POSITION_ATTRIBUTES); None when unknown. With the `flag` that
+    names it, a path that holds no model is a ValueError (check_source) first."""
     from transformers import AutoConfig
 
+    if flag is not None:
+        check_source(AutoConfig, name_or_path, flag)
     try:
         config = AutoConfig.from_pretrained(name_or_path, **load_kwargs(AutoConfig, name_or_path))
     except (OSError, ValueError):  # loading the model reports a bad path later
@@ -167,7 +209,7 @@ def check_context_length(
 ) -> None:
     """ValueError naming `flags` when sequences of `length` tokens exceed the model's positions (a rotary
     model would train silently on unseen positions). Reads the config only: call it before loading."""
-    positions = model_positions(name_or_path)
+    positions = model_positions(name_or_path, flag)
     if positions is not None and length > positions:
         raise ValueError(
             f"this run's sequences reach {length} tokens, more than the {positions} positions of {flag} "
@@ -193,7 +235,7 @@ def fitted_lengths(max_length: int, max_prompt_length: int | None, positions: in
 def fit_max_length(args, flag: str = "--model_name_or_path") -> None:
     """Under --context_overflow cut, lower `args.max_length` (and `args.max_prompt_length` with it, when it has
     one) to the positions of `args.model_name_or_path`, in one line. Reads the config only."""
-    positions = model_positions(args.model_name_or_path) if args.context_overflow == "cut" else None
+    positions = model_positions(args.model_name_or_path, flag) if args.context_overflow == "cut" else None
     if positions is None or args.max_length <= positions:
         return
     old_length, old_prompt = args.max_length, getattr(args, "max_prompt_length", None)
@@ -239,7 +281,7 @@ def fit_prompts(
     tokens (flag `completion_flag`, default --<completion>) fits the positions of `model`: refused in one
     sentence, or under --context_overflow cut, cut from the left with one line for all splits. Reads the config
     only: call it before loading the model."""
-    positions, length = model_positions(model), getattr(args, completion)
+    positions, length = model_positions(model, flag), getattr(args, completion)
     completion_flag = completion_flag or f"--{completion}"
     prompts = [p for split in splits if split for p in split]
     longest = max(map(len, prompts), default=0) + length

@@ -7,6 +7,7 @@ RLHF_TRACEBACK=1 shows the traceback."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -209,13 +210,23 @@ def raised_here(error: BaseException, script: str) -> bool:
 
 def run_cli(args_class, main: Callable) -> None:
     """Parse the flags and run `main(args)`. Exit codes: bad input 2, non-finite value 1, SIGTERM 143,
-    SIGINT 130; one stderr line each."""
+    SIGINT 130; one stderr line each, also for a signal before training or after the last step."""
+    import utils.signals as signals
+
+    signals.RECEIVED.clear()
+    signals.stop_before_training()  # first thing: a Ctrl-C while the flags parse is one line too
     script = os.path.basename(sys.argv[0])
     show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
     try:
         args = parse_args(args_class)
         check_flag_values(args)
         main(args)
+        signals.stop_after_training()
+        if signals.RECEIVED:  # came after the loop's last check: the run is done, but was asked to stop
+            end_progress_bars()
+            signals.say(f"interrupted: {signals.RECEIVED[0]} received after the last step; the run finished "
+                        "and its output is saved.")  # fmt: skip
+            raise SystemExit(signals.exit_code(signals.RECEIVED[0]))
     except ValueError as error:
         if show_traceback or not raised_here(error, sys.argv[0]):
             raise
@@ -234,6 +245,12 @@ def run_cli(args_class, main: Callable) -> None:
         if main_process():
             print(f"{script}: interrupted: {error}", file=sys.stderr)
         raise SystemExit(error.exit_code) from None
+    except KeyboardInterrupt:  # a library put Python's default handler back: still one line
+        if show_traceback:
+            raise
+        end_progress_bars()
+        signals.say("interrupted (Ctrl-C); nothing was saved after the last checkpoint.")
+        raise SystemExit(130) from None
 
 
 def end_progress_bars() -> None:
@@ -312,6 +329,57 @@ def make_accelerator(
 def adamw(params, *args, **kwargs) -> torch.optim.AdamW:
     """`torch.optim.AdamW` with the fused kernel, as transformers' Trainer (docs/memory.md)."""
     return torch.optim.AdamW(params, *args, fused=True, **kwargs)
+
+
+OPTIMIZERS = (
+    "adamw_torch_fused",
+    "adamw_torch",
+)  # the --optim values: one AdamW, fused or not, as transformers'
+LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                "inverse_sqrt")  # fmt: skip
+
+
+def trainer_optimizer(model: nn.Module, args) -> torch.optim.AdamW:
+    """AdamW as TRL's Trainer builds it: --weight_decay on every trained weight but biases and norms (transformers'
+    own rule), betas (--adam_beta1, --adam_beta2), --adam_epsilon, fused unless --optim adamw_torch."""
+    if args.optim not in OPTIMIZERS:
+        raise ValueError(f"--optim {args.optim}: only {' and '.join(OPTIMIZERS)} are written here.")
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in trained], "weight_decay": 0.0}]
+    if args.weight_decay:  # one group when there is no decay: the optimizer state of older checkpoints fits
+        from transformers import Trainer
+
+        decayed = set(Trainer.get_decay_parameter_names(None, model))
+        groups = [
+            {"params": [p for name, p in trained if name in decayed], "weight_decay": args.weight_decay},
+            {"params": [p for name, p in trained if name not in decayed], "weight_decay": 0.0},
+        ]
+    betas = (args.adam_beta1, args.adam_beta2)
+    fused = args.optim == "adamw_torch_fused"
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=fused)
+
+
+def lr_schedule(args, total_steps: int) -> Callable[[int], float]:
+    """step -> learning rate: --learning_rate times transformers' --lr_scheduler_type at `step` (from 0) of
+    `total_steps`, after --warmup_steps (below 1: that fraction of total_steps, as transformers 5; or
+    --warmup_ratio) of linear warmup, as TRL's Trainer steps its scheduler. Stateless: a resume needs no state."""
+    from transformers import get_scheduler
+
+    if args.lr_scheduler_type not in LR_SCHEDULES:
+        raise ValueError(
+            f"--lr_scheduler_type must be one of {', '.join(LR_SCHEDULES)}; got {args.lr_scheduler_type}."
+        )
+    steps, ratio = getattr(args, "warmup_steps", 0.0) or 0.0, getattr(args, "warmup_ratio", 0.0) or 0.0
+    if steps < 0 or ratio < 0 or (steps and ratio):
+        raise ValueError("give the warmup once, as --warmup_steps (steps, or below 1 a fraction) >= 0.")
+    warmup = int(steps) if steps >= 1 else math.ceil(total_steps * (steps or ratio))
+    if not args.learning_rate:
+        return lambda step: 0.0
+    probe = torch.optim.SGD(
+        [torch.zeros(1, requires_grad=True)], lr=args.learning_rate
+    )  # polynomial reads it
+    factor = get_scheduler(args.lr_scheduler_type, probe, warmup, total_steps).lr_lambdas[0]
+    return lambda step: args.learning_rate * factor(step)
 
 
 def release_freed_host_memory() -> None:
