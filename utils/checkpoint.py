@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import struct
+import sys
 import time
 import zipfile
 
@@ -305,6 +306,9 @@ class Checkpointer:
         self.definition = run_definition(args)
         self.resume_path, self.started = None, time.time()
         check_writable(self.output_dir)
+        loading = sys.modules.get("utils.loading")  # the scripts that load models with it (not ddpo.py)
+        if loading is not None:  # a model path that cannot load fails now, not after the first model loads
+            loading.check_model_paths(args)
         _START_OVER.discard(os.path.normpath(self.output_dir))
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:

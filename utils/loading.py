@@ -96,21 +96,27 @@ def load_kwargs(cls, name_or_path: str) -> dict:
 def check_source(cls, name_or_path: str, flag: str) -> None:
     """ValueError, before anything loads, for a path that does not exist, a folder without what `cls` reads
     (a model needs config.json, a tokenizer its files) or a hub id the hub cannot give (one request, no retries)."""
-    kind = "tokenizer" if "Tokenizer" in cls.__name__ else "model"
+    check_path(name_or_path, flag, "tokenizer" if "Tokenizer" in cls.__name__ else "model")
+
+
+def check_path(name_or_path: str, flag: str, kind: str) -> None:
+    """check_source for a `kind`: "model" (config.json), "tokenizer" (its files, or a config.json that names
+    them) or "either" (a flag that may name a tokenizer alone)."""
     if os.path.isfile(name_or_path):
         raise ValueError(f"{flag} {name_or_path} is a file; pass the folder saved with save_pretrained.")
     if os.path.isdir(name_or_path):
         names = set(os.listdir(name_or_path))
-        has = (
-            names & set(TOKENIZER_FILES)
-            if kind == "tokenizer"
-            else names & {"config.json", "adapter_config.json"}
-        )
-        if not has and not (kind == "tokenizer" and "config.json" in names):
+        model, tokenizer = names & {"config.json", "adapter_config.json"}, names & set(TOKENIZER_FILES)
+        found = {
+            "model": model,
+            "tokenizer": tokenizer or "config.json" in names,
+            "either": model or tokenizer,
+        }
+        if not found[kind]:
             needed = "tokenizer.json" if kind == "tokenizer" else "config.json"
             raise ValueError(
-                f"{flag} {name_or_path} {folder_holds(name_or_path)}: no {kind} saved with save_pretrained there "
-                f"(no {needed}){saved_models_near(name_or_path)}."
+                f"{flag} {name_or_path} {folder_holds(name_or_path)}: no {kind.replace('either', 'model')} saved "
+                f"with save_pretrained there (no {needed}){saved_models_near(name_or_path)}."
             )
     elif is_local(name_or_path):
         raise missing_path(name_or_path, flag)
@@ -118,6 +124,18 @@ def check_source(cls, name_or_path: str, flag: str) -> None:
         check_hub_id(
             name_or_path, flag, "model", "without network pass a local directory saved with save_pretrained"
         )
+
+
+def check_model_paths(args) -> None:
+    """Before anything loads, each model flag of `args` (MODEL_PATH_FLAGS) through check_path: a model for all
+    but --model_name_or_path, which in ppo.py and rloo.py may name the tokenizer alone."""
+    for name in MODEL_PATH_FLAGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            check_path(value, f"--{name}", "either" if name == "model_name_or_path" else "model")
+
+
+MODEL_PATH_FLAGS = ("model_name_or_path", "sft_model_path", "reward_model_path", "value_model_path")
 
 
 def saved_models_near(path: str) -> str:
