@@ -14,9 +14,15 @@ prompt tokens are never in the loss.
         --per_device_train_batch_size 32 --warmup_ratio 0.1 --eval_steps 50 --output_dir models/dpo-tiny
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -460,6 +466,13 @@ def setup(args: Args) -> Run:
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
+    if test_split == Args.dataset_test_split and "--dataset_test_split" not in " ".join(sys.argv[1:]):
+        if not utils.data.has_split(args.dataset_name, test_split, args.dataset_config):  # as TRL: no eval
+            accelerator.print(
+                f'dpo.py: no "{test_split}" split in {args.dataset_name}: evaluation skipped '
+                "(give --dataset_test_split to evaluate)"
+            )
+            test_split = None
     split_rows, counts, said = {"test": []}, {"test": {}}, []
     for key, split in (("train", args.dataset_train_split), ("test", test_split)):
         if split is not None:
@@ -641,7 +654,7 @@ def main(args: Args) -> dict:
             means = gathered_mean(sums / micro_batches)
             tokens_per_second = accelerator.reduce(tokens, reduction="sum").item() / (time.time() - log_start)
             epoch = global_step / (len(run.train_rows) // args.batch_size)
-            train_metrics = dict(zip(METRICS, means), lr=scheduler.get_last_lr()[0], epoch=epoch)
+            train_metrics = dict(zip(METRICS, means), learning_rate=scheduler.get_last_lr()[0], epoch=epoch)
             train_metrics["perf/tokens_per_second"] = tokens_per_second
             if grad_norm is not None:
                 train_metrics["grad_norm"] = grad_norm
@@ -661,7 +674,7 @@ def main(args: Args) -> dict:
         state = {"scheduler": scheduler.state_dict(), "train_metrics": train_metrics}
         run.checkpointer.maybe_save(global_step, {"model": policy}, {"model": optimizer}, state=state)
     progress.close()
-    final = {f"train/{k}": v for k, v in train_metrics.items()}
+    final = dict(train_metrics)
     final["train_seconds"] = run.checkpointer.elapsed_seconds()  # all parts of a resumed run
     final |= evaluate(args, run, global_step) | {f"data/train_{k}": v for k, v in run.counts["train"].items()}
     final |= {f"data/test_{k}": v for k, v in run.counts["test"].items()}
@@ -696,8 +709,11 @@ def main(args: Args) -> dict:
         for file in os.listdir(tmp_dir):
             os.replace(os.path.join(tmp_dir, file), os.path.join(args.output_dir, file))
         shutil.rmtree(tmp_dir)
-        accuracy = final.get("eval/rewards/accuracies", float("nan"))
-        print(f"saved to {args.output_dir}; test accuracy {accuracy:.4f}")
+        accuracy = final.get("eval/rewards/accuracies")
+        print(
+            f"saved to {args.output_dir}"
+            + (f"; test accuracy {accuracy:.4f}" if accuracy is not None else "")
+        )
         if args.push_to_hub:
             utils.saving.push_to_hub(args)
     run.tracker.close()

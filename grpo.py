@@ -18,6 +18,11 @@ GRPOConfig means.
         --output_dir models/grpo
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import functools
 import math
 import os
@@ -117,6 +122,16 @@ class Args:
     """tokens sampled per completion (then truncated after EOS); Dr. GRPO's loss constant"""
     temperature: float = 1.0
     """sampling temperature, also of the logprobs"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability exceeds this (1: all)"""
+    top_k: int = 0
+    """sample from the this-many most likely tokens only (0: all)"""
+    min_p: float | None = None
+    """sample only tokens at least this times as likely as the most likely one (None: all)"""
+    repetition_penalty: float = 1.0
+    """divide positive logits (multiply negative ones) of tokens already in the prompt or completion by this"""
+    generation_kwargs: str | None = None
+    """a JSON object of the four flags above, over them (TRL's generation_kwargs, these names only)"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / reference / reward forward pass"""
     use_vllm: bool = False
@@ -143,8 +158,28 @@ class Args:
     # Algorithm
     learning_rate: float = 1e-6
     """AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """linear: decay to 0 over the optimizer steps"""
+    lr_scheduler_type: Literal[
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
+    ] = "linear"
+    """transformers' schedule after the warmup; linear: decay to 0 over the optimizer steps"""
+    warmup_steps: float = 0.0
+    """linear warmup over this many optimizer steps, or below 1 this fraction of them (TRL 1.16)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay, on every weight but biases and norms (as TRL's Trainer)"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon"""
+    optim: Literal["adamw_torch_fused", "adamw_torch"] = "adamw_torch_fused"
+    """AdamW with the fused kernel or without (the same update up to rounding)"""
     max_grad_norm: float = 1.0
     """clip the gradient norm to this (0: no clipping)"""
     per_device_train_batch_size: int = 8
@@ -163,8 +198,10 @@ class Args:
     """passes over the prompts if --max_steps is -1"""
     scale_rewards: str = "group"
     """divide the centred rewards by the std of the group (group, True), the batch, or not (none, False)"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
     """how the per-token losses are averaged (see aggregate_loss); cispo and sapo change the loss too"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """sequence: every token's ratio is its completion's exp(mean log-ratio) (GSPO; the paper's loss_type: grpo)"""
     epsilon: float = 0.2
     """lower clip range of the ratio, 1 - epsilon"""
     epsilon_high: float | None = None
@@ -296,6 +333,16 @@ def sapo_token_loss(logprobs, old_logprobs, advantages, temperature_pos, tempera
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
 
 
+def sequence_level(logprobs, old_logprobs, mask) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071): old logprobs [B, R] under which every token's
+    ratio is its completion's, s_i = exp((1/|o_i|) sum_t (logp_it - logp_old_it)), with the gradient of s_i."""
+    mask = mask.to(logprobs.dtype)
+    mean_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(
+        -1, keepdim=True
+    ).clamp(min=1)
+    return logprobs - mean_log_ratio
+
+
 def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance_weights=None):
     """Per-token loss [B, R] of --loss_type, times the vLLM importance weights ([B, R] or [B, 1]) if any."""
     if args.loss_type == "cispo":
@@ -358,7 +405,8 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
     bnpo    sum_it l_it / sum_i |o_i|               token mean of this micro-batch
     dr_grpo sum_it l_it / (B * L)                   a constant normalizer (Dr. GRPO)
     dapo    sum_it l_it / num_items                 token mean over the optimizer step's tokens on all
-                                                    processes (default: this micro-batch's)"""
+                                                    processes (default: this micro-batch's)
+    luspo   (1/B) sum_it l_it                       token sum per completion (LUSPO: long completions weigh more)"""
     mask = mask.to(per_token_loss.dtype)
     total = (per_token_loss * mask).sum()
     loss_type = {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # as TRL
@@ -370,6 +418,8 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
         return total / (per_token_loss.size(0) * max_completion_length)
     if loss_type == "dapo":
         return total / (mask.sum().clamp(min=1) if num_items is None else max(num_items, 1))
+    if loss_type == "luspo":
+        return total / per_token_loss.size(0)
     raise ValueError(f"unknown loss_type {loss_type!r}.")
 
 
@@ -395,7 +445,14 @@ def sample(args, run, queries, query_mask):
             run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             prompt = rows % P  # prompts repeated chunk by chunk, not G times at once
             query_responses, call_logprobs = generate(
-                model, queries[prompt], query_mask[prompt], R, T, chunk, run.sampling_generator
+                model,
+                queries[prompt],
+                query_mask[prompt],
+                R,
+                T,
+                chunk,
+                run.sampling_generator,
+                **utils.generation.sampling_knobs(args),
             )
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(call_logprobs)
@@ -699,7 +756,7 @@ def setup(args: Args) -> Run:
         reward_model = utils.scoring.load_reward_model(args.reward_model_path)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
-    optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = utils.run.trainer_optimizer(policy, args)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     engine = None
     if args.use_vllm:
@@ -775,6 +832,7 @@ def main(args: Args) -> None:
     step, generation = run.start_step, run.start_generation
     start_generation, start_time, metrics = generation, time.time(), {}
     window, window_generations = [], []  # since the last log: each step's stats, each generation's metrics
+    schedule = utils.run.lr_schedule(args, args.total_steps)
     progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
     while step < args.total_steps:
         # 1. Sample: G completions of each of P prompts, completion-major (row i <- prompt i % P).
@@ -849,9 +907,7 @@ def main(args: Args) -> None:
         for first in range(0, len(micro_batches), ga):
             if step >= args.total_steps:
                 break
-            lr = args.learning_rate * (
-                1 - step / args.total_steps if args.lr_scheduler_type == "linear" else 1
-            )
+            lr = schedule(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             step_batches = micro_batches[first : first + ga]
@@ -870,6 +926,8 @@ def main(args: Args) -> None:
                     # ALGO LOGIC: the clipped surrogate per token (+ beta * KL), averaged by --loss_type
                     mb_mask = loss_mask[idx]
                     mb_old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    if args.importance_sampling_level == "sequence":
+                        mb_old_logprobs = sequence_level(logprobs, mb_old_logprobs, mb_mask)
                     mb_weights = importance_weights[idx] if importance_weights is not None else None
                     per_token_loss = policy_token_loss(
                         args, logprobs, mb_old_logprobs, advantages[idx], mb_weights
@@ -882,15 +940,24 @@ def main(args: Args) -> None:
                         per_token_loss = per_token_loss + args.beta * kl
                     loss = aggregate_loss(per_token_loss, mb_mask, args.loss_type, R, num_items)
                     accelerator.backward(loss)
-                    grad_norm = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm) or grad_norm
+                    # the accumulation's last micro-batch measures the norm; 0.0 is a norm and is logged
+                    grad_norm = utils.run.clip_grad_norm(accelerator, policy, args.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad()
                 with torch.no_grad():
                     ratio = (logprobs - mb_old_logprobs).exp()
-                    clipped = clip_fractions(ratio, advantages[idx], mb_mask, args.epsilon, args.epsilon_high)
+                    # sequence level: one ratio a completion, its clip fractions counted per completion (TRL)
+                    each = (
+                        (ratio[:, :1], mb_mask.new_ones(len(idx), 1))
+                        if args.importance_sampling_level == "sequence"
+                        else (ratio, mb_mask)
+                    )
+                    clipped = clip_fractions(
+                        each[0], advantages[idx], each[1], args.epsilon, args.epsilon_high
+                    )
                     if args.loss_type == "cispo":  # tokens whose weight the cap lowered
-                        capped = (ratio > args.epsilon_high) & (advantages[idx, None] > 0)
-                        clipped = (token_mean(capped.float(), mb_mask), 0.0, 0.0)
+                        capped = (each[0] > args.epsilon_high) & (advantages[idx, None] > 0)
+                        clipped = (token_mean(capped.float(), each[1]), 0.0, 0.0)
                     mb_stats = [
                         token_mean(kl, mb_mask),
                         token_mean(entropy, mb_mask),

@@ -17,6 +17,11 @@ Offline, on the tiny world (benchmark/ilql_data.py writes the SFT model's sample
         --alpha 0.01 --steps_for_target_q_sync 1 --beta 4 --response_length 8 --output_dir models/ilql
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import copy
 import json
 import math
@@ -411,7 +416,7 @@ def sync_target_q_heads(model: nn.Module, accelerator, alpha: float) -> None:
 
 
 METRICS = [
-    "loss/total",
+    "loss",
     "loss/q",
     "loss/v",
     "loss/cql",
@@ -608,7 +613,7 @@ def evaluate(run: Run, args: Args, step: int) -> dict:
             "data": text([r["completion"] for r in shown_rows]),
             "reward": [r["reward"] for r in shown_rows],
         }
-        utils.tracking.print_samples(table, title=f"step {step}: eval loss {result['eval/loss/total']:.4f}")
+        utils.tracking.print_samples(table, title=f"step {step}: eval loss {result['eval/loss']:.4f}")
     model.train()
     return result
 
@@ -735,7 +740,7 @@ def main(args: Args) -> dict:
     accelerator, model, optimizer, device = run.accelerator, run.model, run.optimizer, run.accelerator.device
     step, metrics = run.start_step, run.last_metrics  # the last logged, for a run resumed at its end
     progress = tqdm(total=args.num_training_steps, initial=step, disable=not accelerator.is_main_process)
-    sums, tokens, grad_norm = torch.zeros(len(METRICS), device=device), torch.zeros((), device=device), None
+    sums, tokens = torch.zeros(len(METRICS), device=device), torch.zeros((), device=device)
     start, log_start, micro = time.time(), time.time(), 0
     model.train()
     while step < args.num_training_steps:
@@ -750,7 +755,8 @@ def main(args: Args) -> dict:
                     loss, stats = ilql_losses(model, batch, args)
                 # 3. Update
                 accelerator.backward(loss)
-                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm) or grad_norm
+                # the accumulation's last micro-batch measures the norm; 0.0 is a norm and is logged
+                grad_norm = utils.run.clip_grad_norm(accelerator, model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             sums, tokens, micro = sums + stats, tokens + batch["lengths"].sum(), micro + 1
@@ -765,13 +771,13 @@ def main(args: Args) -> dict:
         # 4. Metrics, averaged over micro-batches and processes
         if step % args.logging_steps == 0 or step == args.num_training_steps:
             means = accelerator.reduce(sums / micro, reduction="mean").tolist()
-            metrics = {f"train/{name}": value for name, value in zip(METRICS, means)}
+            metrics = dict(zip(METRICS, means))
             tokens_per_second = accelerator.reduce(tokens, "sum").item() / (time.time() - log_start)
             metrics |= {
-                "train/lr": run.scheduler.get_last_lr()[0],
-                "train/epoch": step / run.steps_per_epoch,
-                "train/tokens_per_second": tokens_per_second,
-                **({"train/grad_norm": grad_norm} if grad_norm is not None else {}),
+                "learning_rate": run.scheduler.get_last_lr()[0],
+                "epoch": step / run.steps_per_epoch,
+                "perf/tokens_per_second": tokens_per_second,
+                **({"grad_norm": grad_norm} if grad_norm is not None else {}),
             }
             run.tracker.log(metrics, step)
             progress.set_postfix(loss=f"{means[0]:.4f}", advantage=f"{means[8]:.3f}")

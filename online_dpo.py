@@ -20,6 +20,11 @@ prompts are stored once ([P, Q]). One update takes exactly one optimizer step, o
         --output_dir models/online_dpo
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import concurrent.futures
 import functools
 import importlib.util
@@ -129,6 +134,16 @@ class Args:
     """tokens sampled per completion (then truncated after the EOS)"""
     temperature: float = 0.9
     """sampling temperature (the loss reads the plain logits, as TRL's)"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability exceeds this (1: all)"""
+    top_k: int = 0
+    """sample from the this-many most likely tokens only (0: all)"""
+    min_p: float | None = None
+    """sample only tokens at least this times as likely as the most likely one (None: all)"""
+    repetition_penalty: float = 1.0
+    """divide positive logits (multiply negative ones) of tokens already in the prompt or completion by this"""
+    generation_kwargs: str | None = None
+    """a JSON object of the four flags above, over them (TRL's generation_kwargs, these names only)"""
     logprobs_at_temperature: bool = False
     """ours: the loss's logprobs are of logits / --temperature; off: plain logits (TRL)"""
     max_length: int | None = 512
@@ -145,10 +160,30 @@ class Args:
     """number of updates (optimizer steps); overrides --num_train_epochs"""
     learning_rate: float = 5e-7
     """AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """linear: decay to 0 after the warmup"""
+    lr_scheduler_type: Literal[
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
+    ] = "linear"
+    """transformers' schedule after the warmup; linear: decay to 0 after the warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay, on every weight but biases and norms (as TRL's Trainer)"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon"""
+    optim: Literal["adamw_torch_fused", "adamw_torch"] = "adamw_torch_fused"
+    """AdamW with the fused kernel or without (the same update up to rounding)"""
     warmup_ratio: float = 0.0
-    """share of the updates over which the learning rate rises from 0"""
+    """share of the updates over which the learning rate rises from 0 (TRL 0.x's name)"""
+    warmup_steps: float = 0.0
+    """linear warmup over this many updates, or below 1 this fraction of them (TRL 1.16; or --warmup_ratio)"""
     max_grad_norm: float = 1.0
     """clip the gradient to this global norm (0: no clipping)"""
     per_device_train_batch_size: int = 8
@@ -265,15 +300,6 @@ def beta_for_epoch(betas: list[float], epoch: int) -> float:
     return betas[min(epoch, len(betas) - 1)]
 
 
-def learning_rate_at(update: int, num_updates: int, base: float, schedule: str, warmup_updates: int) -> float:
-    """Learning rate of update (1-based): linear warmup, then constant or linear decay to 0 after the last."""
-    if update <= warmup_updates:
-        return base * update / warmup_updates
-    if schedule == "constant":
-        return base
-    return base * (1 - (update - 1 - warmup_updates) / max(1, num_updates - warmup_updates))
-
-
 def pair_losses(
     policy,
     query_responses,
@@ -317,6 +343,7 @@ def sample(args, run, queries, query_mask, prompt_of_row, generator):
                 args.temperature,
                 chunk,
                 generator,
+                **utils.generation.sampling_knobs(args),
             )
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(chunk_logprobs)
@@ -576,7 +603,7 @@ def setup(args: Args) -> Run:
     eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
-    optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = utils.run.trainer_optimizer(policy, args)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
     if reward_model is not None:
@@ -641,14 +668,13 @@ def main(args: Args) -> None:
         args.per_device_train_batch_size,
     )
     logprob_temperature = args.temperature if args.logprobs_at_temperature else 1.0
-    warmup_updates = math.ceil(args.warmup_ratio * args.num_total_batches)
+    schedule = utils.run.lr_schedule(args, args.num_total_batches)
     updates_per_epoch = len(run.prompt_ids) // args.batch_size
     sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start_time, metrics, window = time.time(), {}, []  # window: the metrics of the updates since the last log
     progress = tqdm(range(start + 1, args.num_total_batches + 1), disable=not accelerator.is_main_process)
     for update in progress:
-        schedule = (args.num_total_batches, args.learning_rate, args.lr_scheduler_type, warmup_updates)
-        lr = learning_rate_at(update, *schedule)
+        lr = schedule(update - 1)
         for group in optimizer.param_groups:
             group["lr"] = lr
         beta = beta_for_epoch(args.beta, (update - 1) // updates_per_epoch)
@@ -782,7 +808,7 @@ def main(args: Args) -> None:
                     num_truncated_prompts, reduction="sum"
                 ).item(),
                 "beta": beta,
-                "lr": lr,
+                "learning_rate": lr,
                 "episode": episode,
             }
             if logprob_temperature == args.temperature:  # the loss reads the sampling distribution
@@ -803,7 +829,11 @@ def main(args: Args) -> None:
         )
         window.append(metrics)
         if update % args.logging_steps == 0 or update == args.num_total_batches:
-            last = {k: metrics[k] for k in ("eps", "beta", "lr", "episode", "grad_norm") if k in metrics}
+            last = {
+                k: metrics[k]
+                for k in ("eps", "beta", "learning_rate", "episode", "grad_norm")
+                if k in metrics
+            }
             run.tracker.log({**utils.tracking.mean_by_key(window), **last}, update)  # means, as TRL's
             window = []
 

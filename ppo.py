@@ -19,6 +19,11 @@ Example (the offline tiny world: `python benchmark/tiny_world.py --output_dir ti
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import math
 import os
 import time
@@ -118,6 +123,16 @@ class Args:
     """tokens sampled per completion (then truncated after the stop token)"""
     temperature: float = 0.7
     """sampling temperature; the logprobs are of logits / temperature"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability exceeds this (1: all)"""
+    top_k: int = 0
+    """sample from the this-many most likely tokens only (0: all)"""
+    min_p: float | None = None
+    """sample only tokens at least this times as likely as the most likely one (None: all)"""
+    repetition_penalty: float = 1.0
+    """divide positive logits (multiply negative ones) of tokens already in the prompt or completion by this"""
+    generation_kwargs: str | None = None
+    """a JSON object of the four flags above, over them (TRL's generation_kwargs, these names only)"""
     stop_token: Literal["eos"] | None = None
     """eos: cut after the EOS; None (TRL's default): keep all --response_length tokens (or --stop_token_id)"""
     stop_token_id: int | None = None
@@ -139,9 +154,29 @@ class Args:
 
     # Algorithm
     learning_rate: float = 3e-6
-    """AdamW learning rate, decayed linearly to 0"""
+    """AdamW learning rate"""
+    lr_scheduler_type: Literal[
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
+    ] = "linear"
+    """transformers' schedule after the warmup, stepped once an update as TRL's PPO; linear: decay to 0"""
+    warmup_steps: float = 0.0
+    """linear warmup over this many updates, or below 1 this fraction of them"""
+    weight_decay: float = 0.0
+    """AdamW weight decay, on every weight but biases and norms (as TRL's Trainer)"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
     adam_epsilon: float = 1e-8
     """AdamW epsilon"""
+    optim: Literal["adamw_torch_fused", "adamw_torch"] = "adamw_torch_fused"
+    """AdamW with the fused kernel or without (the same update up to rounding)"""
     max_grad_norm: float | None = None
     """clip the gradient norm at this value; None: no clipping (TRL's PPO)"""
     per_device_train_batch_size: int = 8
@@ -433,7 +468,14 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
             rows = slice(i, i + chunk)
             noise = utils.generation.sampling_generator(args.seed, update, first_prompt + i, device=device)
             chunk_query_responses, chunk_logprobs = generate(
-                unwrapped.policy, queries[rows], query_mask[rows], args.response_length, T, chunk, noise
+                unwrapped.policy,
+                queries[rows],
+                query_mask[rows],
+                args.response_length,
+                T,
+                chunk,
+                noise,
+                **utils.generation.sampling_knobs(args),
             )
             query_responses.append(chunk_query_responses)
             logprobs.append(chunk_logprobs)
@@ -721,9 +763,7 @@ def setup(args: Args) -> Run:
     for m in (policy, critic) if args.gradient_checkpointing else ():
         utils.loading.enable_gradient_checkpointing(m)
     model = PolicyAndValue(policy, critic)
-    optimizer = utils.run.adamw(
-        model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=0
-    )
+    optimizer = utils.run.trainer_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length
@@ -785,13 +825,16 @@ def main(args: Args) -> dict:
     whitening = accelerator if args.whiten_across_processes else None  # None: per process, as TRL's PPO
     sample_freq = max(1, args.num_total_batches // args.num_sample_generations) if run.eval_prompt_ids else 0
     episode, start_time, metrics = start * args.batch_size, time.time(), {}
-    updates = range(start + 1, args.num_total_batches + 1)
+    updates, schedule = (
+        range(start + 1, args.num_total_batches + 1),
+        utils.run.lr_schedule(args, args.num_total_batches),
+    )
     progress = tqdm(
         updates, initial=start, total=args.num_total_batches, disable=not accelerator.is_local_main_process
     )
     for update in progress:
         episode += args.batch_size
-        lr = args.learning_rate * (1.0 - (update - 1.0) / args.num_total_batches)  # linear decay
+        lr = schedule(update - 1)  # stepped once an update, as TRL's PPO
         for group in optimizer.param_groups:
             group["lr"] = lr
         kl_coef = run.kl_controller.value if args.adaptive_kl else args.kl_coef
@@ -914,7 +957,7 @@ def main(args: Args) -> dict:
                 "val/response_length": utils.run.gathered_mean(
                     accelerator, response_mask.float().sum(1).mean()
                 ),
-                "lr": lr,
+                "learning_rate": lr,
                 "episode": episode,
             }
             if grad_norm is not None:

@@ -16,8 +16,14 @@ the saved model holds the normalised head.
         --lr_scheduler_type constant_with_warmup --output_dir models/tiny_reward
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -319,7 +325,16 @@ def load_data(args: Args, tokenizer) -> dict:
     """Every split the run needs, checked and tokenized: {name: (rows, counts, group_names)}."""
     pairs, name, config = [CHOSEN, REJECTED], "--dataset_name", args.dataset_config
     splits = {"train": (args.dataset_name, config, args.dataset_train_split, pairs, None, name)}
-    if args.dataset_test_split and args.eval_strategy == "steps":
+    test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
+    if test_split == Args.dataset_test_split and "--dataset_test_split" not in " ".join(sys.argv[1:]):
+        if not utils.data.has_split(args.dataset_name, test_split, config):  # as TRL: no eval
+            if utils.run.main_process():
+                print(
+                    f'reward.py: no "{test_split}" split in {args.dataset_name}: evaluation skipped '
+                    "(give --dataset_test_split to evaluate)"
+                )
+            test_split = None
+    if test_split:
         splits["test"] = (args.dataset_name, config, args.dataset_test_split, pairs, args.eval_group_by, name)
     optional_normalize = args.normalize_dataset is None and args.normalize_split is None
     if args.normalize:
@@ -555,13 +570,13 @@ def main(args: Args) -> None:
         if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:
             loss_sum, correct, margin_sum, count = accelerator.reduce(sums, reduction="sum").tolist()
             sums.zero_()
-            train = {"train/loss": loss_sum / count, "train/accuracy": correct / count}
-            train |= {"train/margin": margin_sum / count, "train/lr": scheduler.get_last_lr()[0]}
+            train = {"loss": loss_sum / count, "accuracy": correct / count}
+            train |= {"margin": margin_sum / count, "learning_rate": scheduler.get_last_lr()[0]}
             if grad_norm is not None:
-                train["train/grad_norm"] = grad_norm
+                train["grad_norm"] = grad_norm
             epoch = global_step / (len(run.train_rows) // args.batch_size)
-            run.tracker.log(train | {"train/epoch": epoch}, global_step)
-            progress.set_postfix(loss=train["train/loss"], accuracy=train["train/accuracy"])
+            run.tracker.log(train | {"epoch": epoch}, global_step)
+            progress.set_postfix(loss=train["loss"], accuracy=train["accuracy"])
             final_metrics.update(train)
 
         # 5. Evaluate (the last evaluation follows the loop)
@@ -573,7 +588,7 @@ def main(args: Args) -> None:
         state = {"scheduler": scheduler.state_dict()}
         run.checkpointer.maybe_save(global_step, {"model": model}, {"model": optimizer}, state=state)
     progress.close()
-    final_metrics["train/seconds"] = time.time() - start
+    final_metrics["train_seconds"] = time.time() - start
     if "test" in run.data:
         final_metrics.update(evaluate(args, run, global_step))
 

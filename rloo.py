@@ -20,6 +20,11 @@ TRL-1.16-only flag gets TRL 1.16's defaults and meanings.
         --local_rollout_forward_batch_size 16 --output_dir models/rloo
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import functools
 import math
 import os
@@ -131,6 +136,16 @@ class Args:
     """TRL 1.16's name of --response_length"""
     temperature: float | None = None
     """sampling temperature, also of the logprobs; None: 0.7 / 1.0"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability exceeds this (1: all)"""
+    top_k: int = 0
+    """sample from the this-many most likely tokens only (0: all)"""
+    min_p: float | None = None
+    """sample only tokens at least this times as likely as the most likely one (None: all)"""
+    repetition_penalty: float = 1.0
+    """divide positive logits (multiply negative ones) of tokens already in the prompt or completion by this"""
+    generation_kwargs: str | None = None
+    """a JSON object of the four flags above, over them (TRL's generation_kwargs, these names only)"""
     stop_token: Literal["eos"] | None = None
     """eos: truncate after the EOS; None: no stop / eos (unless --stop_token_id)"""
     stop_token_id: int | None = None
@@ -153,8 +168,28 @@ class Args:
     """whose defaults fill unset flags (TRL 0.19 / 1.16); auto: 1.16 if a 1.16-only flag is set"""
     learning_rate: float | None = None
     """AdamW learning rate; None: 3e-6 / 1e-6"""
-    lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """linear: decay to 0 over the updates (TRL 1.16 dialect: over the optimizer steps)"""
+    lr_scheduler_type: Literal[
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
+    ] = "linear"
+    """transformers' schedule after the warmup; linear: decay to 0 over the updates (TRL 1.16 dialect: over the optimizer steps)"""
+    warmup_steps: float = 0.0
+    """linear warmup over this many optimizer steps, or below 1 this fraction of them (TRL 1.16)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay, on every weight but biases and norms (as TRL's Trainer)"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon"""
+    optim: Literal["adamw_torch_fused", "adamw_torch"] = "adamw_torch_fused"
+    """AdamW with the fused kernel or without (the same update up to rounding)"""
     max_grad_norm: float | None = None
     """clip the gradient norm to this (0: no clipping); None: 0 / 1.0"""
     per_device_train_batch_size: int = 8
@@ -307,16 +342,12 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange, clipran
     return loss, ratio.detach()[weights.bool()], clipfrac, approxkl
 
 
-def learning_rate(args, update: int, steps_done: int, steps_per_update: int) -> float:
-    """The rate of the next optimizer step of `update` (from 1) after `steps_done` of its steps: linear decay to 0
-    over the updates (TRL 0.19: one rate an update) or over the optimizer steps (TRL 1.16), or constant."""
-    if args.lr_scheduler_type != "linear":
-        return args.learning_rate
+def learning_rate(args, schedule, update: int, steps_done: int, steps_per_update: int) -> float:
+    """The rate of the next optimizer step of `update` (from 1) after `steps_done` of its steps: `schedule`
+    (utils.run.lr_schedule) over the updates (TRL 0.19: one rate an update) or the optimizer steps (TRL 1.16)."""
     if args.dialect == "1.16":
-        done, total = (update - 1) * steps_per_update + steps_done, args.num_total_batches * steps_per_update
-    else:
-        done, total = update - 1, args.num_total_batches
-    return args.learning_rate * (1 - done / total)
+        return schedule((update - 1) * steps_per_update + steps_done)
+    return schedule(update - 1)
 
 
 def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: values, rank=0):
@@ -392,6 +423,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
                 args.temperature,
                 rows.numel(),
                 noise,
+                **utils.generation.sampling_knobs(args),
             )
             responses.append(query_responses[:, queries.size(1) :].unflatten(0, (num_completions, -1)))
             logprobs.append(call_logprobs.unflatten(0, (num_completions, -1)))
@@ -726,7 +758,7 @@ def setup(args: Args) -> Run:
         stop_token_ids = torch.tensor([args.stop_token_id], device=accelerator.device)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
-    optimizer = utils.run.adamw(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    optimizer = utils.run.trainer_optimizer(policy, args)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length
@@ -795,6 +827,9 @@ def main(args: Args) -> dict:
     stops = [run.stop_token_ids] if run.stop_token_ids is not None else []
     finished_ids = torch.cat([*stops, run.eos_ids, torch.tensor([run.pad_id], device=device)])
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
+    schedule = utils.run.lr_schedule(
+        args, args.num_total_batches * (steps_per_update if args.dialect == "1.16" else 1)
+    )
     sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start, start_time, metrics = run.start_step, time.time(), {}
     updates = range(start + 1, args.num_total_batches + 1)
@@ -857,7 +892,7 @@ def main(args: Args) -> dict:
             order = torch.randperm(B, generator=run.shuffle_generator).to(device)
             for idx in order.split(args.per_device_train_batch_size):
                 run.checkpointer.boundary()
-                lr = learning_rate(args, update, len(grad_norms), steps_per_update)
+                lr = learning_rate(args, schedule, update, len(grad_norms), steps_per_update)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 with accelerator.accumulate(policy):
@@ -913,7 +948,7 @@ def main(args: Args) -> dict:
                 "val/ratio": 1 + ratio_shift.item(),
                 "val/ratio_var": (ratio_sums[1] / ratio_sums[2] - ratio_shift**2).clamp(min=0).item(),
                 "val/num_eos_tokens": accelerator.reduce(has_eos.sum(), reduction="sum").item(),
-                "lr": sum(lrs) / len(lrs),
+                "learning_rate": sum(lrs) / len(lrs),
                 "episode": episode,
             }
             if grad_norm is not None:

@@ -16,11 +16,17 @@ token. The EOS is appended so that the model learns to stop, which the later RL 
         --total_steps 1500 --output_dir models/sft
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import bisect
 import collections
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -424,6 +430,13 @@ def setup(args: Args) -> Run:
         tokenizer.pad_token = tokenizer.eos_token
     utils.chat.set_chat_template(tokenizer, args.chat_template_path, args.trust_remote_code)
     test_split = args.dataset_test_split if args.eval_strategy == "steps" else None
+    if test_split == Args.dataset_test_split and "--dataset_test_split" not in " ".join(sys.argv[1:]):
+        if not utils.data.has_split(args.dataset_name, test_split, args.dataset_config):  # as TRL: no eval
+            accelerator.print(
+                f'sft.py: no "{test_split}" split in {args.dataset_name}: evaluation skipped '
+                "(give --dataset_test_split to evaluate)"
+            )
+            test_split = None
     train_split = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     train_rows, counts = tokenize_split(train_split, tokenizer, args, f"split {args.dataset_train_split!r}")
     eval_rows, eval_prompts, eval_references, eval_counts = [], [], [], {}
@@ -438,7 +451,8 @@ def setup(args: Args) -> Run:
     longest = max(max(row.get("seq_lengths", [len(row["input_ids"])])) for row in train_rows + eval_rows)
     utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     fill_sizes(args, accelerator.num_processes, len(train_rows))
-    accelerator.print(f"train: {counts}, eval: {eval_counts}; {args.total_steps} steps of {args.batch_size}")
+    evaluated = f", eval: {eval_counts}" if test_split is not None else ""
+    accelerator.print(f"train: {counts}{evaluated}; {args.total_steps} steps of {args.batch_size}")
 
     set_seed(args.seed)
     policy = utils.loading.from_pretrained(
@@ -571,7 +585,7 @@ def main(args: Args) -> dict:
         grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
         utils.tracking.check_finite(step, accelerator, loss=nll, grad_norm=grad_norm)
         if grad_norm is not None:
-            metrics["train/grad_norm"] = grad_norm
+            metrics["grad_norm"] = grad_norm
         scheduler.step()
         window_seconds += time.time() - step_start
         window_loss_tokens += global_loss_tokens
@@ -580,11 +594,11 @@ def main(args: Args) -> dict:
         if step % args.logging_steps == 0 or step == args.total_steps:
             nll_sum, tokens = accelerator.reduce(window, "sum").tolist()
             num_tokens += int(tokens)
-            metrics["train/loss"] = nll_sum / max(window_loss_tokens, 1.0)
-            metrics["train/lr"] = scheduler.get_last_lr()[0]
-            metrics["train/tokens_per_second"] = tokens / window_seconds
-            metrics["train/num_tokens"] = num_tokens
-            run.tracker.log({k: v for k, v in metrics.items() if k.startswith("train/")}, step)
+            metrics["loss"] = nll_sum / max(window_loss_tokens, 1.0)
+            metrics["learning_rate"] = scheduler.get_last_lr()[0]
+            metrics["perf/tokens_per_second"] = tokens / window_seconds
+            metrics["num_tokens"] = num_tokens
+            run.tracker.log({k: v for k, v in metrics.items() if not k.startswith("eval/")}, step)
             window, window_loss_tokens, window_seconds = torch.zeros_like(window), 0.0, 0.0
 
         # 5. Evaluate
@@ -600,7 +614,7 @@ def main(args: Args) -> dict:
     unwrapped = accelerator.unwrap_model(policy)
     saved = unwrapped.merge_and_unload() if args.use_peft else unwrapped  # LoRA: merged into the weights
     state_dict = saved.state_dict() if args.use_peft else accelerator.get_state_dict(policy)
-    metrics.update({f"data/num_{k}": v for k, v in run.counts.items()} | {"train/steps": args.total_steps})
+    metrics.update({f"data/num_{k}": v for k, v in run.counts.items()} | {"global_step": args.total_steps})
     main_process = accelerator.is_main_process
     saved.save_pretrained(
         args.output_dir, is_main_process=main_process, save_function=accelerator.save, state_dict=state_dict

@@ -180,8 +180,8 @@ MUTATIONS = [
     # ---- held out: written after the whole-update tests, then checked
     M("grpo.py", "ref_logprobs[idx], args.use_bias_correction_kl", "ref_logprobs[idx].roll(1, 0), args.use_bias_correction_kl",
       "reference logprobs of another row", held_out=True),
-    M("grpo.py", "clip_grad_norm(accelerator, policy, args.max_grad_norm) or grad_norm",
-      "clip_grad_norm(accelerator, policy, 2 * args.max_grad_norm) or grad_norm", "gradient clipped at twice the norm",
+    M("grpo.py", "clip_grad_norm(accelerator, policy, args.max_grad_norm)",
+      "clip_grad_norm(accelerator, policy, 2 * args.max_grad_norm)", "gradient clipped at twice the norm",
       held_out=True),
     M("grpo.py", "policy, query_responses, attention_mask, context_length, T, with_stats=True",
       "policy, query_responses, attention_mask, context_length, 1.0, with_stats=True",

@@ -60,21 +60,21 @@ RECORDED_NOTES = {
     "sft": """Measured against TRL 1.16's `SFTTrainer.train()` by `tests/test_update_parity_offline.py` (the weights after
 every optimizer step, with gradient accumulation and on two processes). Where the logs differ:
 
-- `train/lr` is the learning rate the next step will use, read after the scheduler's step (0 after the last step of
-  a linear schedule); TRL's `learning_rate` (transformers 5's `Trainer`) is the one the step just used.
+- `learning_rate` is the learning rate the next step will use, read after the scheduler's step (0 after the last
+  step of a linear schedule); TRL's (transformers 5's `Trainer`) is the one the step just used.
 """,
     "reward": """Measured against TRL 1.16's `RewardTrainer.train()` by `tests/test_update_parity_offline.py` (the weights
 after every optimizer step, with gradient accumulation, a margin column and the centring term).
 Where the logs differ:
 
-- `train/lr` is the learning rate the next step will use, read after the scheduler's step (0 after the last step of
-  a linear schedule); TRL's `learning_rate` (transformers 5's `Trainer`) is the one the step just used.
+- `learning_rate` is the learning rate the next step will use, read after the scheduler's step (0 after the last
+  step of a linear schedule); TRL's (transformers 5's `Trainer`) is the one the step just used.
 """,
     "dpo": """Measured against TRL 1.16's `DPOTrainer.train()` by `tests/test_update_parity_offline.py` (the weights after
 every optimizer step, for sigmoid, ipo, robust and hinge, with gradient accumulation). Where the logs differ:
 
-- `lr` is the learning rate the next step will use, read after the scheduler's step (0 after the last step of
-  a linear schedule); TRL's `learning_rate` (transformers 5's `Trainer`) is the one the step just used.
+- `learning_rate` is the learning rate the next step will use, read after the scheduler's step (0 after the last
+  step of a linear schedule); TRL's (transformers 5's `Trainer`) is the one the step just used.
 - With `--loss_type ipo`, `rewards/*` are beta times the log-ratios averaged over each completion's tokens (what
   IPO's loss compares); TRL logs beta times the summed log-ratios whatever the loss type.
 - `logits/chosen` and `logits/rejected` average each completion's mean logit over the pairs; TRL's average over
@@ -130,8 +130,8 @@ else:
 
 - `lr_scheduler_type linear`: under TRL 1.16's flags the rate decays after every optimizer step, as TRL 1.16's;
   under TRL 0.19's it is set once an update (a generation and its `--num_ppo_epochs` x `--num_mini_batches`
-  optimizer steps), as TRL 0.19's RLOOTrainer stepped its scheduler once a batch. `lr` logs the mean rate of the
-  update's steps (TRL 1.16 logs each step's).
+  optimizer steps), as TRL 0.19's RLOOTrainer stepped its scheduler once a batch. `learning_rate` logs the
+  mean rate of the update's steps (TRL 1.16 logs each step's).
 """,
 }
 

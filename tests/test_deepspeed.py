@@ -52,7 +52,7 @@ def flags(script, world, out, run_name, processes):
 def losses(run_dir):
     """The training loss of every step, from metrics.jsonl."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    return [r.get("train/loss", r.get("loss")) for r in records if "train/loss" in r or "loss" in r]
+    return [r["loss"] for r in records if "loss" in r]
 
 
 def assert_same_losses(got, expected):

@@ -282,8 +282,8 @@ def test_every_loss_type_runs(world, small_data, tmp_path, flags, first_loss):
     final = run_main(world, small_data, tmp_path, "out", **flags)
     assert all(math.isfinite(v) for v in final.values())
     if first_loss is not None:  # the reference (frozen copy, or base model under LoRA) is the start policy
-        assert final["train/loss"] == pytest.approx(first_loss, abs=1e-6)
-        assert final["train/rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+        assert final["loss"] == pytest.approx(first_loss, abs=1e-6)
+        assert final["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
@@ -303,7 +303,7 @@ def test_deterministic_and_precomputed_reference_matches_live(world, small_data,
     assert any(not torch.equal(wa[k], weights(world / "policy")[k]) for k in wa)  # and they did train
     # precomputed reference logprobs equal the live ones: same updates, same eval metrics (up to float rounding)
     assert all(torch.allclose(wa[k], wc[k], atol=1e-5) for k in wa)
-    for key in ("eval/rewards/chosen", "eval/rewards/rejected", "eval/loss", "train/loss"):
+    for key in ("eval/rewards/chosen", "eval/rewards/rejected", "eval/loss", "loss"):
         assert c[key] == pytest.approx(a[key], abs=1e-5)
 
 
@@ -371,7 +371,9 @@ def test_copied_script_learns_preferences_sigmoid(world, tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     logged = scalars(tmp_path / "runs")
-    expected = dpo.METRICS + [f"eval/{name}" for name in dpo.METRICS] + ["perf/tokens_per_second", "lr"]
+    expected = (
+        dpo.METRICS + [f"eval/{name}" for name in dpo.METRICS] + ["perf/tokens_per_second", "learning_rate"]
+    )
     assert set(expected) <= set(logged), set(expected) - set(logged)
     assert logged["eval/rewards/accuracies"][-1] > 0.6 and logged["eval/rewards/margins"][-1] > 0, logged
     # DPO's loss starts at log 2 (policy = reference) and falls on the gold-labelled test split

@@ -30,7 +30,7 @@ METRICS = {
     "step", "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
     "objective/scores_margin", "objective/rlhf_reward", "loss/dpo_avg", "rewards/chosen", "rewards/rejected",
     "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token",
-    "val/num_ties", "val/num_truncated_prompts", "val/logprob_gap", "grad_norm", "beta", "lr", "episode",
+    "val/num_ties", "val/num_truncated_prompts", "val/logprob_gap", "grad_norm", "beta", "learning_rate", "episode",
 }  # fmt: skip
 
 
@@ -164,11 +164,16 @@ def test_beta_per_epoch_keeps_the_last():
     assert online_dpo.beta_for_epoch([0.05], 9) == 0.05
 
 
-def test_learning_rate_schedule():
-    lr = [online_dpo.learning_rate_at(u, 10, 1.0, "linear", 2) for u in range(1, 11)]
-    assert lr[:3] == pytest.approx([0.5, 1.0, 1.0])  # warmup over 2 updates, then the decay starts at 1
-    assert lr[-1] == pytest.approx(1 / 8) and all(a > b for a, b in zip(lr[2:], lr[3:]))
-    assert [online_dpo.learning_rate_at(u, 4, 2.0, "constant", 0) for u in (1, 4)] == [2.0, 2.0]
+def test_warmup_ratio_warms_up_as_trls_trainer():
+    """--warmup_ratio 0.2 of 10 updates: the first update at rate 0 (TRL's Trainer steps its scheduler after the
+    optimizer), then linear decay to 0 after the warmup."""
+    from types import SimpleNamespace
+
+    from utils.run import lr_schedule
+
+    args = SimpleNamespace(learning_rate=1.0, lr_scheduler_type="linear", warmup_ratio=0.2, warmup_steps=0.0)
+    lr = [lr_schedule(args, 10)(update - 1) for update in range(1, 11)]
+    assert lr == pytest.approx([0.0, 0.5, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
 
 
 def parse(flags):
@@ -326,8 +331,14 @@ def test_logging_steps_logs_the_means_over_the_window_as_trl(lab, tmp_path):
             assert window[key] == pytest.approx(
                 (updates[0][key] + updates[1][key]) / 2, rel=1e-5, abs=1e-9
             ), key
-        assert window["lr"] == updates[1]["lr"] and window["episode"] == updates[1]["episode"]
-    assert each[0]["loss/dpo_avg"] != each[1]["loss/dpo_avg"] and each[0]["lr"] != each[1]["lr"]
+        assert (
+            window["learning_rate"] == updates[1]["learning_rate"]
+            and window["episode"] == updates[1]["episode"]
+        )
+    assert (
+        each[0]["loss/dpo_avg"] != each[1]["loss/dpo_avg"]
+        and each[0]["learning_rate"] != each[1]["learning_rate"]
+    )
 
 
 def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path):
@@ -356,7 +367,7 @@ def test_training_forward_recomputes_the_sampling_logprobs(lab, world, tmp_path)
         assert metrics["rewards/chosen"] == pytest.approx(0, abs=1e-6)
         assert metrics["loss/dpo_avg"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-4)  # IPO at h = 0
         assert 0 < metrics["val/contain_eos_token"] < 1  # some completions truncated, some not
-        assert metrics["objective/scores_margin"] > 0 and metrics["lr"] == 0.0
+        assert metrics["objective/scores_margin"] > 0 and metrics["learning_rate"] == 0.0
     out = tmp_path / "invariant"
     assert "online DPO" in (out / "README.md").read_text() and (out / "tokenizer.json").exists()
     before, after = weights(lab / "policy"), weights(out)

@@ -424,7 +424,7 @@ def test_reward_function_gets_the_dataset_prompts_and_the_run_state(world, tmp_p
 ISSUE_METRICS = (
     "eps objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores "
     "policy/approxkl_avg policy/clipfrac_avg loss/policy_avg loss/value_avg val/clipfrac_avg val/ratio "
-    "val/ratio_var val/num_eos_tokens lr episode eval/scores"
+    "val/ratio_var val/num_eos_tokens learning_rate episode eval/scores"
 ).split()
 
 
@@ -455,7 +455,8 @@ def test_reward_model_run_from_a_copy_logs_everything_and_is_deterministic(world
     metrics = read_metrics(tmp_path, "rm")
     assert len(metrics) == 3 and all(math.isfinite(metrics[-1][k]) for k in ISSUE_METRICS)
     assert all(k in m for k in ISSUE_METRICS[:-1] for m in metrics)  # eval/scores: at the sample generations
-    assert [m["episode"] for m in metrics] == [16, 32, 48] and metrics[0]["lr"] > metrics[-1]["lr"] > 0
+    assert [m["episode"] for m in metrics] == [16, 32, 48]
+    assert metrics[0]["learning_rate"] > metrics[-1]["learning_rate"] > 0
     # adaptive KL: the first KL (0, policy == reference) is under the target: beta *= 1 - 0.2 * 16 / 100
     assert metrics[0]["objective/kl_coef"] == 0.05 and metrics[1]["objective/kl_coef"] == pytest.approx(
         0.0484

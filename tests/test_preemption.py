@@ -56,7 +56,7 @@ def test_sft_sigterm_between_micro_batches_saves_the_step_before(world, tmp_path
         f"cut short and runs again); continue with --resume_from_checkpoint {tmp_path / 'cut' / 'checkpoint-2'}"
     )
     assert same_weights(tmp_path / "whole", tmp_path / "cut")
-    same_metrics(runs, "whole", "cut", {"train/tokens_per_second"})
+    same_metrics(runs, "whole", "cut", {"perf/tokens_per_second"})
 
 
 def rloo_flags(world, tmp_path, name):
@@ -102,7 +102,7 @@ def test_sft_sigterm_between_micro_batches_under_deepspeed(world, tmp_path, stag
     line = preempt_then_resume(run, args, "accelerate.Accelerator.backward", 5, tmp_path / "cut")
     assert "checkpoint-2 at step 2 (step 3 was cut short and runs again)" in line
     assert same_weights(tmp_path / "whole", tmp_path / "cut")
-    same_metrics(tmp_path / "runs", "whole", "cut", {"train/tokens_per_second"})
+    same_metrics(tmp_path / "runs", "whole", "cut", {"perf/tokens_per_second"})
 
 
 @pytest.mark.slow

@@ -222,9 +222,9 @@ def test_end_to_end_learns_and_the_output_serves_ppo(world, tmp_path):
     assert metrics["eval/num_pairs"] == 200 and metrics["data/train_rows"] == 600
     assert metrics["data/train_dropped"] == 0 and "data/train_prompt_cut" not in metrics
     for name in (
-        "train/loss",
-        "train/accuracy",
-        "train/margin",
+        "loss",
+        "accuracy",
+        "margin",
         "eval/loss",
         "eval/mean_reward",
         "eval/std_reward",

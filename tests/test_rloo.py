@@ -24,7 +24,7 @@ from conftest import (
 METRICS = {
     "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
     "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg",
-    "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "grad_norm", "step",
+    "val/ratio", "val/ratio_var", "val/num_eos_tokens", "learning_rate", "episode", "grad_norm", "step",
 }  # fmt: skip
 
 
@@ -315,13 +315,31 @@ def test_first_update_recomputes_the_sampling_logprobs(lab, world, tmp_path):
         assert metrics["policy/clipfrac_avg"] == 0.0
         assert abs(metrics["objective/kl"]) < 1e-3  # the policy is still the reference
         assert 0 < metrics["val/num_eos_tokens"] < 16  # some completions truncated, some not
-        assert metrics["lr"] == 0.0
+        assert metrics["learning_rate"] == 0.0
     assert [m["episode"] for m in lines] == [16, 32]
     assert list((tmp_path / "runs" / "invariant").glob("events.out.tfevents.*"))
     out = tmp_path / "invariant"
     assert "RLOO" in (out / "README.md").read_text() and (out / "tokenizer.json").exists()
     before, after = weights(lab / "policy"), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_missing_eos_penalty_lands_on_the_unfinished(lab, tmp_path):
+    """A reward of 0 and --missing_eos_penalty 1: each update's mean score is minus the share of completions
+    without EOS (the policy finishes about half of them, so the two shares differ)."""
+    (tmp_path / "zero.py").write_text(
+        "def zero(prompts, completions):\n    return [0.0] * len(completions)\n"
+    )
+    flags = common_flags(tmp_path, "penalty") + [
+        "--model_name_or_path", str(lab / "policy"), "--reward_fn", f"{tmp_path / 'zero.py'}:zero",
+        "--dataset_name", str(lab / "prompts.jsonl"), "--rloo_k", "2", "--per_device_train_batch_size", "8",
+        "--total_episodes", "48", "--stop_token", "eos", "--missing_eos_penalty", "1.0",
+    ]  # fmt: skip
+    run_script(["rloo.py", *flags], timeout=300)
+    lines = read_metrics(tmp_path / "runs" / "penalty")
+    assert len(lines) == 6 and any(m["val/num_eos_tokens"] != 4 for m in lines)  # 8 completions an update
+    for metrics in lines:
+        assert metrics["objective/scores"] == pytest.approx(-(8 - metrics["val/num_eos_tokens"]) / 8)
 
 
 def test_rule_based_reward_rises(world, lab, tmp_path):

@@ -300,19 +300,17 @@ def test_sft_learns_the_tiny_world(world, tmp_path):
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     assert metrics["eval/initial_loss"] == pytest.approx(math.log(vocab), abs=0.5)
     assert metrics["eval/loss"] < metrics["eval/initial_loss"] - 2.5
-    assert metrics["train/loss"] < metrics["eval/initial_loss"] - 2.0
-    assert metrics["data/num_kept"] == 600 and metrics["train/steps"] == 24
+    assert metrics["loss"] < metrics["eval/initial_loss"] - 2.0
+    assert metrics["data/num_kept"] == 600 and metrics["global_step"] == 24
     scalars = tensorboard_scalars(run_dir)
     assert [step for step, _ in scalars["eval/loss"]] == [0, 12, 24]
     assert scalars["eval/loss"][-1][1] == pytest.approx(metrics["eval/loss"])
-    assert [step for step, _ in scalars["train/num_tokens"]] == [10, 20, 24]
-    assert (
-        scalars["train/num_tokens"][-1][1] == metrics["train/num_tokens"] > 24 * 16 * 50
-    )  # prompts ~52 tokens
-    assert scalars["train/tokens_per_second"][0][1] > 0
+    assert [step for step, _ in scalars["num_tokens"]] == [10, 20, 24]
+    assert scalars["num_tokens"][-1][1] == metrics["num_tokens"] > 24 * 16 * 50  # prompts ~52 tokens
+    assert scalars["perf/tokens_per_second"][0][1] > 0
     progress = (10 - 3) / (24 - 3)  # ceil(10% of 24) = 3 warmup steps, then cosine down to 0
-    assert scalars["train/lr"][0] == (10, pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * progress))))
-    assert scalars["train/lr"][-1] == (24, pytest.approx(0.0, abs=1e-12))
+    assert scalars["learning_rate"][0] == (10, pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * progress))))
+    assert scalars["learning_rate"][-1] == (24, pytest.approx(0.0, abs=1e-12))
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").open()]
     assert [s["step"] for s in samples] == [0] * 4 + [12] * 4 + [24] * 4
     assert {"prompt", "sample", "reference"} <= set(samples[0]) and samples[0]["prompt"].endswith("TL;DR:")
@@ -340,12 +338,12 @@ def test_determinism_and_two_processes_see_the_same_batch(world, tmp_path):
     initial = load_file(world / "policy" / "model.safetensors")
     assert not all(torch.equal(weights["a"][k], initial[k]) for k in initial)  # it did train
     one, two = tensorboard_scalars(tmp_path / "runs" / "a"), tensorboard_scalars(tmp_path / "runs" / "ddp")
-    for tag in ("train/loss", "train/grad_norm", "eval/loss"):
+    for tag in ("loss", "grad_norm", "eval/loss"):
         assert two[tag][0][1] == pytest.approx(one[tag][0][1], rel=1e-4), tag
     # Each process of the 2-process run holds 4 sequences per step: equal token counts mean both were counted.
-    assert one["train/num_tokens"][0][1] == two["train/num_tokens"][0][1]
-    assert [step for step, _ in two["train/loss"]] == [1, 2]
-    for (_, loss_one), (_, loss_two) in zip(one["train/loss"], two["train/loss"]):
+    assert one["num_tokens"][0][1] == two["num_tokens"][0][1]
+    assert [step for step, _ in two["loss"]] == [1, 2]
+    for (_, loss_one), (_, loss_two) in zip(one["loss"], two["loss"]):
         assert loss_two == pytest.approx(loss_one, rel=1e-3)  # later steps: float rounding through Adam
 
 

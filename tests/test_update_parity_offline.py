@@ -73,11 +73,9 @@ KINDS = {
 # Our metric names -> TRL's, per script: the metrics both log.
 METRICS = {
     "dpo.py": {name: name for name in ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                                       "rewards/accuracies", "logps/chosen", "logps/rejected"]} | {"lr": "learning_rate"},
-    "sft.py": {"train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "learning_rate",
-               "train/num_tokens": "num_tokens"},
-    "reward.py": {"train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "learning_rate",
-                  "train/accuracy": "accuracy", "train/margin": "margin"},
+                                       "rewards/accuracies", "logps/chosen", "logps/rejected"]} | {"learning_rate": "learning_rate"},
+    "sft.py": {name: name for name in ["loss", "grad_norm", "learning_rate", "num_tokens"]},
+    "reward.py": {name: name for name in ["loss", "grad_norm", "learning_rate", "accuracy", "margin"]},
 }  # fmt: skip
 IPO_REWARDS = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]  # averaged here
 
@@ -142,7 +140,7 @@ def our_results(script, out):
     steps = recorded_steps(out / "steps")
     if script == "reward.py":  # our optimizer holds the ScoreModel wrapper's parameters
         steps = [{name.removeprefix("model."): p for name, p in step.items()} for step in steps]
-    log = [line for line in read_metrics(out / "runs" / "ours") if {"loss", "train/loss"} & line.keys()]
+    log = [line for line in read_metrics(out / "runs" / "ours") if "loss" in line]
     return steps, log
 
 

@@ -187,7 +187,7 @@ def theirs(lab, out, flags: dict) -> tuple[list[dict], list[dict]]:
 # over its pairs, which is the mean over the pairs, as ours, since the micro-batches hold equally many.
 COMPARED = {name: name for name in ["grad_norm", "beta", "rewards/chosen", "rewards/rejected", "rewards/margins",
             "rewards/accuracies", "logps/chosen", "logps/rejected", "val/contain_eos_token", "objective/scores",
-            "objective/scores_margin"]} | {"loss/dpo_avg": "loss", "lr": "learning_rate"}  # fmt: skip
+            "objective/scores_margin"]} | {"loss/dpo_avg": "loss", "learning_rate": "learning_rate"}  # fmt: skip
 
 
 def assert_same_metrics(our_log: list[dict], trl_log: list[dict], accumulation: int):

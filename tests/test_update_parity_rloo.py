@@ -165,7 +165,7 @@ LOGGED_AS = {
     "grad_norm": "grad_norm",
     "loss/policy_avg": "loss",
     "objective/scores": "reward",
-    "lr": "learning_rate",
+    "learning_rate": "learning_rate",
 }
 PER_MICRO_BATCH = {"policy/entropy_avg": "entropy", "policy/clipfrac_avg": "clip_ratio/region_mean"}
 
