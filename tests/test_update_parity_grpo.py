@@ -39,6 +39,18 @@ CASES = {
     ),
     "cispo": (dict(loss_type="cispo", beta=0.1, per_device_train_batch_size=8, epsilon_high=1.2), 2),
     "sapo_no_scale": (dict(loss_type="sapo", beta=0.0, per_device_train_batch_size=8, scale_rewards="none"), 2),
+    "gspo_iterations_kl": (
+        dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.1, per_device_train_batch_size=8,
+             num_iterations=2), 4,
+    ),
+    "luspo_sequence_accumulation": (
+        dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.1, per_device_train_batch_size=4,
+             gradient_accumulation_steps=2), 2,
+    ),
+    "cosine_warmup_decay_betas": (
+        dict(loss_type="dapo", beta=0.0, per_device_train_batch_size=8, lr_scheduler_type="cosine", warmup_steps=0.25,
+             weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, optim="adamw_torch"), 4,
+    ),
 }  # fmt: skip
 
 
@@ -103,8 +115,8 @@ def build_trainer(spec: dict):
     config = trl.GRPOConfig(
         output_dir=f"{out}/trl", use_cpu=True, bf16=False, report_to=[], save_strategy="no",
         num_generations=G, max_completion_length=R, temperature=T, learning_rate=LR, max_steps=spec["steps"],
-        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, optim="adamw_torch", logging_steps=1,
-        disable_dropout=True, gradient_checkpointing=False, **flags,
+        logging_steps=1, disable_dropout=True, gradient_checkpointing=False,
+        **{"lr_scheduler_type": "linear", "warmup_steps": 0, "weight_decay": 0.0, "optim": "adamw_torch", **flags},
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
         model=f"{lab}/policy",
@@ -154,7 +166,9 @@ def test_each_step_equals_trls(lab, tmp_path, case):
     assert_same_steps(our_steps, trl_steps, weights(lab / "policy"))
     # the run moved the weights: a step that changed nothing would compare equal trivially
     start = weights(lab / "policy")
-    assert all((our_steps[0][n] - start[n]).abs().max() > LR / 2 for n in our_steps[0])
+    assert all(
+        (our_steps[-1][n] - start[n]).abs().max() > LR / 2 for n in our_steps[-1]
+    )  # a warmup starts at 0
 
 
 def test_two_processes_equal_trls(lab, tmp_path):
