@@ -219,6 +219,16 @@ class Args:
     sapo_temperature_neg: float = 1.05
     """sapo: temperature of the gate where A <= 0"""
 
+    # Dynamic sampling (DAPO; verl's flag names, the paper's reference implementation)
+    filter_groups: bool = False
+    """drop the groups whose --filter_groups_metric is equal on all G completions and sample more prompts until
+    each process has its batch of groups with a spread (DAPO's dynamic sampling)"""
+    filter_groups_metric: str = "reward"
+    """what must differ within a kept group: reward (the weighted sum) or one reward's logged name"""
+    max_num_gen_batches: int = 10
+    """generation rounds per batch at most; then dropped groups fill it (a warning). 0: up to one pass over the
+    prompts"""
+
     # Logging
     logging_steps: int = 1
     """log metrics every this many optimizer steps: their means over those steps (TRL's meaning)"""
@@ -423,16 +433,39 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
     raise ValueError(f"unknown loss_type {loss_type!r}.")
 
 
+def groups_with_spread(values: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: keep_p = max_g v_gp > min_g v_gp over group p's scored (non-NaN) values;
+    for 0/1 accuracy, 0 < |correct| < G. values [G * P] completion-major -> keep [P] bool."""
+    grouped = values.view(num_generations, -1)
+    scored = ~grouped.isnan()
+    return grouped.masked_fill(~scored, -math.inf).amax(0) > grouped.masked_fill(~scored, math.inf).amin(0)
+
+
+def pick_groups(keep: torch.Tensor, num_prompts: int) -> torch.Tensor:
+    """The groups a batch trains on, in sampling order: the first `num_prompts` with keep, then (too few
+    kept) the first without. keep [N] bool over every group sampled (round r's group p is r * P + p)."""
+    order = torch.cat([keep.nonzero()[:, 0], (~keep).nonzero()[:, 0]])
+    return order[:num_prompts].sort().values
+
+
+def take_groups(
+    rows_per_round: list[torch.Tensor], picked: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """Rows [G * P, ...] of each round -> the picked groups' rows [G * len(picked), ...], completion-major."""
+    grouped = torch.cat([rows.view(num_generations, -1, *rows.shape[1:]) for rows in rows_per_round], 1)
+    return grouped[:, picked].flatten(0, 1)
+
+
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def sample(args, run, queries, query_mask):
+def sample(args, run, queries, query_mask, sync_weights=True):
     """(responses, lengths, response_mask [G * P, R], sampling logprobs): G = num_generations per prompt
     [P, Q], completion-major, cut after EOS. Calls draw noise from run.sampling_generator in turn."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     R, T = args.max_completion_length, args.temperature
     responses, logprobs = [], []
     run.policy.eval()  # keeps the KV cache on under gradient checkpointing
-    if run.engine is not None:  # outside the gathering below
+    if run.engine is not None and sync_weights:  # outside the gathering below
         run.engine.sync_weights(run.policy, run.accelerator)
     # vLLM's own logprobs, for the importance weights.
     generate = (
@@ -463,18 +496,15 @@ def sample(args, run, queries, query_mask):
 
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
-    """(old logprobs or None on-policy, reference logprobs or None, rewards [B, F]) of the sampled rows."""
-    chunk, Q, T, P = args.local_rollout_forward_batch_size, queries.size(1), args.temperature, queries.size(0)
+    """Rewards [B, F] of the sampled rows (the reward model first, then the functions)."""
+    chunk, Q, P = args.local_rollout_forward_batch_size, queries.size(1), queries.size(0)
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
     )
-    ref_logprobs, rewards_per_func, old_logprobs = [], [], []
+    rewards_per_func = []
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
-        if recomputes_old_logprobs(args):
-            old = utils.logprobs.batched_response_logprobs(run.policy, query_responses, mask, Q, T, chunk)
-            old_logprobs.append(old)
         columns = utils.data.columns_of_rows(run.columns, examples, idx)
         prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()]
         rewards = utils.scoring.score_rows(
@@ -488,13 +518,86 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             trainer_state=trainer_state,
         )
         rewards_per_func.append(rewards.float())
+    return torch.cat(rewards_per_func)
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(args, run, queries, query_mask, responses, response_mask):
+    """(old logprobs or None on-policy, reference logprobs or None) [B, R] of the batch's rows."""
+    chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
+    old_logprobs, ref_logprobs = [], []
+    for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
+        run.checkpointer.boundary()
+        rows = utils.generation.query_response_rows(queries, query_mask, responses, response_mask, idx)
+        if recomputes_old_logprobs(args):
+            old_logprobs.append(utils.logprobs.batched_response_logprobs(run.policy, *rows, Q, T, chunk))
         if run.ref_policy is not None:
-            ref_logprobs.append(
-                utils.logprobs.batched_response_logprobs(run.ref_policy, query_responses, mask, Q, T, chunk)
+            ref_logprobs.append(utils.logprobs.batched_response_logprobs(run.ref_policy, *rows, Q, T, chunk))
+    return tuple(torch.cat(logprobs) if logprobs else None for logprobs in (old_logprobs, ref_logprobs))
+
+
+def sample_groups(args, run, step, drawn):
+    """Phase 1 on this process: (examples [P], queries, query_mask, responses, response_mask, sampling
+    logprobs, rewards [B, F], filter metrics). --filter_groups (DAPO's dynamic sampling): rounds of P new
+    prompts until every process holds P groups whose --filter_groups_metric differs (all decide on every
+    process's counts, so all stop together), at most --max_num_gen_batches; each round draws its noise
+    from run.sampling_generator in turn, so a resume replays it."""
+    G, P, W = args.num_generations, args.local_prompts_per_generation, args.world_size
+    limit = args.max_num_gen_batches or len(run.prompt_ids) // (P * W)
+    rounds, keep = [], []
+    while True:
+        examples = next(run.batches)  # dataset indices
+        queries, query_mask = utils.generation.left_pad(
+            [run.prompt_ids[i] for i in examples], run.pad_id, run.accelerator.device
+        )
+        with run.accelerator.autocast():
+            responses, _, response_mask, sampled_logprobs = sample(args, run, queries, query_mask, not rounds)
+            epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
+            trainer_state = utils.scoring.TrainerState(
+                global_step=step, max_steps=args.total_steps, epoch=epoch
             )
-    old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
-    ref_logprobs = torch.cat(ref_logprobs) if run.ref_policy is not None else None
-    return old_logprobs, ref_logprobs, torch.cat(rewards_per_func)
+            rewards_per_func = score(
+                args, run, queries, query_mask, responses, response_mask, examples, trainer_state
+            )
+        rounds.append(
+            (examples, queries, query_mask, responses, response_mask, sampled_logprobs, rewards_per_func)
+        )
+        if not args.filter_groups:
+            return *rounds[0], {}
+        keep.append(groups_with_spread(filter_values(args, run, rewards_per_func), G))
+        kept = run.accelerator.gather(torch.cat(keep).sum()[None])
+        if kept.min() >= P or len(rounds) >= limit:
+            break
+    keep = torch.cat(keep)
+    picked = pick_groups(keep, P)
+    if not keep[picked].all():
+        warnings.warn(
+            f"--filter_groups: {len(rounds)} generation rounds gave fewer groups with a spread than a batch "
+            "needs; groups of equal rewards (advantage 0) fill it; raise --max_num_gen_batches.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    every_example = [i for round_ in rounds for i in round_[0]]
+    examples = [every_example[i] for i in picked.tolist()]
+    queries, query_mask = utils.generation.left_pad(
+        [run.prompt_ids[i] for i in examples], run.pad_id, run.accelerator.device
+    )
+    rows = [take_groups([round_[k] for round_ in rounds], picked, G) for k in range(3, 7)]
+    dropped = run.accelerator.reduce((~keep).sum() - (~keep[picked]).sum(), "sum")
+    metrics = {
+        "filter_groups/num_gen_batches": len(rounds),
+        "filter_groups/dropped_frac": dropped.item() / (len(rounds) * P * W),
+    }
+    return examples, queries, query_mask, *rows, metrics
+
+
+def filter_values(args, run, rewards_per_func):
+    """Per completion [B]: the weighted reward (--filter_groups_metric reward) or one reward's values."""
+    if args.filter_groups_metric != "reward":
+        return rewards_per_func[:, run.reward_names.index(args.filter_groups_metric)]
+    with warnings.catch_warnings():  # the batch's combine_rewards warns of unscored rows
+        warnings.simplefilter("ignore")
+        return combine_rewards(rewards_per_func, run.weights)
 
 
 def reward_metrics(rewards_per_func, rewards, num_generations, names, num_processes=1) -> dict[str, float]:
@@ -598,6 +701,14 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(
             "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
         )
+    names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
+    if args.filter_groups_metric not in ("reward", *names):
+        raise ValueError(
+            f"--filter_groups_metric {args.filter_groups_metric!r} is neither reward nor one of the rewards "
+            f"{names}."
+        )
+    if args.max_num_gen_batches < 0:
+        raise ValueError(f"--max_num_gen_batches must be at least 0, got {args.max_num_gen_batches}.")
     if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
         raise ValueError(
             f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the reward "
@@ -696,6 +807,7 @@ class Run:
     tracker: utils.tracking.Tracker
     start_step: int
     start_generation: int
+    start_prompt_batches: int
 
 
 def reward_name(spec: str) -> str:
@@ -787,7 +899,10 @@ def setup(args: Args) -> Run:
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
     checkpointed = dict(models={"policy": policy}, optimizers={"policy": optimizer}, generators=generators)
     state = checkpointer.resume(**checkpointed) or {"step": 0, "generation": 0}
-    for _ in range(state["generation"]):
+    drawn = state.get(
+        "prompt_batches", state["generation"]
+    )  # --filter_groups draws more than one a generation
+    for _ in range(drawn):
         next(batches)
     tracker = utils.tracking.Tracker(args, accelerator, start_step=state["step"])
     return Run(
@@ -813,6 +928,7 @@ def setup(args: Args) -> Run:
         tracker=tracker,
         start_step=state["step"],
         start_generation=state["generation"],
+        start_prompt_batches=drawn,
     )
 
 
@@ -823,41 +939,42 @@ def main(args: Args) -> None:
     run = setup(args)
     accelerator, policy, optimizer = run.accelerator, run.policy, run.optimizer
     device, rank = accelerator.device, accelerator.process_index
-    B, P, T = args.local_generation_batch_size, args.local_prompts_per_generation, args.temperature
+    B, T = args.local_generation_batch_size, args.temperature
     G, R, ga = args.num_generations, args.max_completion_length, args.gradient_accumulation_steps
     correct_vllm = args.use_vllm and args.vllm_importance_sampling_correction
     sample_every = max(
         1, args.total_steps // args.steps_per_generation_round // max(1, args.num_sample_generations)
     )
-    step, generation = run.start_step, run.start_generation
-    start_generation, start_time, metrics = generation, time.time(), {}
+    step, generation, drawn = run.start_step, run.start_generation, run.start_prompt_batches
+    start_drawn, start_time, metrics = drawn, time.time(), {}
     window, window_generations = [], []  # since the last log: each step's stats, each generation's metrics
     schedule = utils.run.lr_schedule(args, args.total_steps)
     progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
     while step < args.total_steps:
-        # 1. Sample: G completions of each of P prompts, completion-major (row i <- prompt i % P).
-        examples = next(run.batches)  # dataset indices
-        queries, query_mask = utils.generation.left_pad(
-            [run.prompt_ids[i] for i in examples], run.pad_id, device
-        )
+        # 1. Sample and reward: G completions of each of P prompts, completion-major (row i <- prompt i % P);
+        # --filter_groups: only groups whose rewards differ, from as many rounds as it takes (DAPO).
+        (
+            examples,
+            queries,
+            query_mask,
+            responses,
+            response_mask,
+            sampled_logprobs,
+            rewards_per_func,
+            filtered,
+        ) = sample_groups(args, run, step, drawn)
         generation += 1
-        context_length = queries.size(1)
-        with accelerator.autocast():
-            responses, lengths, response_mask, sampled_logprobs = sample(args, run, queries, query_mask)
+        drawn += filtered.get("filter_groups/num_gen_batches", 1)
+        context_length, lengths = queries.size(1), response_mask.sum(1)
         has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
 
-        # 2. Score: rewards, old (unless on-policy) and reference logprobs.
-        trainer_state = utils.scoring.TrainerState(
-            global_step=step,
-            max_steps=args.total_steps,
-            epoch=(generation - 1) * P * args.world_size / len(run.prompt_ids),
-        )
+        # 2. Score: old (unless on-policy) and reference logprobs.
         with accelerator.autocast():
-            old_logprobs, ref_logprobs, rewards_per_func = score(
-                args, run, queries, query_mask, responses, response_mask, examples, trainer_state
+            old_logprobs, ref_logprobs = old_and_ref_logprobs(
+                args, run, queries, query_mask, responses, response_mask
             )
         all_rewards_per_func = accelerator.gather(rewards_per_func)  # for the batch's std
         all_rewards = combine_rewards(all_rewards_per_func, run.weights)
@@ -886,6 +1003,7 @@ def main(args: Args) -> None:
             **reward_metrics(all_rewards_per_func, all_rewards, G, run.reward_names, args.world_size),
             "completions/mean_length": utils.run.gathered_mean(accelerator, lengths),
             "completions/clipped_ratio": utils.run.gathered_mean(accelerator, ~has_eos),
+            **filtered,
         }
         for name in names:
             value = torch.tensor(logged.get(name, math.nan), device=device)
@@ -999,14 +1117,16 @@ def main(args: Args) -> None:
                     "ratio": stats[6].item(),
                     **({"grad_norm": grad_norm} if grad_norm is not None else {}),
                     "learning_rate": lr,
-                    "episode": generation * args.generation_batch_size,
-                    "eps": int((generation - start_generation) * args.generation_batch_size / seconds),
+                    "episode": drawn * args.generation_batch_size,  # completions sampled
+                    "eps": int((drawn - start_drawn) * args.generation_batch_size / seconds),
                 }
                 run.tracker.log(metrics, step)
                 window, window_generations = [], []
 
         # 6. Checkpoint and samples: between generations (a resume starts a new one).
-        run.checkpointer.maybe_save(step, **run.checkpointed, state={"generation": generation})
+        run.checkpointer.maybe_save(
+            step, **run.checkpointed, state={"generation": generation, "prompt_batches": drawn}
+        )
         if args.num_sample_generations and (generation % sample_every == 0 or generation == 1):
             sample_table(args, run, generation, step, queries, responses, response_mask, rewards, advantages)
     progress.close()

@@ -1,0 +1,132 @@
+"""grpo.py --filter_groups, DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): the group
+filter against a loop written from the paper's definition (keep a prompt when 0 < |correct| < G; for any reward,
+when not all of its G rewards are equal), the assembly of the batch from several rounds, the flag checks, and runs
+through the command line on the tiny world: groups dropped, none without a spread trained on, exact resume."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+import grpo
+from conftest import make_rl_lab, read_metrics, run_script, run_torchrun, weights
+
+# Half the prompts (even length) get 1.0 whatever the completion: their groups never have a spread. The others get
+# the parity of the completion's length, 0 or 1, an accuracy-like reward: a group of 4 is all equal 1 time in 8.
+MIXED_REWARD = """
+def mixed(prompts, completions):
+    return [1.0 if len(p) % 2 == 0 else float(len(c) % 2) for p, c in zip(prompts, completions)]
+"""
+
+
+def loop_groups_with_spread(values, G):
+    """The paper's filter, generalized from accuracy: group p (rows g * P + p) is kept when at least two of its
+    scored (non-NaN) rewards differ."""
+    P = len(values) // G
+    kept = []
+    for p in range(P):
+        scored = [values[g * P + p] for g in range(G) if not math.isnan(values[g * P + p])]
+        kept.append(len(set(scored)) > 1)
+    return kept
+
+
+@pytest.mark.parametrize("G,P", [(2, 7), (4, 5), (8, 3)])
+def test_groups_with_spread_matches_the_papers_definition(G, P):
+    g = torch.Generator().manual_seed(G * 10 + P)
+    for _ in range(20):
+        values = torch.randint(0, 2, (G * P,), generator=g).double()  # accuracies: many all-0 / all-1 groups
+        values[torch.rand(G * P, generator=g) < 0.2] = math.nan  # unscored completions
+        assert grpo.groups_with_spread(values, G).tolist() == loop_groups_with_spread(values.tolist(), G)
+    dense = torch.randn(G * P, generator=g)
+    assert grpo.groups_with_spread(dense, G).all()
+
+
+def test_groups_with_spread_by_hand():
+    nan = math.nan
+    # G = 3, P = 4, completion-major: prompt 0 got 0, 0, 0; prompt 1 got 1, 0, 1; prompt 2 got 1, 1, 1;
+    # prompt 3 got 2, nan, nan (one scored completion: nothing to compare)
+    values = torch.tensor([0.0, 1.0, 1.0, 2.0, 0.0, 0.0, 1.0, nan, 0.0, 1.0, 1.0, nan])
+    assert grpo.groups_with_spread(values, 3).tolist() == [False, True, False, False]
+    assert grpo.groups_with_spread(torch.full((6,), nan), 2).tolist() == [False] * 3
+
+
+def test_picked_groups_stay_whole_and_completion_major():
+    """Two rounds of P = 3 prompts, G = 2: groups r * P + p. The batch takes the first 3 kept groups in sampling
+    order, each group's G rows together, completion-major (row g * 3 + j is completion g of the j-th group)."""
+    G, P = 2, 3
+    # row value = 100 * round + 10 * prompt + completion
+    rounds = [torch.tensor([100 * r + 10 * p + g for g in range(G) for p in range(P)]) for r in range(2)]
+    keep = torch.tensor([False, True, False, True, True, True])  # groups (0, 1), (1, 0), (1, 1), (1, 2)
+    picked = grpo.pick_groups(keep, P)
+    assert picked.tolist() == [1, 3, 4]
+    assert grpo.take_groups(rounds, picked, G).tolist() == [10, 100, 110, 11, 101, 111]
+    # too few kept: the first dropped ones fill the batch, still in sampling order
+    assert grpo.pick_groups(torch.tensor([False, False, True, False]), 3).tolist() == [0, 1, 2]
+    # a 2-D tensor (rows x tokens) keeps its rows' contents
+    tokens = [x[:, None].repeat(1, 4) for x in rounds]
+    assert grpo.take_groups(tokens, picked, G)[:, 0].tolist() == [10, 100, 110, 11, 101, 111]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--filter_groups_metric", "accuracy"], "neither reward nor one of the rewards ['mixed']"),
+        (["--max_num_gen_batches", "-1"], "--max_num_gen_batches must be at least 0"),
+    ],
+)
+def test_bad_filter_flags_are_one_sentence(flags, message):
+    args = grpo.Args(model_name_or_path="m", reward_funcs=["r.py:mixed"], filter_groups=True)
+    for flag, value in zip(flags[::2], flags[1::2]):
+        setattr(args, flag[2:], type(getattr(args, flag[2:]))(value))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        grpo.fill_sizes(args, 1)
+
+
+@pytest.fixture(scope="module")
+def lab(world, tmp_path_factory):
+    out = make_rl_lab(world, tmp_path_factory.mktemp("dynamic_sampling_lab"), num_prompts=32)
+    (out / "mixed.py").write_text(MIXED_REWARD)
+    return out
+
+
+def flags_for(lab, tmp_path, name):
+    return [
+        "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
+        "--reward_funcs", f"{lab / 'mixed.py'}:mixed", "--num_generations", "4", "--per_device_train_batch_size", "8",
+        "--max_completion_length", "8", "--learning_rate", "1e-3", "--filter_groups", "--max_steps", "4",
+        "--logging_dir", str(tmp_path / "runs"), "--run_name", name, "--output_dir", str(tmp_path / name),
+        "--num_sample_generations", "0",
+    ]  # fmt: skip
+
+
+def test_dynamic_sampling_drops_groups_and_resumes_exactly(lab, tmp_path):
+    """About half the groups have no spread: every step needs more than one round, and the batch it trains on has
+    none left (frac_reward_zero_std 0, on the batch); episode counts every completion sampled. A run resumed at
+    step 2 ends with the same weights as the uninterrupted one (the extra rounds replay the same noise)."""
+    run_script(["grpo.py", *flags_for(lab, tmp_path, "full"), "--save_steps", "2"])
+    lines = read_metrics(tmp_path / "runs" / "full")
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    rounds = [m["filter_groups/num_gen_batches"] for m in lines]
+    dropped = [m["filter_groups/dropped_frac"] * r * 2 for m, r in zip(lines, rounds)]  # groups, of 2 a round
+    assert sum(rounds) > 4 and sum(dropped) > 0, (rounds, dropped)
+    assert dropped == [round(d) for d in dropped]  # whole groups
+    for metrics in lines:
+        assert metrics["frac_reward_zero_std"] == 0.0
+    assert [m["episode"] for m in lines] == [8 * sum(rounds[: i + 1]) for i in range(4)]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", resumed / "checkpoint-2")
+    run_script(["grpo.py", *flags_for(lab, tmp_path, "resumed"), "--resume_from_checkpoint", "latest"])
+    here, there = weights(tmp_path / "full"), weights(resumed)
+    assert all(torch.equal(here[n], there[n]) for n in here)
+
+
+def test_two_processes_stop_sampling_together(lab, tmp_path):
+    """2 processes: each fills its own batch of whole groups; the rounds continue until both have theirs, so both
+    log (and gather) the same number of rounds, and neither trains on a group without a spread."""
+    run_torchrun(["grpo.py", *flags_for(lab, tmp_path, "ddp"), "--max_steps", "2"], nproc=2)
+    lines = read_metrics(tmp_path / "runs" / "ddp")
+    assert [m["step"] for m in lines] == [1, 2]
+    for metrics in lines:
+        assert metrics["frac_reward_zero_std"] == 0.0 and metrics["filter_groups/num_gen_batches"] >= 2
