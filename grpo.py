@@ -214,6 +214,10 @@ class Args:
     """weight of the k3 KL to the reference in the loss (0: no reference model)"""
     use_bias_correction_kl: bool = True
     """multiply the KL by the ratio to the old policy (DeepSeek-V3.2): an unbiased gradient"""
+    top_entropy_quantile: float = 1.0
+    """train only on the tokens whose entropy is in this top share of the micro-batch's (Beyond the 80/20 Rule: 0.2)"""
+    off_policy_mask_threshold: float | None = None
+    """leave out completions with A < 0 whose mean KL(sampler || policy) per token exceeds this (DeepSeek-V3.2)"""
     sapo_temperature_pos: float = 1.0
     """sapo: temperature of the gate where A > 0"""
     sapo_temperature_neg: float = 1.05
@@ -366,6 +370,28 @@ def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance
             logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.delta
         )
     return loss if importance_weights is None else loss * importance_weights
+
+
+def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (https://arxiv.org/abs/2512.02556, eq. 9) [B, 1]: 0 where A_i < 0
+    and (1/|o_i|) sum_t (sampling_it - logp_it) > threshold, else 1. logprobs, sampling_logprobs (NaN: no
+    evidence), mask [B, R]; advantages [B]."""
+    kl = (sampling_logprobs - logprobs.detach()).nan_to_num(0.0) * mask
+    mean_kl = kl.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return ((advantages[:, None] >= 0) | (mean_kl <= threshold)).to(logprobs.dtype)
+
+
+def high_entropy_mask(entropy, mask, quantile, accelerator) -> torch.Tensor:
+    """The tokens kept by --top_entropy_quantile rho (Wang et al. 2025, https://arxiv.org/abs/2506.01939) [B, R]
+    bool: masked tokens whose entropy is at least the (1 - rho) quantile (linear interpolation) of the masked
+    entropies of this micro-batch on every process. entropy, mask [B, R]."""
+    padding = -1e9  # below every entropy
+    local = accelerator.pad_across_processes(entropy[mask.bool()].float(), dim=0, pad_index=padding)
+    everyone = accelerator.gather(local)
+    everyone = everyone[everyone != padding]
+    if not everyone.numel():
+        return torch.zeros_like(mask, dtype=torch.bool)
+    return (entropy * mask >= torch.quantile(everyone, 1 - quantile)) & mask.bool()
 
 
 def vllm_importance_weights(
@@ -707,6 +733,8 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
             f"--filter_groups_metric {args.filter_groups_metric!r} is neither reward nor one of the rewards "
             f"{names}."
         )
+    if not 0 <= args.top_entropy_quantile <= 1:
+        raise ValueError(f"--top_entropy_quantile must lie in [0, 1], got {args.top_entropy_quantile}.")
     if args.max_num_gen_batches < 0:
         raise ValueError(f"--max_num_gen_batches must be at least 0, got {args.max_num_gen_batches}.")
     if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
@@ -1044,9 +1072,19 @@ def main(args: Args) -> None:
                     # ALGO LOGIC: the clipped surrogate per token (+ beta * KL), averaged by --loss_type
                     mb_mask = loss_mask[idx]
                     mb_old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    raw_old_logprobs = mb_old_logprobs
                     if args.importance_sampling_level == "sequence":
                         mb_old_logprobs = sequence_level(logprobs, mb_old_logprobs, mb_mask)
-                    mb_weights = importance_weights[idx] if importance_weights is not None else None
+                    mb_weights = importance_weights[idx] if importance_weights is not None else 1.0
+                    if args.off_policy_mask_threshold is not None:  # against vLLM's logprobs if it sampled
+                        sampled = sampled_logprobs[idx] if args.use_vllm else raw_old_logprobs
+                        threshold = args.off_policy_mask_threshold
+                        mb_weights = mb_weights * off_policy_mask(
+                            advantages[idx], logprobs, sampled, mb_mask, threshold
+                        )
+                    if args.top_entropy_quantile < 1:
+                        q = args.top_entropy_quantile
+                        mb_weights = mb_weights * high_entropy_mask(entropy, mb_mask, q, accelerator)
                     per_token_loss = policy_token_loss(
                         args, logprobs, mb_old_logprobs, advantages[idx], mb_weights
                     )

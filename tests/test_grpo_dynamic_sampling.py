@@ -130,3 +130,43 @@ def test_two_processes_stop_sampling_together(lab, tmp_path):
     assert [m["step"] for m in lines] == [1, 2]
     for metrics in lines:
         assert metrics["frac_reward_zero_std"] == 0.0 and metrics["filter_groups/num_gen_batches"] >= 2
+
+
+# ------------------------------------------------------------ TRL 1.16's token and sequence masks, on its own code
+class OneProcess:
+    """The two collectives TRL's get_high_entropy_mask calls, on one process."""
+
+    def pad_across_processes(self, tensor, dim=0, pad_index=0):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+
+@pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])
+def test_high_entropy_mask_is_trls(quantile):
+    from trl import GRPOTrainer
+
+    g = torch.Generator().manual_seed(7)
+    entropy, mask = torch.rand(6, 9, generator=g) * 3, torch.rand(6, 9, generator=g) > 0.3
+    trainer = type("Trainer", (), {"accelerator": OneProcess()})()
+    theirs = GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask.long(), 1 - quantile)
+    ours = grpo.high_entropy_mask(entropy, mask, quantile, OneProcess())
+    assert torch.equal(ours, theirs)
+    assert ours.sum() >= 1 and not (ours & ~mask).any()
+
+
+def test_off_policy_mask_is_trls():
+    from trl import GRPOTrainer
+
+    g = torch.Generator().manual_seed(8)
+    logprobs, sampling = -torch.rand(8, 5, generator=g), -torch.rand(8, 5, generator=g)
+    sampling[0, 1] = math.nan  # a token vLLM could not score
+    mask, advantages = (torch.rand(8, 5, generator=g) > 0.2).float(), torch.randn(8, generator=g)
+    kept = []
+    for threshold in (0.0, 0.1, 0.3):
+        theirs = GRPOTrainer.get_off_policy_mask(advantages[:, None], logprobs, sampling, mask, threshold)
+        ours = grpo.off_policy_mask(advantages, logprobs, sampling, mask, threshold)
+        assert torch.equal(ours, theirs)
+        kept.append(int(ours.sum()))
+    assert kept[0] < kept[-1] and kept[0] >= int((advantages >= 0).sum()), kept  # A >= 0 is always kept

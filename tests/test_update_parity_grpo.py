@@ -47,6 +47,11 @@ CASES = {
         dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.1, per_device_train_batch_size=4,
              gradient_accumulation_steps=2), 2,
     ),
+    "top_entropy_quantile": (dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=8, top_entropy_quantile=0.3), 2),
+    "off_policy_mask_iterations": (
+        dict(loss_type="grpo", beta=0.0, per_device_train_batch_size=8, num_iterations=2,
+             off_policy_mask_threshold=1e-7), 4,
+    ),
     "cosine_warmup_decay_betas": (
         dict(loss_type="dapo", beta=0.0, per_device_train_batch_size=8, lr_scheduler_type="cosine", warmup_steps=0.25,
              weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, optim="adamw_torch"), 4,
