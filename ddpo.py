@@ -16,6 +16,11 @@ Stable Diffusion v1.5 on GPUs:
         --pretrained_model runwayml/stable-diffusion-v1-5 --reward_fn jpeg_compressibility --num_epochs 50
 """
 
+if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load is one line, not a traceback
+    import utils.signals
+
+    utils.signals.stop_before_training()
+
 import collections
 import importlib.util
 import io

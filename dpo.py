@@ -704,6 +704,7 @@ def main(args: Args) -> dict:
             f"{data} ({args.dataset_train_split})",
             final,
             title=title,
+            args=args,
         )
         os.makedirs(args.output_dir, exist_ok=True)
         for file in os.listdir(tmp_dir):

@@ -642,7 +642,7 @@ def save(run: Run, args: Args, final: dict) -> None:
         algorithm = f"ILQL (tau {args.tau}, gamma {args.gamma}, beta {args.beta}); decode with ilql.complete"
         title = os.path.basename(os.path.abspath(args.output_dir))
         utils.saving.write_model_card(
-            tmp_dir, algorithm, args.model_name_or_path, args.dataset_name, final, title=title
+            tmp_dir, algorithm, args.model_name_or_path, args.dataset_name, final, title=title, args=args
         )
         os.makedirs(args.output_dir, exist_ok=True)
         for file in os.listdir(tmp_dir):

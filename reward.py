@@ -615,7 +615,7 @@ def main(args: Args) -> None:
         dataset = f"{args.dataset_name} ({args.dataset_train_split})"
         algorithm = "reward model (Bradley-Terry)"
         utils.saving.write_model_card(
-            args.output_dir, algorithm, args.model_name_or_path, dataset, final_metrics
+            args.output_dir, algorithm, args.model_name_or_path, dataset, final_metrics, args=args
         )
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(final_metrics, f, indent=2)

@@ -622,7 +622,9 @@ def main(args: Args) -> dict:
     if main_process:
         run.tokenizer.save_pretrained(args.output_dir)
         data = f"{args.dataset_name} ({args.dataset_train_split})"
-        utils.saving.write_model_card(args.output_dir, "SFT", args.model_name_or_path, data, metrics)
+        utils.saving.write_model_card(
+            args.output_dir, "SFT", args.model_name_or_path, data, metrics, args=args
+        )
         with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=2)
         if args.push_to_hub:

@@ -86,6 +86,149 @@ def check_flags(args_class, argv: list[str]) -> None:
             raise ValueError(f"unknown flag --{name}; {hint}")
 
 
+RUNTIME_GROUP = "Filled in at runtime"  # the Args group of derived sizes: shown in --help, not flags
+
+
+def flag_groups(args_class) -> list[tuple[str, list[str]]]:
+    """[(group, field names)] in source order, a group being the `# Title` comment above its fields."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        lines = textwrap.dedent(inspect.getsource(args_class)).splitlines()
+    except (OSError, TypeError):  # no source (a frozen or generated class): one group
+        return [("options", [f.name for f in dataclasses.fields(args_class)])]
+    body = ast.parse("\n".join(lines)).body[0].body
+    groups: list[tuple[str, list[str]]] = [("options", [])]
+    previous_end = 0
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            for line in lines[previous_end : node.lineno - 1]:
+                if line.strip().startswith("# ") and line.startswith("    #"):
+                    groups.append((line.strip()[2:], []))
+            groups[-1][1].append(node.target.id)
+        previous_end = node.end_lineno
+    return [(title, names) for title, names in groups if names]
+
+
+def runtime_fields(args_class) -> set[str]:
+    """The fields computed after parsing (the "Filled in at runtime" group), unless it says a given value is
+    checked ("must match")."""
+    return {
+        name
+        for title, names in flag_groups(args_class)
+        if title.startswith(RUNTIME_GROUP) and "must match" not in title
+        for name in names
+    }
+
+
+def _metavar(hint) -> str:
+    """How a flag's value is written in --help: STR, INT, FLOAT, {a,b}, [true|false], X [X ...]."""
+    origin, members = typing.get_origin(hint), [a for a in typing.get_args(hint) if a is not type(None)]
+    if origin is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(hint)) + "}"
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(members) == 1:
+        return _metavar(members[0])
+    if origin in (list, tuple):
+        return f"{_metavar(members[0])} [{_metavar(members[0])} ...]" if members else "VALUE [VALUE ...]"
+    if hint is bool:
+        return "[true|false]"
+    return {str: "STR", int: "INT", float: "FLOAT"}.get(hint, "VALUE")
+
+
+def format_help(args_class, script: str) -> str:
+    """--help: the docstring's first paragraph, then each group of the Args source with every flag's value,
+    one-line doc and default; the runtime group listed as computed values, not flags."""
+    import inspect
+    import textwrap
+
+    import tyro
+
+    hints = typing.get_type_hints(args_class)
+    fields = {f.name: f for f in dataclasses.fields(args_class)}
+    module = sys.modules.get(args_class.__module__)
+    about = (inspect.getdoc(module) or "").split("\n\n")[0].replace("\n", " ")
+    out = [f"usage: {script} [--flag VALUE ...]", "", *textwrap.wrap(about, 100), "",
+           "  -h, --help  show this message and exit"]  # fmt: skip
+    for title, names in flag_groups(args_class):
+        runtime = title.startswith(RUNTIME_GROUP)
+        out += ["", f"{title}{' (computed from the flags above; not flags)' if runtime else ''}:"]
+        for name in names:
+            field = fields[name]
+            doc = " ".join((tyro._docstrings.get_field_docstring(args_class, name, ()) or "").split())
+            if runtime:
+                out += [
+                    f"  {name}",
+                    *textwrap.wrap(doc, 96, initial_indent="      ", subsequent_indent="      "),
+                ]
+                continue
+            default = field.default if field.default is not dataclasses.MISSING else None
+            if field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            out.append(f"  --{name} {_metavar(hints[name])}")
+            lines = textwrap.wrap(doc, 96, initial_indent="      ", subsequent_indent="      ") or ["     "]
+            tail = f" (default: {default})"
+            lines[-1:] = [lines[-1] + tail] if len(lines[-1] + tail) <= 100 else [lines[-1], "     " + tail]
+            out += lines
+    return "\n".join(out) + "\n"
+
+
+def _value_problem(name: str, hint, values: list[str]) -> str | None:
+    """The sentence for values `hint` cannot take (tyro would print a box), else None."""
+    origin, members = typing.get_origin(hint), [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    if optional and values == ["None"]:
+        return None
+    if origin is not typing.Literal and origin not in (list, tuple) and len(members) == 1:
+        hint, origin = members[0], typing.get_origin(members[0])
+    if origin in (list, tuple):
+        kind = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        if not values:
+            return f"--{name} needs at least one value."
+        problems = [_value_problem(name, kind[0], [v]) for v in values] if kind else []
+        return next((p for p in problems if p), None)
+    if len(values) != 1:
+        return (
+            f"--{name} takes one value, got {' '.join(values)!r}." if values else f"--{name} needs a value."
+        )
+    value = values[0]
+    if origin is typing.Literal:
+        choices = [str(a) for a in typing.get_args(hint)]
+        if value not in choices:
+            import difflib
+
+            close = difflib.get_close_matches(value, choices, n=1)
+            hint_text = f" (did you mean {close[0]}?)" if close else ""
+            return f"--{name} must be one of {', '.join(choices)}; got {value!r}{hint_text}."
+        return None
+    for kind, word in ((int, "an integer"), (float, "a number")):
+        if hint is kind:
+            try:
+                kind(value)
+            except ValueError:
+                return f"--{name} takes {word}, got {value!r}."
+    return None
+
+
+def check_values(args_class, argv: list[str]) -> None:
+    """A ValueError in one sentence for a value the flag cannot take, or a computed size given as a flag."""
+    hints, runtime = typing.get_type_hints(args_class), runtime_fields(args_class)
+    i = 0
+    while i < len(argv):
+        name, end = _flag_name(argv[i]), i + 1
+        while end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        if name in runtime:
+            raise ValueError(f"--{name} is computed from the other flags at runtime, not set; see --help.")
+        if name in hints and hints[name] is not bool:
+            values = [argv[i].partition("=")[2]] if "=" in argv[i] else argv[i + 1 : end]
+            problem = _value_problem(name, hints[name], values)
+            if problem:
+                raise ValueError(problem)
+        i = end
+
+
 # TRL flags that mean nothing here: harmless ones dropped with a note, the others refused.
 TRL_HARMLESS = {
     "remove_unused_columns": "a script reads only the columns of its data format and ignores the others anyway",
@@ -173,6 +316,10 @@ def parse_args(args_class, argv: list[str] | None = None):
         for note in notes:
             print(f"{script}: note: {note}", file=sys.stderr)
     check_flags(args_class, argv)
+    if "-h" in argv or "--help" in argv:
+        print(format_help(args_class, os.path.basename(sys.argv[0]) or "script"), end="")
+        raise SystemExit(0)
+    check_values(args_class, argv)
     return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
 
 

@@ -11,14 +11,28 @@ from utils.loading import config_dropout_kept
 
 
 def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
-                     title: str | None = None) -> None:  # fmt: skip
-    """Write `output_dir/README.md`: algorithm, base model, dataset, command, final metrics; `title` defaults
-    to the folder's name."""
+                     title: str | None = None, args=None) -> None:  # fmt: skip
+    """Write `output_dir/README.md`: hub metadata, algorithm, base model, dataset, command, final metrics; with
+    `args`, the resolved configuration and the curves of its metrics.jsonl (curves.png). `title` defaults to
+    the folder's name."""
     import shlex
     import sys
 
+    from huggingface_hub import ModelCardData
+
+    from utils.tracking import plot_curves
+
+    title = title or os.path.basename(os.path.abspath(output_dir))
+    script = os.path.basename(sys.argv[0])[: -len(".py")] if sys.argv[0].endswith(".py") else "rlhf-reference"
+    data_name = getattr(args, "dataset_name", None) or dataset
+    metadata = ModelCardData(base_model=base_model, datasets=[data_name] if data_name else None,
+                             library_name="transformers", model_name=title, tags=[script, "rlhf-reference"])  # fmt: skip
     lines = [
-        f"# {title or os.path.basename(os.path.abspath(output_dir))}",
+        "---",
+        metadata.to_yaml(),
+        "---",
+        "",
+        f"# {title}",
         "",
         f"- algorithm: {algorithm}",
         f"- base model: `{base_model}`",
@@ -37,6 +51,15 @@ def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: 
         *[f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()],
         "",
     ]
+    if args is not None:
+        metrics_path = os.path.join(getattr(args, "logging_dir", "runs"), str(getattr(args, "run_name", "")),
+                                    "metrics.jsonl")  # fmt: skip
+        if plot_curves(metrics_path, os.path.join(output_dir, "curves.png")):
+            lines += ["## Curves", "", f"![training curves](curves.png) (from `{metrics_path}`)", ""]
+        config = vars(args)
+        lines += ["## Configuration", "", f"<details><summary>every flag, as resolved ({len(config)})</summary>",
+                  "", "| flag | value |", "|---|---|",
+                  *[f"| {name} | `{str(value).replace('|', chr(92) + '|')}` |" for name, value in config.items()], "", "</details>", ""]  # fmt: skip
     with open(os.path.join(output_dir, "README.md"), "w") as f:
         f.write("\n".join(lines))
 
@@ -73,6 +96,6 @@ def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, b
         )  # fmt: skip
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
-        write_model_card(args.output_dir, algorithm, base_model, args.dataset_name, metrics)
+        write_model_card(args.output_dir, algorithm, base_model, args.dataset_name, metrics, args=args)
         if args.push_to_hub:
             push_to_hub(args)

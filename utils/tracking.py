@@ -36,6 +36,7 @@ class Tracker:
         self.run_dir = os.path.join(args.logging_dir, args.run_name)
         self.path = os.path.join(self.run_dir, "metrics.jsonl")
         self.track = getattr(args, "track", False)
+        self.output_dir = getattr(args, "output_dir", None)
         if not self.active:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -64,6 +65,10 @@ class Tracker:
         if not start_step:
             table = "\n".join(f"|{key}|{value}|" for key, value in config.items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        where = f"logs: {self.run_dir}/ (metrics.jsonl, samples.jsonl, TensorBoard)"
+        output = getattr(args, "output_dir", None)
+        print(f"{where}; watch with: tensorboard --logdir {args.logging_dir}"
+              + (f"; model: {output}/" if output else ""), flush=True)  # fmt: skip
         if self.track:
             import wandb
 
@@ -79,12 +84,20 @@ class Tracker:
             self.writer.add_scalar(name, value, step)
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = console_line(metrics, step)
+        if line:
+            from tqdm import tqdm
+
+            tqdm.write(line)  # above an open progress bar, not through it
 
     def samples(self, columns: dict[str, list], title: str) -> None:
         """Print a table of samples (one list per column); with --track, log it to W&B."""
         if not self.active:
             return
         print_samples(columns, title=title)
+        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
+            rows = [dict(zip(columns, row)) for row in zip(*columns.values())]
+            f.write(json.dumps({"title": title, "rows": rows}, default=str) + "\n")
         if self.track:
             import wandb
 
@@ -100,10 +113,86 @@ class Tracker:
         if not self.active:
             return
         self.writer.close()
+        card = [
+            name
+            for name in ("README.md", "curves.png")
+            if os.path.exists(os.path.join(self.output_dir or "", name))
+        ]
+        saved = f"; model in {self.output_dir}/ (card: {', '.join(card)})" if card else ""
+        print(f"done: logs in {self.run_dir}/{saved}", flush=True)
         if self.track:
             import wandb
 
             wandb.finish()
+
+
+# The metrics a console line and the curves show first, when a script logs them (docs/metrics.md).
+MAIN_METRICS = ("loss", "objective/rlhf_reward", "objective/scores", "reward", "accuracy", "rewards/accuracies",
+                "rewards/margins", "objective/kl", "kl", "objective/entropy", "entropy", "loss/policy_avg",
+                "objective/reward_mean", "learning_rate", "grad_norm")  # fmt: skip
+
+
+def main_metrics(names, limit: int = 8) -> list[str]:
+    """The first `limit` of `names` by MAIN_METRICS, the held-out ones (eval/...) of those after them."""
+    names = list(names)
+    chosen = [name for name in MAIN_METRICS if name in names]
+    chosen += [f"eval/{name}" for name in MAIN_METRICS if f"eval/{name}" in names]
+    chosen += [name for name in names if name.startswith("eval/") and name not in chosen]
+    return chosen[:limit]
+
+
+def console_line(metrics: dict, step: int) -> str:
+    """`step 10 | loss 0.1234 | kl 0.0021 | ...`: the step's main metrics, '' when it logged none of them."""
+    names = main_metrics(metrics)
+    if not names:
+        return ""
+    text = [f"{name} {metrics[name]:.3g}" if name == "learning_rate" else f"{name} {metrics[name]:.4g}"
+            for name in names]  # fmt: skip
+    return " | ".join([f"step {step}", *text])
+
+
+def plot_curves(metrics_path: str, png_path: str, limit: int = 6) -> str | None:
+    """Plot the main metrics of a metrics.jsonl against the step (held-out values beside their training
+    curve) into `png_path`; return it, or None when nothing was logged or matplotlib is missing."""
+    if not os.path.exists(metrics_path):
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line) if line.strip() else {}
+            for name, value in record.items():
+                if name != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    curves.setdefault(name, []).append((record.get("step", 0), value))
+    chosen = main_metrics(curves, limit=len(curves))
+    held_out_only = [name for name in chosen if name.startswith("eval/") and name[5:] not in curves]
+    names = ([name for name in chosen if not name.startswith("eval/")] + held_out_only)[:limit]
+    if not names:
+        return None
+    columns = min(3, len(names))
+    rows = math.ceil(len(names) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for label in (name, f"eval/{name}"):
+            if label in curves:
+                steps, values = zip(*curves[label])
+                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        if f"eval/{name}" in curves:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=90)
+    plt.close(figure)
+    return png_path
 
 
 def mean_by_key(window: list[dict[str, float]], skip_nan: bool = False) -> dict[str, float]:
