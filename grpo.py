@@ -2,8 +2,9 @@
 
 Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
 https://arxiv.org/abs/2402.03300. Variants: DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476:
-clip-higher, token-level loss), Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783: no std scaling,
-a constant loss normalizer), two-sided clipping `--delta` (INTELLECT-2, 2025).
+clip-higher, token-level loss, dynamic sampling `--filter_groups`), Dr. GRPO (Liu et al. 2025,
+https://arxiv.org/abs/2503.20783: no std scaling, a constant loss normalizer), two-sided clipping `--delta`
+(INTELLECT-2, 2025).
 
 The policy samples a group of `--num_generations` completions per prompt. A completion's reward is a
 weighted sum of reward functions and/or a reward model; its advantage, on all its tokens, is (reward - group

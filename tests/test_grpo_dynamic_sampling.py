@@ -1,7 +1,9 @@
 """grpo.py --filter_groups, DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): the group
 filter against a loop written from the paper's definition (keep a prompt when 0 < |correct| < G; for any reward,
 when not all of its G rewards are equal), the assembly of the batch from several rounds, the flag checks, and runs
-through the command line on the tiny world: groups dropped, none without a spread trained on, exact resume."""
+through the command line on the tiny world: groups dropped, none without a spread trained on, exact resume, 2
+processes. Also TRL 1.16's entropy and off-policy masks (--top_entropy_quantile, --off_policy_mask_threshold) against
+TRL's own functions on the same tensors (their whole updates: tests/test_update_parity_grpo.py)."""
 
 import math
 import shutil
