@@ -336,10 +336,16 @@ def score_rows(scorers, query_responses, mask, context_length, chunk, **kwargs) 
 def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> nn.Module:
     """A one-label sequence classifier with a trained score head, dropout off; a causal LM is refused."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as transformers_logging
 
-    model, info = from_pretrained(
-        AutoModelForSequenceClassification, name_or_path, flag, output_loading_info=True
-    )
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # a missing head is said below in one line, not in a load report
+    try:
+        model, info = from_pretrained(
+            AutoModelForSequenceClassification, name_or_path, flag, output_loading_info=True
+        )
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     _, head = score_head(model)
     head_names = {
         f"{prefix}.{name}" for prefix in ("score", "classifier") for name, _ in head.named_parameters()
