@@ -44,6 +44,7 @@ import tyro
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -115,7 +116,7 @@ class Args:
     dataset_train_split: str = "train"
     """split of the training prompts"""
     dataset_test_split: str | None = None
-    """split of the sample table's prompts (None: the table shows the rollout)"""
+    """held-out prompts: evaluated (eval/...) and shown at the sample tables; None: no evaluation, tables of the rollout"""
     chat_template_path: str | None = None
     """Jinja file (or tokenizer folder) for conversational prompts"""
     context_overflow: Literal["refuse", "cut"] = "refuse"
@@ -201,7 +202,15 @@ class Args:
     logging_steps: int = 1
     """log metrics every this many updates (one optimizer step each): their means over them (TRL's meaning)"""
     num_sample_generations: int = 10
-    """sample tables: at the first update and this many more (0: never)"""
+    """evaluations and sample tables: at the first update and this many more (0: never)"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """no: no evaluation or sample tables; steps: at --num_sample_generations or --eval_steps points"""
+    eval_steps: int | None = None
+    """evaluate and print the sample table every this many updates instead (and after the last)"""
+    eval_on_start: bool = False
+    """evaluate before the first update too (logged at step 0; not again on resume)"""
+    per_device_eval_batch_size: int = 8
+    """held-out prompts (one sampled completion each) per process per evaluation batch"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -360,22 +369,72 @@ def decode_rows(tokenizer, ids, mask) -> list[str]:
     return [tokenizer.decode(row[m], skip_special_tokens=True) for row, m in zip(ids, mask)]
 
 
-def sample_table(args, run, update, queries, responses, response_mask) -> None:
-    """Print completions of the held-out prompts (the same noise every time), or else the first of this
-    rollout. Every process samples (ZeRO-3 gathers), the main one prints."""
-    device = run.accelerator.device
-    shown = torch.arange(min(args.local_batch_size, 4), device=device)
-    shown_queries, shown_responses, shown_mask = queries, responses, response_mask
+def held_out_table(args, run, update, rollout) -> dict:
+    """Evaluate after `update` (0: before the first) and print a sample table: the held-out prompts'
+    completions with their eval/ metrics, or without a test split the first of this `rollout` (queries,
+    responses, response_mask) and no metrics. Every process samples (ZeRO-3 gathers), the main one prints."""
+    eval_metrics, shown = {}, rollout
     if run.eval_prompt_ids is not None:
-        shown_queries, eval_query_mask = utils.generation.left_pad(run.eval_prompt_ids, run.pad_id, device)
-        shown = torch.arange(shown_queries.size(0), device=device)
-        noise = torch.Generator(device=device).manual_seed(args.seed)
-        shown_responses, _, shown_mask, _ = sample(args, run, shown_queries, eval_query_mask, shown, noise)
+        updates_per_epoch = len(run.prompt_ids) // args.batch_size
+        trainer_state = utils.scoring.TrainerState(
+            global_step=update, max_steps=args.num_total_batches, epoch=update / updates_per_epoch
+        )
+        eval_metrics, shown = utils.evaluation.evaluate(
+            run.accelerator,
+            len(run.eval_prompt_ids),
+            args.per_device_eval_batch_size,
+            functools.partial(held_out_batch, args, run, trainer_state),
+        )
+        if run.scorer is not None:
+            logged = mean_over_processes(run.accelerator, run.scorer.take_logged())
+            eval_metrics.update({f"eval/{name}": value for name, value in logged.items()})
+            run.scorer.take_num_truncated()  # the evaluation's rows are not the next update's
+    queries, responses, response_mask = shown
+    rows = torch.arange(min(queries.size(0), 4), device=queries.device)
     columns = {
-        "query": run.tokenizer.batch_decode(shown_queries[shown], skip_special_tokens=True),
-        "response": decode_rows(run.tokenizer, shown_responses[shown], shown_mask[shown]),
+        "query": run.tokenizer.batch_decode(queries[rows], skip_special_tokens=True),
+        "response": decode_rows(run.tokenizer, responses[rows], response_mask[rows]),
     }
-    run.tracker.samples(columns, title=f"update {update}")
+    title = f"update {update}" + (": held-out prompts" if run.eval_prompt_ids is not None else "")
+    run.tracker.samples(columns, title=title)
+    return eval_metrics
+
+
+@torch.no_grad()
+def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, tuple]:
+    """One completion of each held-out prompt `indices`, sampled as in training with the evaluation's noise,
+    scored as in training (none with a judge: it only compares pairs) -> (per completion: eval/ values, the
+    sample table's tensors)."""
+    device, P = run.accelerator.device, len(indices)
+    queries, query_mask = utils.generation.left_pad(
+        [run.eval_prompt_ids[i] for i in indices], run.pad_id, device
+    )
+    noise = utils.generation.sampling_generator(
+        args.seed, utils.evaluation.EVAL_KEY, indices[0], device=device
+    )
+    rows = torch.arange(P, device=device)
+    responses, lengths, response_mask, _ = sample(args, run, queries, query_mask, rows, noise)
+    has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+    values = {"completions/mean_length": lengths.float(), "completions/clipped_ratio": (~has_eos).float()}
+    if run.scorer is not None:
+        query_responses, mask = utils.generation.query_response_rows(
+            queries, query_mask, responses, response_mask, rows
+        )
+        kwargs = dict(
+            prompts=[run.eval_raw_prompts[i] for i in indices],
+            columns=utils.data.columns_of_rows(run.eval_columns, indices, rows),
+            trainer_state=trainer_state,
+        )
+        with run.accelerator.autocast():
+            scores = run.scorer(
+                query_responses, mask, queries.size(1), args.local_rollout_forward_batch_size, **kwargs
+            ).float()
+        if run.reward_fn is not None:
+            scores = nan_as_zero(scores)
+        if args.missing_eos_penalty is not None:  # as training's objective/scores
+            scores = scores - args.missing_eos_penalty * (~has_eos).float()
+        values["objective/scores"] = scores
+    return values, (queries, responses, response_mask)
 
 
 def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, float]:
@@ -531,6 +590,8 @@ class Run:
     raw_prompts: list
     columns: dict
     eval_prompt_ids: list | None
+    eval_raw_prompts: list
+    eval_columns: dict
     batches: object
     sampling_generator: torch.Generator
     checkpointer: utils.checkpoint.Checkpointer
@@ -566,11 +627,10 @@ def setup(args: Args) -> Run:
     # The reward function gets its rows' columns (those it names, or all with **kwargs) and the dataset's prompts.
     columns = utils.data.columns(dataset) if reward_fn else {}
     raw_prompts = utils.data.column(dataset, "prompt")
-    eval_dataset = None
-    if args.dataset_test_split and args.num_sample_generations:
-        test_split = utils.data.load_split(args.dataset_name, args.dataset_test_split, args.dataset_config)
-        utils.data.check_columns(test_split, ["prompt"], f"--dataset_test_split {args.dataset_test_split}")
-        eval_dataset = test_split.select(range(min(4, len(test_split))))
+    utils.evaluation.check_args(args)
+    eval_dataset = utils.evaluation.load_test_split(args, "online_dpo.py")
+    eval_raw_prompts = utils.data.column(eval_dataset, "prompt") if eval_dataset is not None else []
+    eval_columns = utils.data.columns(eval_dataset) if reward_fn and eval_dataset is not None else {}
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     set_seed(args.seed)
@@ -647,6 +707,8 @@ def setup(args: Args) -> Run:
         raw_prompts=raw_prompts,
         columns=columns,
         eval_prompt_ids=eval_prompt_ids,
+        eval_raw_prompts=eval_raw_prompts,
+        eval_columns=eval_columns,
         batches=batches,
         sampling_generator=sampling_generator,
         checkpointer=checkpointer,
@@ -670,9 +732,10 @@ def main(args: Args) -> None:
     logprob_temperature = args.temperature if args.logprobs_at_temperature else 1.0
     schedule = utils.run.lr_schedule(args, args.num_total_batches)
     updates_per_epoch = len(run.prompt_ids) // args.batch_size
-    sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start_time, metrics, window = time.time(), {}, []  # window: the metrics of the updates since the last log
     progress = tqdm(range(start + 1, args.num_total_batches + 1), disable=not accelerator.is_main_process)
+    if args.eval_on_start and start == 0 and run.eval_prompt_ids is not None:
+        run.tracker.log(held_out_table(args, run, 0, None), 0)
     for update in progress:
         lr = schedule(update - 1)
         for group in optimizer.param_groups:
@@ -828,18 +891,23 @@ def main(args: Args) -> None:
             update, accelerator, loss=metrics["loss/dpo_avg"], kl=metrics["objective/kl"], grad_norm=grad_norm
         )
         window.append(metrics)
+
+        # 6. Held-out evaluation and samples (this rollout's without a test split); checkpoint.
+        eval_metrics = {}
+        if utils.evaluation.due(update, args.num_total_batches, args):
+            eval_metrics = held_out_table(args, run, update, (queries, responses, response_mask))
+            metrics.update(eval_metrics)
         if update % args.logging_steps == 0 or update == args.num_total_batches:
             last = {
                 k: metrics[k]
                 for k in ("eps", "beta", "learning_rate", "episode", "grad_norm")
                 if k in metrics
             }
-            run.tracker.log({**utils.tracking.mean_by_key(window), **last}, update)  # means, as TRL's
+            means = utils.tracking.mean_by_key(window)  # as TRL's
+            run.tracker.log({**means, **last, **eval_metrics}, update)
             window = []
-
-        # 6. Checkpoint and samples: held-out prompts (--dataset_test_split), else this rollout's.
-        if args.num_sample_generations and (update % sample_every == 0 or update == 1):
-            sample_table(args, run, update, queries, responses, response_mask)
+        elif eval_metrics:
+            run.tracker.log(eval_metrics, update)
         run.checkpointer.maybe_save(update, **run.checkpointed)
 
     # 7. Save the policy and a model card (every process takes part, so ZeRO-3 can gather its shards).

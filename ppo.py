@@ -24,6 +24,7 @@ if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load
 
     utils.signals.stop_before_training()
 
+import functools
 import math
 import os
 import time
@@ -37,6 +38,7 @@ import tyro
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -110,7 +112,7 @@ class Args:
     dataset_train_split: str = "train"
     """split of the training prompts"""
     dataset_test_split: str | None = None
-    """split of the sample tables' prompts; None: the first training prompts"""
+    """held-out prompts: evaluated (eval/...) and shown at the sample tables; None: no evaluation, tables of training prompts"""
     chat_template_path: str | None = None
     """Jinja file (or tokenizer folder) for conversational prompts"""
     context_overflow: Literal["refuse", "cut"] = "refuse"
@@ -226,11 +228,15 @@ class Args:
 
     # Logging
     num_sample_generations: int = 10
-    """times to print a table of held-out completions and scores; 0: never"""
+    """times to evaluate and print a table of greedy completions after the first update; 0: never"""
     eval_strategy: Literal["no", "steps"] = "steps"
-    """no: no sample tables; steps: --num_sample_generations or --eval_steps tables"""
+    """no: no evaluation or sample tables; steps: at --num_sample_generations or --eval_steps points"""
     eval_steps: int | None = None
-    """print the sample table every this many updates instead"""
+    """evaluate and print the sample table every this many updates instead (and after the last)"""
+    eval_on_start: bool = False
+    """evaluate before the first update too (logged at step 0; not again on resume)"""
+    per_device_eval_batch_size: int = 8
+    """held-out prompts (one greedy completion each) per process per evaluation batch"""
 
     # Filled in at runtime (a value given on the command line must match)
     world_size: int = 0
@@ -516,30 +522,64 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
     )
 
 
-@torch.no_grad()
-def sample_table(args, run, trainer_state) -> tuple[float, dict]:
-    """Greedy completions of this process's held-out prompts: (mean score over processes, table)."""
-    accelerator, tokenizer = run.accelerator, run.tokenizer
-    rank, world = accelerator.process_index, accelerator.num_processes
-    chunk = args.local_rollout_forward_batch_size
-    eval_queries, eval_query_mask = utils.generation.left_pad(
-        run.eval_prompt_ids[rank::world], tokenizer.pad_token_id, accelerator.device
+def held_out_table(args, run, update) -> dict:
+    """Evaluate after `update` (0: before the first) on greedy completions of every held-out prompt and print
+    a table of the first: the eval/ metrics; without a test split, a table of the first training prompts only."""
+    trainer_state = utils.scoring.TrainerState(
+        global_step=update,
+        max_steps=args.num_total_batches,
+        epoch=update * args.batch_size / len(run.prompt_ids),
     )
-    with utils.run.gathered_for_generation(run.model, accelerator) as unwrapped:
+    run.model.eval()
+    eval_metrics, columns = utils.evaluation.evaluate(
+        run.accelerator,
+        len(run.eval_prompt_ids),
+        args.per_device_eval_batch_size,
+        functools.partial(held_out_batch, args, run, trainer_state),
+    )
+    logged = mean_over_processes(run.accelerator, run.scorer.take_logged())
+    run.scorer.take_num_truncated()  # the evaluation's rows are not the next update's
+    which = "test prompts" if run.held_out else "training prompts"
+    run.tracker.samples(columns, title=f"update {update}: {which} (greedy)")
+    if not run.held_out:
+        return {}
+    return {**eval_metrics, **{f"eval/{name}": value for name, value in logged.items()}}
+
+
+@torch.no_grad()
+def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, dict]:
+    """Greedy completions of the held-out prompts `indices`, scored as in training (missing-EOS penalty
+    included) -> (per completion: eval/ values, the sample table's columns)."""
+    accelerator, tokenizer = run.accelerator, run.tokenizer
+    eval_queries, eval_query_mask = utils.generation.left_pad(
+        [run.eval_prompt_ids[i] for i in indices], tokenizer.pad_token_id, accelerator.device
+    )
+    with accelerator.autocast(), utils.run.gathered_for_generation(run.model, accelerator) as unwrapped:
         eval_query_responses, _ = utils.generation.generate(
-            unwrapped.policy, eval_queries, eval_query_mask, args.response_length, 0.0, chunk
+            unwrapped.policy,
+            eval_queries,
+            eval_query_mask,
+            args.response_length,
+            0.0,
+            args.local_rollout_forward_batch_size,
         )
     eval_responses = eval_query_responses[:, eval_queries.size(1) :]
-    eval_prompts = run.eval_raw_prompts[rank::world]
-    eval_response_mask, eval_scores, _ = score_completions(
-        args, run, eval_queries, eval_query_mask, eval_responses, eval_prompts, trainer_state
-    )
+    eval_prompts = [run.eval_raw_prompts[i] for i in indices]
+    with accelerator.autocast():
+        eval_response_mask, eval_scores, contains_eos = score_completions(
+            args, run, eval_queries, eval_query_mask, eval_responses, eval_prompts, trainer_state
+        )
+    values = {
+        "objective/scores": eval_scores,
+        "completions/mean_length": eval_response_mask.sum(1).float(),
+        "completions/clipped_ratio": (~contains_eos).float(),
+    }
     columns = {
-        "prompt": [text[-80:] for text in run.eval_texts[rank::world]],
+        "prompt": [run.eval_texts[i][-80:] for i in indices],
         "completion": [tokenizer.decode(r[m]) for r, m in zip(eval_responses, eval_response_mask)],
         "score": eval_scores.tolist(),
     }
-    return accelerator.gather(eval_scores).mean().item(), columns
+    return values, columns
 
 
 def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, float]:
@@ -578,8 +618,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(f"--num_sample_generations must be >= 0, got {args.num_sample_generations}.")
     if not (args.sft_model_path or args.model_name_or_path):
         raise ValueError("pass the policy with --sft_model_path or --model_name_or_path.")
-    if args.eval_steps is not None and args.eval_steps < 1:
-        raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
+    utils.evaluation.check_args(args)
     if num_prompts is None:
         return args
 
@@ -645,6 +684,7 @@ class Run:
     eval_prompt_ids: list
     eval_texts: list
     eval_raw_prompts: list
+    held_out: bool  # the eval prompts are --dataset_test_split's (else a table of the first training prompts)
     kl_controller: AdaptiveKLController
     moments: RunningMoments | None
     batches: object
@@ -691,17 +731,10 @@ def setup(args: Args) -> Run:
     utils.data.check_columns(dataset, ["prompt"], where)
     utils.scoring.check_reward_fn(reward_fn, args.reward_fn, ["prompt"])  # the only column ppo passes
     fill_sizes(args, accelerator.num_processes, len(dataset))
-    if args.eval_strategy == "no":
-        args.num_sample_generations = 0
-    elif args.eval_steps:
-        args.num_sample_generations = max(1, args.num_total_batches // args.eval_steps)
-    eval_dataset = None
-    if args.num_sample_generations > 0 and args.dataset_test_split:
-        eval_dataset = utils.data.load_split(args.dataset_name, args.dataset_test_split, args.dataset_config)
-        test_where = f"--dataset_name {args.dataset_name} split {args.dataset_test_split}"
-        utils.data.check_columns(eval_dataset, ["prompt"], test_where)
-    elif args.num_sample_generations > 0:
-        eval_dataset = dataset
+    eval_dataset = utils.evaluation.load_test_split(args, "ppo.py")
+    held_out = eval_dataset is not None
+    if not held_out:  # the sample tables show the first training prompts
+        eval_dataset = dataset.select(range(min(len(dataset), 4)))
     tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     if args.stop_token == "eos":
         if args.stop_token_id is not None and args.stop_token_id != tokenizer.eos_token_id:
@@ -711,20 +744,10 @@ def setup(args: Args) -> Run:
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     if any(len(ids) == 0 for ids in prompt_ids):
         raise ValueError(f"the train split has {sum(len(ids) == 0 for ids in prompt_ids)} empty prompt(s).")
-    # The same number of held-out prompts on every process (gathering needs equal shapes).
-    num_eval = (
-        min(len(eval_dataset), args.local_rollout_forward_batch_size * args.world_size) if eval_dataset else 0
-    )
-    num_eval -= num_eval % args.world_size
-    eval_texts, eval_raw_prompts = [], []
-    if num_eval:
-        eval_texts = utils.data.prompt_texts(
-            eval_dataset.select(range(num_eval)), tokenizer, "the test split"
-        )
+    eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "the test split")
     # The reward reads the dataset's own prompts (text or messages), as in TRL.
     raw_prompts = utils.data.column(dataset, "prompt")
-    if num_eval:
-        eval_raw_prompts = utils.data.column(eval_dataset.select(range(num_eval)), "prompt")
+    eval_raw_prompts = utils.data.column(eval_dataset, "prompt")
     eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts, args.max_prompt_length)
     prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
         [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag
@@ -805,6 +828,7 @@ def setup(args: Args) -> Run:
         eval_prompt_ids=eval_prompt_ids,
         eval_texts=eval_texts,
         eval_raw_prompts=eval_raw_prompts,
+        held_out=held_out,
         kl_controller=kl_controller,
         moments=moments,
         batches=batches,
@@ -823,7 +847,6 @@ def main(args: Args) -> dict:
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     device, start = accelerator.device, run.start_step
     whitening = accelerator if args.whiten_across_processes else None  # None: per process, as TRL's PPO
-    sample_freq = max(1, args.num_total_batches // args.num_sample_generations) if run.eval_prompt_ids else 0
     episode, start_time, metrics = start * args.batch_size, time.time(), {}
     updates, schedule = (
         range(start + 1, args.num_total_batches + 1),
@@ -832,6 +855,8 @@ def main(args: Args) -> dict:
     progress = tqdm(
         updates, initial=start, total=args.num_total_batches, disable=not accelerator.is_local_main_process
     )
+    if args.eval_on_start and start == 0 and run.held_out:
+        run.tracker.log(held_out_table(args, run, 0), 0)
     for update in progress:
         episode += args.batch_size
         lr = schedule(update - 1)  # stepped once an update, as TRL's PPO
@@ -971,14 +996,9 @@ def main(args: Args) -> dict:
         if args.adaptive_kl:
             run.kl_controller.update(metrics["objective/kl"], args.batch_size)
 
-        # 6. Checkpoint and samples: greedy completions of held-out prompts.
-        if sample_freq and (update % sample_freq == 0 or update == args.num_total_batches):
-            model.eval()
-            with accelerator.autocast():
-                metrics["eval/scores"], columns = sample_table(args, run, trainer_state)
-            logged = mean_over_processes(accelerator, run.scorer.take_logged())
-            metrics.update({f"eval/{name}": value for name, value in logged.items()})
-            run.tracker.samples(columns, title=f"update {update}: test prompts (greedy)")
+        # 6. Held-out evaluation and samples (greedy); checkpoint.
+        if utils.evaluation.due(update, args.num_total_batches, args):
+            metrics.update(held_out_table(args, run, update))
         run.tracker.log(metrics, update)
         del data, rewards, advantages, returns
         moments = run.moments

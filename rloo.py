@@ -37,6 +37,7 @@ import torch
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -111,7 +112,7 @@ class Args:
     dataset_train_split: str = "train"
     """split of the training prompts"""
     dataset_test_split: str | None = None
-    """split of the sample table's prompts (None: the table shows the rollout)"""
+    """held-out prompts: evaluated (eval/...) and shown at the sample tables; None: no evaluation, tables of the rollout"""
     chat_template_path: str | None = None
     """Jinja file (or tokenizer folder) for conversational prompts"""
     context_overflow: Literal["refuse", "cut"] = "refuse"
@@ -241,11 +242,17 @@ class Args:
 
     # Logging
     num_sample_generations: int = 10
-    """times to print sample completions after the first update (0: never)"""
+    """times to evaluate and print sample completions after the first update (0: never)"""
     eval_strategy: Literal["no", "steps"] = "steps"
-    """no: no sample tables; steps: --num_sample_generations or --eval_steps tables"""
+    """no: no evaluation or sample tables; steps: at --num_sample_generations or --eval_steps points"""
     eval_steps: int | None = None
-    """print the sample table every this many updates instead"""
+    """evaluate and print the sample table every this many updates instead (and after the last)"""
+    eval_on_start: bool = False
+    """evaluate before the first update too (logged at step 0; not again on resume)"""
+    per_device_eval_batch_size: int = 8
+    """held-out completions per process per evaluation batch (whole prompts, at least one)"""
+    num_generations_eval: int | None = None
+    """completions sampled per held-out prompt; None: --rloo_k (TRL 1.16)"""
 
     # Filled in at runtime
     dialect: str = ""
@@ -696,20 +703,12 @@ def setup(args: Args) -> Run:
     # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
     raw_prompts = list(dataset["prompt"])  # the text or the messages
-    if args.eval_steps is not None and args.eval_steps < 1:
-        raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
-    eval_dataset = None
-    if args.dataset_test_split and args.num_sample_generations and args.eval_strategy == "steps":
-        test_split = utils.data.load_split(args.dataset_name, args.dataset_test_split, args.dataset_config)
-        utils.data.check_columns(test_split, ["prompt"], f"--dataset_test_split {args.dataset_test_split}")
-        eval_dataset = test_split.select(range(min(4, len(test_split))))
+    utils.evaluation.check_args(args)
+    eval_dataset = utils.evaluation.load_test_split(args, "rloo.py")
     eval_columns = utils.data.columns(eval_dataset) if reward_fns and eval_dataset is not None else {}
     eval_raw_prompts = list(eval_dataset["prompt"]) if eval_dataset is not None else None
     fill_sizes(args, accelerator.num_processes, len(dataset))
-    if args.eval_strategy == "no":
-        args.num_sample_generations = 0
-    elif args.eval_steps:
-        args.num_sample_generations = max(1, args.num_total_batches // args.eval_steps)
+    args.num_generations_eval = args.num_generations_eval or args.rloo_k
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     overwrite = args.overwrite_output_dir or bool(args.resume_from_checkpoint)
     utils.checkpoint.check_output_dir(args.output_dir, overwrite)
@@ -830,8 +829,9 @@ def main(args: Args) -> dict:
     schedule = utils.run.lr_schedule(
         args, args.num_total_batches * (steps_per_update if args.dialect == "1.16" else 1)
     )
-    sample_every = max(1, args.num_total_batches // max(1, args.num_sample_generations))
     start, start_time, metrics = run.start_step, time.time(), {}
+    if args.eval_on_start and start == 0 and run.eval_prompt_ids is not None:
+        run.tracker.log(held_out_table(args, run, 0, None, steps_per_update), 0)
     updates = range(start + 1, args.num_total_batches + 1)
     progress = tqdm(
         updates, initial=start, total=args.num_total_batches, disable=not accelerator.is_local_main_process
@@ -963,11 +963,12 @@ def main(args: Args) -> dict:
                 for f, name in enumerate(run.reward_names):
                     metrics[f"rewards/{name}/mean"] = all_rewards_per_func[:, f].nanmean().item()
             metrics.update(logged_means(accelerator, run.scorers))
-        run.tracker.log(metrics, update)
 
-        # 6. Checkpoint and samples
-        if args.num_sample_generations and (update % sample_every == 0 or update == 1):
-            sample_table(args, run, update, queries, responses, response_mask, scores, trainer_state)
+        # 6. Held-out evaluation and samples (the rollout's without a test split); checkpoint
+        if utils.evaluation.due(update, args.num_total_batches, args):
+            rollout = (queries, responses, response_mask, scores)
+            metrics.update(held_out_table(args, run, update, rollout, steps_per_update))
+        run.tracker.log(metrics, update)
         run.checkpointer.maybe_save(
             update, **run.checkpointed, state={"episode": episode, "prompt_batches": update}
         )
@@ -979,36 +980,81 @@ def main(args: Args) -> dict:
     return metrics
 
 
-def sample_table(args, run, update, queries, responses, response_mask, scores, trainer_state) -> None:
-    """Print completions of the --dataset_test_split prompts (same noise each time), else this rollout's."""
-    device, shown_scores = run.accelerator.device, scores
-    shown = torch.arange(min(args.local_dataloader_batch_size, 4), device=device)
-    shown_queries, shown_responses, shown_mask = queries, responses, response_mask
+def held_out_table(args, run, update, rollout, steps_per_update) -> dict:
+    """Evaluate after `update` (0: before the first) and print a sample table: the held-out prompts'
+    completions with their eval/ metrics, or without a test split the first completions of this `rollout`
+    (queries, responses, response_mask, scores) and no metrics."""
+    device = run.accelerator.device
+    eval_metrics, shown = {}, rollout
     if run.eval_prompt_ids is not None:
-        shown_queries, eval_query_mask = utils.generation.left_pad(run.eval_prompt_ids, run.pad_id, device)
-        shown = torch.arange(shown_queries.size(0), device=device)
-        with run.accelerator.autocast():
-            shown_responses, _, shown_mask, _ = sample(args, run, shown_queries, eval_query_mask, 1, (0,), 0)
-            query_responses, mask = utils.generation.query_response_rows(
-                shown_queries, eval_query_mask, shown_responses, shown_mask, shown
-            )
-            chunk, context_length = args.local_rollout_forward_batch_size, shown_queries.size(1)
-            kwargs = dict(prompts=run.eval_raw_prompts, columns=run.eval_columns, trainer_state=trainer_state)
-            rewards_per_func = utils.scoring.score_rows(
-                run.scorers, query_responses, mask, context_length, chunk, **kwargs
-            )
-            shown_scores = combine_rewards(rewards_per_func.float(), run.weights)
+        trainer_state = utils.scoring.TrainerState(
+            global_step=update * steps_per_update,
+            max_steps=args.num_total_batches * steps_per_update,
+            epoch=update * args.local_dataloader_batch_size * args.world_size / len(run.prompt_ids),
+        )
+        prompts_per_batch = max(1, args.per_device_eval_batch_size // args.num_generations_eval)
+        eval_metrics, shown = utils.evaluation.evaluate(
+            run.accelerator,
+            len(run.eval_prompt_ids),
+            prompts_per_batch,
+            functools.partial(held_out_batch, args, run, trainer_state),
+        )
+        eval_metrics.update({f"eval/{k}": v for k, v in logged_means(run.accelerator, run.scorers).items()})
+        run.scorers[0].take_num_truncated()  # the evaluation's rows are not the next update's
+    queries, responses, response_mask, scores = shown
+    rows = torch.arange(min(queries.size(0), 4), device=device)
     run.tracker.samples(
         {
-            "query": run.tokenizer.batch_decode(shown_queries[shown], skip_special_tokens=True),
+            "query": run.tokenizer.batch_decode(queries[rows], skip_special_tokens=True),
             "response": [
                 run.tokenizer.decode(r[m], skip_special_tokens=True)
-                for r, m in zip(shown_responses[shown], shown_mask[shown])
+                for r, m in zip(responses[rows], response_mask[rows])
             ],
-            "score": shown_scores[shown].tolist(),
+            "score": scores[rows].tolist(),
         },
-        title=f"update {update}",
+        title=f"update {update}" + (": held-out prompts" if run.eval_prompt_ids is not None else ""),
     )
+    return eval_metrics
+
+
+@torch.no_grad()
+def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, tuple]:
+    """--num_generations_eval completions of the held-out prompts `indices`, sampled as in training but with the
+    evaluation's noise, scored as in training -> (per completion: eval/ values, the sample table's tensors)."""
+    device, k = run.accelerator.device, args.num_generations_eval
+    queries, query_mask = utils.generation.left_pad(
+        [run.eval_prompt_ids[i] for i in indices], run.pad_id, device
+    )
+    with run.accelerator.autocast():
+        key = (utils.evaluation.EVAL_KEY,)
+        responses, lengths, response_mask, _ = sample(
+            args, run, queries, query_mask, k, key, indices[0], run.engine
+        )
+        rows = torch.arange(responses.size(0), device=device)
+        query_responses, mask = utils.generation.query_response_rows(
+            queries, query_mask, responses, response_mask, rows
+        )
+        rewards_per_func = utils.scoring.score_rows(
+            run.scorers,
+            query_responses,
+            mask,
+            queries.size(1),
+            args.local_rollout_forward_batch_size,
+            prompts=[run.eval_raw_prompts[indices[r % len(indices)]] for r in rows.tolist()],
+            columns=utils.data.columns_of_rows(run.eval_columns, indices, rows),
+            trainer_state=trainer_state,
+        ).float()
+    scores = combine_rewards(rewards_per_func, run.weights)
+    has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+    if args.missing_eos_penalty is not None:  # as training's objective/scores
+        scores = scores - args.missing_eos_penalty * (~has_eos).float()
+    values = {"objective/scores": scores, "completions/mean_length": lengths.float()}
+    values["completions/clipped_ratio"] = (~has_eos).float()
+    if len(run.scorers) > 1:
+        values.update(
+            {f"rewards/{name}/mean": rewards_per_func[:, f] for f, name in enumerate(run.reward_names)}
+        )
+    return values, (queries[rows % len(indices)], responses, response_mask, scores)
 
 
 if __name__ == "__main__":

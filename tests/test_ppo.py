@@ -409,7 +409,8 @@ def stateful(prompts, completions, trainer_state, log_metric, **kwargs):
 
 def test_reward_function_gets_the_dataset_prompts_and_the_run_state(world, tmp_path):
     """As TRL calls a reward function: the dataset's own prompts, trainer_state (the update about to be made) and
-    log_metric, whose values reach the logs (those of the sample table's scoring as eval/...)."""
+    log_metric, whose values reach the logs (those of the held-out evaluation as eval/..., after the update: the
+    updates done, as TRL's evaluation sees its state)."""
     (tmp_path / "stateful.py").write_text(STATEFUL_REWARD)
     flags = small_flags(world, tmp_path, "stateful", "--sft_model_path", str(world / "policy"))
     flags += ["--reward_fn", f"{tmp_path / 'stateful.py'}:stateful", "--total_episodes", "16"]
@@ -418,13 +419,13 @@ def test_reward_function_gets_the_dataset_prompts_and_the_run_state(world, tmp_p
     metrics = read_metrics(tmp_path, "stateful")
     assert [m["custom/step"] for m in metrics] == [0.0, 1.0]
     assert all(m["custom/known_prompts"] == 1.0 for m in metrics)  # not the tokens cut to --max_prompt_length
-    assert metrics[-1]["eval/custom/step"] == 1.0 and metrics[-1]["eval/custom/known_prompts"] == 1.0
+    assert metrics[-1]["eval/custom/step"] == 2.0 and metrics[-1]["eval/custom/known_prompts"] == 1.0
 
 
 ISSUE_METRICS = (
     "eps objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores "
     "policy/approxkl_avg policy/clipfrac_avg loss/policy_avg loss/value_avg val/clipfrac_avg val/ratio "
-    "val/ratio_var val/num_eos_tokens learning_rate episode eval/scores"
+    "val/ratio_var val/num_eos_tokens learning_rate episode eval/objective/scores"
 ).split()
 
 
@@ -454,7 +455,7 @@ def test_reward_model_run_from_a_copy_logs_everything_and_is_deterministic(world
     out = run_script(["ppo.py", *reward_model_flags(world, tmp_path, "rm")], cwd=copy)
     metrics = read_metrics(tmp_path, "rm")
     assert len(metrics) == 3 and all(math.isfinite(metrics[-1][k]) for k in ISSUE_METRICS)
-    assert all(k in m for k in ISSUE_METRICS[:-1] for m in metrics)  # eval/scores: at the sample generations
+    assert all(k in m for k in ISSUE_METRICS[:-1] for m in metrics)  # eval/...: at the evaluations
     assert [m["episode"] for m in metrics] == [16, 32, 48]
     assert metrics[0]["learning_rate"] > metrics[-1]["learning_rate"] > 0
     # adaptive KL: the first KL (0, policy == reference) is under the target: beta *= 1 - 0.2 * 16 / 100

@@ -67,9 +67,9 @@ def leftovers(output_dir: str) -> list[str]:
 NOT_DEFINING = frozenset(
     """output_dir overwrite_output_dir logging_dir run_name exp_name track wandb_project_name wandb_entity
     push_to_hub hub_model_id save_steps save_total_limit resume_from_checkpoint logging_steps eval_strategy
-    eval_steps per_device_eval_batch_size num_sample_generations generate_during_eval num_samples
-    num_logged_images gradient_checkpointing world_size judge_api_key_env vllm_gpu_memory_utilization
-    max_workers async_reward_computation allow_tf32""".split()
+    eval_steps eval_on_start per_device_eval_batch_size num_generations_eval num_sample_generations
+    generate_during_eval num_samples num_logged_images gradient_checkpointing world_size judge_api_key_env
+    vllm_gpu_memory_utilization max_workers async_reward_computation allow_tf32""".split()
 )
 
 
