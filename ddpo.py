@@ -752,6 +752,8 @@ def setup(args: Args) -> Run:
         table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         os.makedirs(os.path.join(run_dir, "images"), exist_ok=True)
+        print(f"logs: {run_dir}/ (TensorBoard, images/); watch with: tensorboard --logdir runs; "
+              f"model: {args.output_dir}/", flush=True)  # fmt: skip
 
     # frozen VAE and text encoder; LoRA adapters (float32) or the whole UNet are trained
     unet = pipeline.unet
@@ -927,6 +929,7 @@ def main(args: Args) -> None:
         if is_main:
             speed = args.samples_per_epoch / (time.time() - start_time)
             writer.add_scalar("time/samples_per_second", speed, global_step)
+            tqdm.write(utils.tracking.console_line(final_metrics, global_step))
 
         # 6. Checkpoint
         stopping = run.stop.requested()
@@ -943,6 +946,7 @@ def main(args: Args) -> None:
     if is_main:
         save(run, args, {name: float(value) for name, value in final_metrics.items()})
         writer.close()
+        print(f"done: logs in {run.run_dir}/; model in {args.output_dir}/ (card: README.md)", flush=True)
         if args.track:
             import wandb
 

@@ -312,7 +312,12 @@ def lora_weights(directory: Path) -> dict[str, torch.Tensor]:
 def test_train_log_save_and_resume_exactly(tiny_sd, tmp_path):
     ddpo_py = str(ROOT / "ddpo.py")
     common = [ddpo_py, "--pretrained_model", str(tiny_sd), *TINY_RUN, "--num_epochs", "3"]
-    run_script([*common, "--output_dir", "a", "--run_name", "a", "--num_checkpoint_limit", "2"], cwd=tmp_path)
+    proc = run_script(
+        [*common, "--output_dir", "a", "--run_name", "a", "--num_checkpoint_limit", "2"], cwd=tmp_path
+    )
+    assert "logs: runs/a/ (TensorBoard, images/); watch with: tensorboard --logdir runs" in proc.stdout
+    assert proc.stdout.count(" | objective/reward_mean ") == 3  # a metrics line per epoch
+    assert proc.stdout.rstrip().endswith("done: logs in runs/a/; model in a/ (card: README.md)")
 
     metrics = scalars(tmp_path / "runs" / "a")
     for name in ("objective/reward_mean", "objective/reward_std", "loss/policy_avg", "policy/approxkl_avg",
