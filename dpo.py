@@ -602,9 +602,7 @@ def evaluate(args: Args, run: Run, step: int) -> dict:
             samples = sample_table(accelerator.unwrap_model(policy), rows, run.tokenizer, length)
     run.tracker.log(result, step)
     if accelerator.is_main_process and args.generate_during_eval:
-        utils.tracking.print_samples(
-            samples, f"step {step}: accuracy {result['eval/rewards/accuracies']:.3f}"
-        )
+        run.tracker.samples(samples, f"step {step}: accuracy {result['eval/rewards/accuracies']:.3f}")
         run.tracker.writer.add_text("eval/samples", "\n\n".join(map(repr, samples["greedy"])), step)
     policy.train()
     return result

@@ -613,7 +613,7 @@ def evaluate(run: Run, args: Args, step: int) -> dict:
             "data": text([r["completion"] for r in shown_rows]),
             "reward": [r["reward"] for r in shown_rows],
         }
-        utils.tracking.print_samples(table, title=f"step {step}: eval loss {result['eval/loss']:.4f}")
+        run.tracker.samples(table, title=f"step {step}: eval loss {result['eval/loss']:.4f}")
     model.train()
     return result
 

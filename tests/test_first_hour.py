@@ -127,8 +127,8 @@ def test_an_rl_run_says_where_it_went_and_leaves_a_card_with_curves(world, tmp_p
         stdout.rstrip().splitlines()[-1]
         == f"done: logs in {logs}/first/; model in {out}/ (card: README.md, curves.png)"
     )
-    tables = [json.loads(line) for line in (logs / "first" / "samples.jsonl").read_text().splitlines()]
-    assert tables and {"query", "response", "score"} <= set(tables[0]["rows"][0])
+    rows = [json.loads(line) for line in (logs / "first" / "samples.jsonl").read_text().splitlines()]
+    assert rows and {"table", "query", "response", "score"} <= set(rows[0])
 
     from huggingface_hub import ModelCard
 

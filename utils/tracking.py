@@ -91,13 +91,13 @@ class Tracker:
             tqdm.write(line)  # above an open progress bar, not through it
 
     def samples(self, columns: dict[str, list], title: str) -> None:
-        """Print a table of samples (one list per column); with --track, log it to W&B."""
+        """Print a table of samples (one list per column), its rows appended to samples.jsonl; W&B with --track."""
         if not self.active:
             return
         print_samples(columns, title=title)
-        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
-            rows = [dict(zip(columns, row)) for row in zip(*columns.values())]
-            f.write(json.dumps({"title": title, "rows": rows}, default=str) + "\n")
+        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:  # one line a row, as sft.py's
+            for row in zip(*columns.values()):
+                f.write(json.dumps({"table": title, **dict(zip(columns, row))}, default=str) + "\n")
         if self.track:
             import wandb
 
