@@ -621,7 +621,16 @@ def write_model_card(args: Args, metrics: dict) -> None:
     load = "StableDiffusionPipeline.from_pretrained"
     load = "pipe.load_lora_weights(this_directory)" if args.use_lora else load
     trained = f"LoRA rank {args.lora_rank}" if args.use_lora else "the full UNet"
-    card = f"""# DDPO fine-tuned `{args.pretrained_model}`
+    from huggingface_hub import ModelCardData
+
+    tags = ["ddpo", "rlhf-reference", "diffusers", "text-to-image"]
+    metadata = ModelCardData(base_model=args.pretrained_model, library_name="diffusers", tags=tags)
+    config = "".join(f"| {name} | `{value}` |\n" for name, value in vars(args).items())
+    card = f"""---
+{metadata.to_yaml()}
+---
+
+# DDPO fine-tuned `{args.pretrained_model}`
 
 Trained by `ddpo.py` with Denoising Diffusion Policy Optimization (Black et al. 2023, arXiv:2305.13301):
 reward `{args.reward_fn}`, prompts `{args.prompt_file or "built-in simple animals"}`, {args.num_epochs} epochs
@@ -631,8 +640,10 @@ Command: `python {" ".join(sys.argv)}`
 
 Final metrics:
 """
+    final = "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items())
+    resolved = f"\n## Configuration\n\n| flag | value |\n|---|---|\n{config}"
     with open(os.path.join(args.output_dir, "README.md"), "w") as f:
-        f.write(card + "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items()))
+        f.write(card + final + resolved)
 
 
 def save(run, args: Args, metrics: dict) -> None:

@@ -332,7 +332,9 @@ def test_train_log_save_and_resume_exactly(tiny_sd, tmp_path):
 
     out = tmp_path / "a"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
-    assert "objective/reward_mean" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "objective/reward_mean" in card and "| num_epochs | `3` |" in card  # the resolved flags
+    assert card.startswith("---\n") and "library_name: diffusers" in card and f"base_model: {tiny_sd}" in card
     final = lora_weights(out)
     assert max(v.abs().max().item() for k, v in final.items() if "lora.up" in k) > 0  # B moved from zero
 
