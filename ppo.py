@@ -239,14 +239,16 @@ class Args:
     """held-out prompts (one greedy completion each) per process per evaluation batch"""
 
     # Filled in at runtime (a value given on the command line must match)
-    world_size: int = 0
-    """number of processes"""
     local_batch_size: int = 0
     """prompts per update per process (micro-batch * accumulation * num_mini_batches)"""
     batch_size: int = 0
     """prompts per update on all processes"""
     mini_batch_size: int = 0
     """rows per optimizer step on all processes"""
+
+    # Filled in at runtime
+    world_size: int = 0
+    """number of processes"""
     local_mini_batch_size: int = 0
     """rows per optimizer step on each process"""
     num_total_batches: int = 0

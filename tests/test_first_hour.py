@@ -47,6 +47,8 @@ def test_computed_sizes_are_refused_as_flags_and_ppos_checked_ones_accepted():
     with pytest.raises(ValueError, match=r"^--num_total_batches is computed"):
         utils.run.parse_args(rloo.Args, ["--num_total_batches=3"])
     assert utils.run.parse_args(ppo.Args, ["--batch_size", "8"]).batch_size == 8  # checked by ppo.fill_sizes
+    with pytest.raises(ValueError, match=r"^--world_size is computed"):
+        utils.run.parse_args(ppo.Args, ["--world_size", "2"])
 
 
 @pytest.mark.parametrize(

@@ -152,7 +152,7 @@ def format_help(args_class, script: str) -> str:
     out = [f"usage: {script} [--flag VALUE ...]", "", *textwrap.wrap(about, 100), "",
            "  -h, --help  show this message and exit"]  # fmt: skip
     for title, names in flag_groups(args_class):
-        runtime = title.startswith(RUNTIME_GROUP)
+        runtime = title.startswith(RUNTIME_GROUP) and "must match" not in title
         out += ["", f"{title}{' (computed from the flags above; not flags)' if runtime else ''}:"]
         for name in names:
             field = fields[name]
