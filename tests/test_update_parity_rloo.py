@@ -38,6 +38,7 @@ from conftest import make_rl_lab, read_metrics, run_script, run_torchrun, weight
 from fixed_completions import assert_same_steps, recorded_steps
 
 G, P, R, T, LR = 4, 2, 8, 0.9, 2e-4  # group, prompts, completion length, temperature, learning rate
+EPS = 1e-6  # AdamW epsilon of the 0.19 case: rounding in a near-0 gradient is not a full step (CPU-dependent)
 REWARD = '''
 def shape(completions, **kwargs):
     """Varies within a group: the completion's distinct characters and length."""
@@ -218,9 +219,10 @@ def test_0_19_dialect_equals_trls(lab, tmp_path):
     argv = ["--sft_model_path", str(lab / "policy"), "--reward_fn", f"{lab / 'reward.py'}:shape", "--rloo_k",
             str(G), "--kl_coef", "1.0", "--num_ppo_epochs", "2", "--response_length", str(R), "--temperature",
             str(T), "--learning_rate", str(LR / 10), "--stop_token", "eos", "--total_episodes", str(2 * G * P),
-            "--per_device_train_batch_size", str(G * P), "--lr_scheduler_type", "constant", "--seed", "3"]  # fmt: skip
+            "--per_device_train_batch_size", str(G * P), "--lr_scheduler_type", "constant", "--seed", "3",
+            "--adam_epsilon", str(EPS)]  # fmt: skip
     flags = dict(beta=1.0, per_device_train_batch_size=G * P, num_iterations=2, max_grad_norm=0.0, epsilon=0.2,
-                 lr_scheduler_type="constant", learning_rate=LR / 10)  # fmt: skip
+                 lr_scheduler_type="constant", learning_rate=LR / 10, adam_epsilon=EPS)  # fmt: skip
     our_steps, our_log = ours(lab, tmp_path / "ours", argv)
     trl_steps, trl_log = theirs(dict(lab=str(lab), out=str(tmp_path), flags=flags, steps=4))
     assert_same_metrics(our_log, trl_log, one_micro_batch=True)
