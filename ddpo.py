@@ -698,6 +698,12 @@ class Run:
 def setup(args: Args) -> Run:
     """Everything before the first epoch; bad input fails before the heavy imports."""
     prompts = check_args(args)
+    local = os.path.isdir(args.pretrained_model)
+    if local and not os.path.exists(os.path.join(args.pretrained_model, "model_index.json")):
+        raise ValueError(
+            f"--pretrained_model {args.pretrained_model} holds no diffusers pipeline (no model_index.json); pass "
+            "a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py) or a hub id."
+        )
     # what defines the run, as check_args compared it with a resumed checkpoint's
     definition = utils.checkpoint.run_definition(args)
     from accelerate.utils import broadcast_object_list, set_seed
@@ -724,12 +730,6 @@ def setup(args: Args) -> Run:
     dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
     if args.pretrained_revision != "main" and os.path.isdir(args.pretrained_model):
         accelerator.print(f"--pretrained_revision {args.pretrained_revision} is ignored: a local folder")
-    local = os.path.isdir(args.pretrained_model)
-    if local and not os.path.exists(os.path.join(args.pretrained_model, "model_index.json")):
-        raise ValueError(
-            f"--pretrained_model {args.pretrained_model} holds no diffusers pipeline (no model_index.json); pass "
-            "a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py) or a hub id."
-        )
     try:
         pipeline = StableDiffusionPipeline.from_pretrained(
             args.pretrained_model,
