@@ -38,6 +38,7 @@ import tyro
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -103,6 +104,8 @@ class Args:
     """the hub's config name, or the sub-folder of a local dataset"""
     dataset_train_split: str = "train"
     """split of the training prompts"""
+    dataset_test_split: str | None = None
+    """split of the held-out prompts, evaluated during training (eval/...); None: no evaluation"""
     chat_template_path: str | None = None
     """Jinja file (or tokenizer folder) for conversational prompts"""
     context_overflow: Literal["refuse", "cut"] = "refuse"
@@ -239,6 +242,17 @@ class Args:
     """log metrics every this many optimizer steps: their means over those steps (TRL's meaning)"""
     num_sample_generations: int = 10
     """times to print sample completions after the first generation (0: never)"""
+    eval_strategy: Literal["no", "steps"] = "steps"
+    """no: no held-out evaluation; steps: at --eval_steps (or --num_sample_generations) optimizer steps"""
+    eval_steps: int | None = None
+    """evaluate every this many optimizer steps (and after the last); None: at the first and every
+    total_steps // --num_sample_generations"""
+    eval_on_start: bool = False
+    """evaluate before the first step too (logged at step 0; not again on resume)"""
+    per_device_eval_batch_size: int = 8
+    """held-out completions per process per evaluation batch (whole prompts, at least one)"""
+    num_generations_eval: int | None = None
+    """completions sampled per held-out prompt; None: --num_generations (TRL 1.16)"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -485,10 +499,12 @@ def take_groups(
 
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def sample(args, run, queries, query_mask, sync_weights=True):
-    """(responses, lengths, response_mask [G * P, R], sampling logprobs): G = num_generations per prompt
-    [P, Q], completion-major, cut after EOS. Calls draw noise from run.sampling_generator in turn."""
+def sample(args, run, queries, query_mask, sync_weights=True, num_completions=None, generator=None):
+    """(responses, lengths, response_mask [G * P, R], sampling logprobs): G = num_completions (None:
+    num_generations) per prompt [P, Q], completion-major, cut after EOS. Calls draw noise from `generator`
+    (None: run.sampling_generator) in turn."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
+    G = num_completions or args.num_generations
     R, T = args.max_completion_length, args.temperature
     responses, logprobs = [], []
     run.policy.eval()  # keeps the KV cache on under gradient checkpointing
@@ -501,7 +517,7 @@ def sample(args, run, queries, query_mask, sync_weights=True):
         else utils.generation.generate
     )
     with utils.run.gathered_for_generation(run.policy, run.accelerator) as model:
-        for rows in torch.arange(args.local_generation_batch_size, device=queries.device).split(chunk):
+        for rows in torch.arange(G * P, device=queries.device).split(chunk):
             run.checkpointer.boundary()  # a signal stops here until the step changes the weights
             prompt = rows % P  # prompts repeated chunk by chunk, not G times at once
             query_responses, call_logprobs = generate(
@@ -511,7 +527,7 @@ def sample(args, run, queries, query_mask, sync_weights=True):
                 R,
                 T,
                 chunk,
-                run.sampling_generator,
+                generator or run.sampling_generator,
                 **utils.generation.sampling_knobs(args),
             )
             responses.append(query_responses[:, queries.size(1) :])
@@ -522,8 +538,12 @@ def sample(args, run, queries, query_mask, sync_weights=True):
 
 
 @torch.no_grad()
-def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
-    """Rewards [B, F] of the sampled rows (the reward model first, then the functions)."""
+def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state, held_out=False):
+    """Rewards [B, F] of the sampled rows (the reward model first, then the functions); `examples` index the
+    training split, or with `held_out` the test split."""
+    raw_prompts, columns = (
+        (run.eval_raw_prompts, run.eval_columns) if held_out else (run.raw_prompts, run.columns)
+    )
     chunk, Q, P = args.local_rollout_forward_batch_size, queries.size(1), queries.size(0)
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
@@ -532,8 +552,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
-        columns = utils.data.columns_of_rows(run.columns, examples, idx)
-        prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()]
+        prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()]
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -541,7 +560,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             Q,
             chunk,
             prompts=prompts,
-            columns=columns,
+            columns=utils.data.columns_of_rows(columns, examples, idx),
             trainer_state=trainer_state,
         )
         rewards_per_func.append(rewards.float())
@@ -641,6 +660,20 @@ def reward_metrics(rewards_per_func, rewards, num_generations, names, num_proces
         "reward_std": nanstd(rewards).item(),
         "frac_reward_zero_std": group_std.isclose(torch.zeros_like(group_std)).float().mean().item(),
         **per_reward,
+    }
+
+
+def logged_means(accelerator, scorers) -> dict[str, float]:
+    """What reward functions logged (log_metric) since the last call, each name's mean over the processes."""
+    from accelerate.utils import gather_object
+
+    logged = {name: value for scorer in scorers for name, value in scorer.take_logged().items()}
+    names = sorted(set(gather_object(list(logged)))) if accelerator.num_processes > 1 else sorted(logged)
+    return {
+        name: accelerator.gather(torch.tensor(logged.get(name, math.nan), device=accelerator.device))
+        .nanmean()
+        .item()
+        for name in names
     }
 
 
@@ -828,6 +861,9 @@ class Run:
     prompt_ids: list
     raw_prompts: list
     columns: dict
+    eval_prompt_ids: list | None  # the held-out prompts (--dataset_test_split), or None: no evaluation
+    eval_raw_prompts: list | None
+    eval_columns: dict
     batches: object
     sampling_generator: torch.Generator
     shuffle_generator: torch.Generator
@@ -854,12 +890,17 @@ def setup(args: Args) -> Run:
         args, args.gradient_accumulation_steps, args.per_device_train_batch_size
     )
     fill_sizes(args, accelerator.num_processes)
+    utils.evaluation.check_args(args)
+    args.num_generations_eval = args.num_generations_eval or args.num_generations  # TRL 1.16's
+    if args.num_generations_eval < 1:
+        raise ValueError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
     utils.vllm.check_args(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    eval_dataset = utils.evaluation.load_test_split(args, "grpo.py")
     reward_fns = [
         utils.scoring.load_reward_fn(spec, dataset.column_names) for spec in args.reward_funcs or []
     ]
@@ -872,12 +913,16 @@ def setup(args: Args) -> Run:
     )
     pad_id = tokenizer.pad_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
-    (prompt_ids,) = utils.loading.cut_prompts(
-        [utils.chat.tokenize_prompts(tokenizer, prompt_texts)], args.max_prompt_length
-    )
+    splits = [utils.chat.tokenize_prompts(tokenizer, prompt_texts), None]
+    if eval_dataset is not None:
+        eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
+        splits[1] = utils.chat.tokenize_prompts(tokenizer, eval_texts)
+    splits = utils.loading.cut_prompts(splits, args.max_prompt_length)
     model, flag = args.model_name_or_path, "--model_name_or_path"
-    (prompt_ids,) = utils.loading.fit_prompts([prompt_ids], args, "max_completion_length", model, flag)
-    longest = max(map(len, prompt_ids)) + args.max_completion_length
+    prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
+        splits, args, "max_completion_length", model, flag
+    )
+    longest = max(map(len, prompt_ids + (eval_prompt_ids or []))) + args.max_completion_length
 
     # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(
@@ -916,6 +961,8 @@ def setup(args: Args) -> Run:
     # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
     raw_prompts = utils.data.column(dataset, "prompt")  # the text or the messages
+    eval_columns = utils.data.columns(eval_dataset) if reward_fns and eval_dataset is not None else {}
+    eval_raw_prompts = utils.data.column(eval_dataset, "prompt") if eval_dataset is not None else None
 
     # Resume: weights, optimizer, random generators; the prompt order is replayed.
     rank = accelerator.process_index
@@ -949,6 +996,9 @@ def setup(args: Args) -> Run:
         prompt_ids=prompt_ids,
         raw_prompts=raw_prompts,
         columns=columns,
+        eval_prompt_ids=eval_prompt_ids,
+        eval_raw_prompts=eval_raw_prompts,
+        eval_columns=eval_columns,
         batches=batches,
         sampling_generator=sampling_generator,
         shuffle_generator=shuffle_generator,
@@ -962,7 +1012,6 @@ def setup(args: Args) -> Run:
 
 
 def main(args: Args) -> None:
-    from accelerate.utils import gather_object
     from tqdm import tqdm
 
     run = setup(args)
@@ -978,6 +1027,10 @@ def main(args: Args) -> None:
     start_drawn, start_time, metrics = drawn, time.time(), {}
     window, window_generations = [], []  # since the last log: each step's stats, each generation's metrics
     schedule = utils.run.lr_schedule(args, args.total_steps)
+    eval_metrics = {}  # the last held-out evaluation's, for the model card
+    if args.eval_on_start and step == 0 and run.eval_prompt_ids is not None:
+        eval_metrics = held_out_metrics(args, run, 0, 0)
+        run.tracker.log(eval_metrics, 0)
     progress = tqdm(total=args.total_steps, initial=step, disable=not accelerator.is_local_main_process)
     while step < args.total_steps:
         # 1. Sample and reward: G completions of each of P prompts, completion-major (row i <- prompt i % P);
@@ -1024,19 +1077,13 @@ def main(args: Args) -> None:
                 args.vllm_importance_sampling_clip_min,
                 args.vllm_importance_sampling_clip_max,
             )
-        logged = {}  # reward functions' log_metric values, averaged over processes
-        for scorer in run.scorers:
-            logged.update(scorer.take_logged())
-        names = sorted(set(gather_object(list(logged)))) if args.world_size > 1 else sorted(logged)
         generation_metrics = {
             **reward_metrics(all_rewards_per_func, all_rewards, G, run.reward_names, args.world_size),
             "completions/mean_length": utils.run.gathered_mean(accelerator, lengths),
             "completions/clipped_ratio": utils.run.gathered_mean(accelerator, ~has_eos),
             **filtered,
+            **logged_means(accelerator, run.scorers),
         }
-        for name in names:
-            value = torch.tensor(logged.get(name, math.nan), device=device)
-            generation_metrics[name] = accelerator.gather(value).nanmean().item()
         if correct_vllm:
             generation_metrics.update(
                 importance_sampling_metrics(
@@ -1129,7 +1176,11 @@ def main(args: Args) -> None:
             utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
             window.append(stats)
 
-            # 5. Metrics: means over processes, then over the steps (and generations) since the last log, as TRL's.
+            # 5. Metrics: means over processes, then over the steps (and generations) since the last log, as TRL's;
+            # the held-out evaluation at its steps (its own noise: training is that of the run without it).
+            eval_metrics = {}
+            if run.eval_prompt_ids is not None and utils.evaluation.due(step, args.total_steps, args):
+                eval_metrics = held_out_metrics(args, run, step, drawn)
             if step % args.logging_steps == 0 or step == args.total_steps:
                 low_high = accelerator.gather(torch.stack(window)[None, :, 3:5])  # [processes, steps, 2]
                 stats = accelerator.reduce(torch.stack(window), reduction="mean").mean(0)
@@ -1159,8 +1210,10 @@ def main(args: Args) -> None:
                     "episode": drawn * args.generation_batch_size,  # completions sampled
                     "eps": int((drawn - start_drawn) * args.generation_batch_size / seconds),
                 }
-                run.tracker.log(metrics, step)
+                run.tracker.log({**metrics, **eval_metrics}, step)
                 window, window_generations = [], []
+            elif eval_metrics:
+                run.tracker.log(eval_metrics, step)
 
         # 6. Checkpoint and samples: between generations (a resume starts a new one).
         run.checkpointer.maybe_save(
@@ -1172,10 +1225,59 @@ def main(args: Args) -> None:
 
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     utils.saving.save_model(
-        accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, metrics
+        accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, {**metrics, **eval_metrics}
     )
     run.tracker.close()
     utils.run.end_run(accelerator)
+
+
+def held_out_metrics(args, run, step, drawn) -> dict:
+    """The held-out evaluation after optimizer step `step` (0: before the first), `drawn` prompt batches
+    sampled: --num_generations_eval completions of every --dataset_test_split prompt, sampled and scored as in
+    training, each batch's noise keyed by (seed, EVAL_KEY, its first prompt) -> eval/ means over all processes."""
+    epoch = drawn * args.local_prompts_per_generation * args.world_size / len(run.prompt_ids)
+    trainer_state = utils.scoring.TrainerState(global_step=step, max_steps=args.total_steps, epoch=epoch)
+    training = run.policy.training  # sampling sets eval mode; a step of this generation may follow
+    if run.engine is not None:  # once, not every batch
+        run.engine.sync_weights(run.policy, run.accelerator)
+    prompts_per_batch = max(1, args.per_device_eval_batch_size // args.num_generations_eval)
+    eval_metrics, _ = utils.evaluation.evaluate(
+        run.accelerator,
+        len(run.eval_prompt_ids),
+        prompts_per_batch,
+        functools.partial(held_out_batch, args, run, trainer_state),
+    )
+    run.policy.train(training)
+    return {**eval_metrics, **{f"eval/{k}": v for k, v in logged_means(run.accelerator, run.scorers).items()}}
+
+
+@torch.no_grad()
+def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, None]:
+    """The held-out prompts `indices`: per completion (completion-major), the values whose means are the eval/
+    metrics, named as training's."""
+    device, k = run.accelerator.device, args.num_generations_eval
+    prompts = [run.eval_prompt_ids[i] for i in indices]
+    queries, query_mask = utils.generation.left_pad(prompts, run.pad_id, device)
+    noise = utils.generation.sampling_generator(
+        args.seed, utils.evaluation.EVAL_KEY, indices[0], device=device
+    )
+    with run.accelerator.autocast():
+        responses, lengths, response_mask, _ = sample(args, run, queries, query_mask, False, k, noise)
+        rewards_per_func = score(
+            args, run, queries, query_mask, responses, response_mask, indices, trainer_state, held_out=True
+        )
+    rewards = combine_rewards(rewards_per_func, run.weights)
+    # TRL 1.16: a group of one completion has std 0
+    group_std = nanstd(rewards.view(k, -1), 0) if k > 1 else torch.zeros(len(indices), device=device)
+    has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+    values = {
+        "reward": rewards,
+        "frac_reward_zero_std": group_std.isclose(torch.zeros_like(group_std)).float().repeat(k),
+        **{f"rewards/{name}/mean": rewards_per_func[:, f] for f, name in enumerate(run.reward_names)},
+        "completions/mean_length": lengths.float(),
+        "completions/clipped_ratio": (~has_eos).float(),
+    }
+    return values, None
 
 
 def sample_table(args, run, generation, step, queries, responses, response_mask, rewards, advantages) -> None:

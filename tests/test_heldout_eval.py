@@ -268,3 +268,100 @@ def test_a_missing_split_stops_or_is_skipped_in_one_line(lab, capsys, monkeypatc
     assert len(utils.evaluation.load_test_split(args, "rloo.py")) == NUM_TEST
     args.eval_strategy = "no"
     assert utils.evaluation.load_test_split(args, "rloo.py") is None
+
+
+# ---- grpo.py ---------------------------------------------------------------------------------------------------
+OWN_ROW_REWARD = """
+
+def own_row(prompts, completions, size, **kwargs):
+    return [float(s == len(p)) for p, s in zip(prompts, size)]
+"""
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(lab, tmp_path_factory):
+    """grpo.py on the lab's splits with a `size` column (each prompt's length) and a third reward, 1 where it
+    gets its own row's size: with the test split (checkpoint after step 1), the same run without it, and the
+    first resumed from its checkpoint: {name: (metrics lines, final weights)}."""
+    tmp_path = tmp_path_factory.mktemp("heldout_grpo")
+    (tmp_path / "data").mkdir()
+    for split in ("train", "test"):
+        rows = [json.loads(row) for row in (lab / "data" / f"{split}.jsonl").read_text().splitlines()]
+        text = "".join(json.dumps({**row, "size": len(row["prompt"])}) + "\n" for row in rows)
+        (tmp_path / "data" / f"{split}.jsonl").write_text(text)
+    (tmp_path / "rewards.py").write_text(RECORDING_REWARDS + OWN_ROW_REWARD)
+
+    def flags(name, *extra):
+        flags = rloo_flags(lab, tmp_path, name, *extra)  # the same flags mean the same in grpo.py
+        flags[0], flags[flags.index("--dataset_name") + 1] = "grpo.py", str(tmp_path / "data")
+        at = flags.index("--reward_funcs") + 1
+        flags[at : at + 2] = [f"{tmp_path / 'rewards.py'}:{fn}" for fn in ("words", "vowels", "own_row")]
+        return flags
+
+    runs = {"log": tmp_path / "eval.jsonl"}
+    with_eval = ["--dataset_test_split", "test", "--save_steps", "1"]
+    run_script(flags("eval", *with_eval, "--eval_on_start"), env={"REWARD_LOG": str(runs["log"])})
+    runs["eval"] = (read_metrics(tmp_path / "runs" / "eval"), weights(tmp_path / "eval"))
+    run_script(flags("plain"), env={"REWARD_LOG": str(tmp_path / "plain.jsonl")})
+    runs["plain"] = (read_metrics(tmp_path / "runs" / "plain"), weights(tmp_path / "plain"))
+    resume = [*with_eval, "--resume_from_checkpoint", str(tmp_path / "eval" / "checkpoint-1")]
+    run_script(flags("eval", *resume), env={"REWARD_LOG": str(tmp_path / "resumed.jsonl")})
+    runs["resumed"] = (read_metrics(tmp_path / "runs" / "eval"), weights(tmp_path / "eval"))
+    runs["flags"] = flags
+    return runs
+
+
+def test_grpo_logs_eval_metrics_at_the_evaluation_points(grpo_runs, lab):
+    """Before the first step (--eval_on_start), after --eval_steps 2 and after the last: each held-out prompt's
+    --num_generations_eval (default --num_generations, 2) completions scored once, with its own row's columns,
+    and the logged means are theirs, under training's names with eval/ before them."""
+    lines, _ = grpo_runs["eval"]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    assert [line["step"] for line in eval_lines(lines)] == [0, 2, 3]
+    assert not [key for key in lines[1] if key.startswith("eval/")]
+    names = {"eval/reward", "eval/frac_reward_zero_std", "eval/completions/mean_length",
+             "eval/completions/clipped_ratio", *(f"eval/rewards/{f}/mean" for f in ("words", "vowels", "own_row"))}  # fmt: skip
+    assert all(set(line) - {"step"} >= names for line in eval_lines(lines))
+    assert set(lines[0]) == {"step", *names}
+    found = recorded(grpo_runs["log"], held_out_prompts(lab))
+    assert sorted({step for _, step in found}) == [0, 2, 3]  # trainer_state.global_step: the steps done
+    for line in eval_lines(lines):
+        words, vowels = found[("words", line["step"])], found[("vowels", line["step"])]
+        assert len(words) == len(vowels) == 2 * NUM_TEST
+        assert line["eval/rewards/words/mean"] == pytest.approx(sum(words) / len(words), abs=1e-6)
+        assert line["eval/rewards/vowels/mean"] == pytest.approx(sum(vowels) / len(vowels), abs=1e-6)
+        assert line["eval/rewards/own_row/mean"] == 1.0
+        total = sum(w + v + 1 for w, v in zip(words, vowels)) / len(words)
+        assert line["eval/reward"] == pytest.approx(total, abs=1e-5)
+        assert 0 < line["eval/completions/mean_length"] <= 8 and 0 <= line["eval/frac_reward_zero_std"] <= 1
+
+
+def test_grpo_trains_the_same_with_and_without_evaluation(grpo_runs):
+    """The evaluation's noise is its own and it leaves the policy as it found it: the training metrics (but the
+    clock's eps) and final weights are those of the run without a test split; a resume from step 1's
+    checkpoint with evaluation ends with the same weights and logs."""
+    (with_eval, with_weights), (plain, plain_weights) = grpo_runs["eval"], grpo_runs["plain"]
+
+    def strip(lines, prefix="eval/"):
+        return [{k: v for k, v in x.items() if not k.startswith(prefix) and k != "eps"} for x in lines]
+
+    assert [line for line in strip(with_eval) if len(line) > 1] == strip(plain)
+    assert all(torch.equal(with_weights[n], plain_weights[n]) for n in plain_weights)
+    resumed, resumed_weights = grpo_runs["resumed"]
+    assert all(torch.equal(with_weights[n], resumed_weights[n]) for n in with_weights)
+    assert strip(resumed, "eps") == strip(with_eval, "eps")
+
+
+def test_grpo_missing_split_stops_before_a_model_loads(grpo_runs, tmp_path):
+    """A --dataset_test_split the dataset lacks: one line, `grpo.py: error: ...`, before any model is loaded
+    (the policy path given does not exist) and with --output_dir untouched."""
+    flags = grpo_runs["flags"]("missing", "--dataset_test_split", "validation")
+    flags[flags.index("--model_name_or_path") + 1] = str(tmp_path / "no_such_policy")
+    flags[flags.index("--output_dir") + 1] = str(tmp_path / "out")
+    proc = run_script(flags, check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and "validation" in lines[0], (
+        proc.stderr
+    )
+    assert not (tmp_path / "out").exists()
