@@ -1228,7 +1228,7 @@ def main(args: Args) -> None:
         accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, {**metrics, **eval_metrics}
     )
     run.tracker.close()
-    utils.run.end_run(accelerator)
+    utils.run.end_run(accelerator, run.engine)
 
 
 def held_out_metrics(args, run, step, drawn) -> dict:

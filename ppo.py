@@ -1018,7 +1018,7 @@ def main(args: Args) -> dict:
         accelerator, model, run.tokenizer, args, "PPO", run.policy_path, metrics, "policy"
     )
     run.tracker.close()
-    utils.run.end_run(accelerator)
+    utils.run.end_run(accelerator, run.engine)
     return metrics
 
 

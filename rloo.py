@@ -976,7 +976,7 @@ def main(args: Args) -> dict:
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     utils.saving.save_model(accelerator, policy, run.tokenizer, args, "RLOO", run.policy_path, metrics)
     run.tracker.close()
-    utils.run.end_run(accelerator)
+    utils.run.end_run(accelerator, run.engine)
     return metrics
 
 

@@ -541,10 +541,13 @@ def release_freed_host_memory() -> None:
         trim(0)
 
 
-def end_run(accelerator) -> None:
-    """End the run together, so no process aborts at exit while a peer still holds the connection."""
+def end_run(accelerator, engine=None) -> None:
+    """End the run together, so no process aborts at exit while a peer still holds the connection; a vLLM
+    `engine` is closed first (at exit, after the process group is gone, its shutdown raises)."""
     import gc
 
+    if engine is not None:
+        engine.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     gc.collect()  # free engines and gloo work now, not at interpreter shutdown
