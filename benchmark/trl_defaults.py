@@ -106,8 +106,9 @@ Where the same flag means something else:
   alone); ours prints no tables with `no`.
 """,
     "grpo": """Measured against TRL 1.16's `GRPOTrainer.train()` by `tests/test_update_parity_grpo.py` (the weights after
-every optimizer step and the shared metrics: six loss setups and two processes). Where the same flag does something
-else:
+every optimizer step and the shared metrics: eleven setups, among them GSPO, LUSPO, a cosine schedule with
+warmup and weight decay, --top_entropy_quantile and --off_policy_mask_threshold, and two processes). Where the
+same flag does something else:
 
 - `disable_dropout True`: TRL 1.16 sets the `p` of `nn.Dropout` modules to 0, while a Llama-style attention reads
   `config.attention_dropout` in its attention call, so TRL still trains with that dropout (the tiny world's
