@@ -11,6 +11,7 @@ import grpo
 import ppo
 import rloo
 import sft
+import utils.plots
 import utils.run
 import utils.saving
 import utils.tracking
@@ -104,11 +105,11 @@ def test_curves_plot_train_and_held_out(tmp_path):
     rows = [{"step": s, "loss": 1 / s, "learning_rate": 1e-5, "eps": 2} for s in range(1, 6)]
     rows += [{"step": 5, "eval/loss": 0.3, "eval/accuracy": 0.7}, {"step": 6, "loss": float("nan")}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = utils.tracking.plot_curves(str(path), str(tmp_path / "curves.png"))
+    out = utils.plots.plot_curves(str(path), str(tmp_path / "curves.png"))
     assert out == str(tmp_path / "curves.png") and png_size(out)[0] > 300
-    assert utils.tracking.plot_curves(str(tmp_path / "none.jsonl"), str(tmp_path / "x.png")) is None
+    assert utils.plots.plot_curves(str(tmp_path / "none.jsonl"), str(tmp_path / "x.png")) is None
     (tmp_path / "other.jsonl").write_text(json.dumps({"step": 1, "eps": 3}) + "\n")
-    assert utils.tracking.plot_curves(str(tmp_path / "other.jsonl"), str(tmp_path / "y.png")) is None
+    assert utils.plots.plot_curves(str(tmp_path / "other.jsonl"), str(tmp_path / "y.png")) is None
 
 
 # --------------------------------------------------------------------------------------------------- a whole run

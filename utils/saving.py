@@ -20,8 +20,6 @@ def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: 
 
     from huggingface_hub import ModelCardData
 
-    from utils.tracking import plot_curves
-
     title = title or os.path.basename(os.path.abspath(output_dir))
     script = os.path.basename(sys.argv[0])[: -len(".py")] if sys.argv[0].endswith(".py") else "rlhf-reference"
     data_name = getattr(args, "dataset_name", None) or dataset
@@ -54,12 +52,19 @@ def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: 
     if args is not None:
         metrics_path = os.path.join(getattr(args, "logging_dir", "runs"), str(getattr(args, "run_name", "")),
                                     "metrics.jsonl")  # fmt: skip
-        if plot_curves(metrics_path, os.path.join(output_dir, "curves.png")):
+        curves = None
+        try:  # optional: a copy without utils/plots.py writes its card without curves
+            from utils.plots import plot_curves
+
+            curves = plot_curves(metrics_path, os.path.join(output_dir, "curves.png"))
+        except ModuleNotFoundError:
+            pass
+        if curves:
             lines += ["## Curves", "", f"![training curves](curves.png) (from `{metrics_path}`)", ""]
-        config = vars(args)
+        config = {name: str(value).replace("|", "\\|") for name, value in vars(args).items()}  # table-safe
         lines += ["## Configuration", "", f"<details><summary>every flag, as resolved ({len(config)})</summary>",
-                  "", "| flag | value |", "|---|---|",
-                  *[f"| {name} | `{str(value).replace('|', chr(92) + '|')}` |" for name, value in config.items()], "", "</details>", ""]  # fmt: skip
+                  "", "| flag | value |", "|---|---|", *[f"| {name} | `{value}` |" for name, value in config.items()],
+                  "", "</details>", ""]  # fmt: skip
     with open(os.path.join(output_dir, "README.md"), "w") as f:
         f.write("\n".join(lines))
 
