@@ -346,7 +346,8 @@ def test_ppo_samples_conversational_prompts_with_model_name_or_path_alone(
 ):
     args = rl_args(ppo, world, tmp_path, "ppo", num_mini_batches=2)
     ppo.main(args)
-    assert args.num_sample_generations == args.num_total_batches == 1  # --eval_steps 1: a table every update
+    tables = {json.loads(line)["table"] for line in open(tmp_path / "runs" / "ppo" / "samples.jsonl")}
+    assert args.num_total_batches == 1 and tables == {"update 1: test prompts (greedy)"}  # --eval_steps 1
     assert (tmp_path / "ppo" / "config.json").exists()
 
 

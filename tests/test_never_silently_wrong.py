@@ -168,7 +168,7 @@ def test_dpo_resumed_at_its_last_step_logs_the_final_eval_once_and_keeps_its_car
     lines = metric_lines(tmp_path / "runs" / "d")
     assert [m["step"] for m in lines if "eval/loss" in m] == [2]
     card = (out / "README.md").read_text()
-    assert card.startswith("# dpo\n") and "| loss |" in card and "| eval/loss |" in card
+    assert "\n# dpo\n" in card and "| loss |" in card and "| eval/loss |" in card
 
 
 # ---- 10. a non-finite loss, made deterministically (rloo.py's: tests/test_resume_rl.py) --------------------------

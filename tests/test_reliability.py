@@ -279,7 +279,7 @@ def test_cut_from_left_keeps_the_last_tokens():
     assert fitted_lengths(2000, None, 256) == (256, None)
 
 
-def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys):
+def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys, tmp_path):
     from types import SimpleNamespace
 
     import utils.loading
@@ -317,8 +317,11 @@ def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys):
     ):  # the flag as the user named it
         utils.loading.fit_prompts([train], args, "response_length", policy, flag, "--max_completion_length")
     assert capsys.readouterr().out == ""
-    unknown = SimpleNamespace(context_overflow="refuse", response_length=56)  # a config without positions
-    assert utils.loading.fit_prompts([train], unknown, "response_length", str(world / "tokenizer"), flag) == [
+    from transformers import MambaConfig
+
+    MambaConfig().save_pretrained(tmp_path / "mamba")  # a config that names no positions
+    unknown = SimpleNamespace(context_overflow="refuse", response_length=56)
+    assert utils.loading.fit_prompts([train], unknown, "response_length", str(tmp_path / "mamba"), flag) == [
         train
     ]
 

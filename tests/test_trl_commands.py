@@ -261,14 +261,23 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
             "0.2", "--no_remove_unused_columns", "--dataset_num_proc=4"]  # fmt: skip
     assert run.translate_trl_flags(dpo.Args, argv, notes) == ["--beta", "0.2"]
     assert len(notes) == 5 and all("(a TRL flag) is ignored: " in note for note in notes)
-    assert run.parse_args(online_dpo.Args, ["--warmup_steps", "0.1"]).warmup_ratio == 0.1
-    for argv, message in [
-        (["--use_peft"], "--use_peft (a TRL flag) means nothing here: LoRA is only in sft.py and dpo.py."),
-        (["--fp16"], "use --bf16"),
-        (["--warmup_steps", "100"], "--warmup_steps 100: give the warmup as a fraction"),
+    assert (
+        run.parse_args(dpo.Args, ["--warmup_steps", "0.1"]).warmup_ratio == 0.1
+    )  # dpo.py has no --warmup_steps
+    assert (
+        run.parse_args(online_dpo.Args, ["--warmup_steps", "0.1"]).warmup_steps == 0.1
+    )  # TRL's own flag there
+    for args_class, argv, message in [
+        (
+            online_dpo.Args,
+            ["--use_peft"],
+            "--use_peft (a TRL flag) means nothing here: LoRA is only in sft.py and dpo.py.",
+        ),
+        (online_dpo.Args, ["--fp16"], "use --bf16"),
+        (dpo.Args, ["--warmup_steps", "100"], "--warmup_steps 100: give the warmup as a fraction"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            run.parse_args(online_dpo.Args, argv)
+            run.parse_args(args_class, argv)
     # --logging_steps: TRL's means over the steps where a script has it, one sentence where it logs every update
     assert run.parse_args(online_dpo.Args, ["--logging_steps", "10"]).logging_steps == 10
     assert run.parse_args(grpo.Args, ["--disable_dropout", "False"]).disable_dropout is False

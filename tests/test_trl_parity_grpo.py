@@ -401,6 +401,7 @@ def test_our_args_default_like_trl():
         "epsilon_high",  # None in both; ours is filled in with epsilon
         "save_steps",  # TRL 500; ours 0: checkpoints only when asked for (and on SIGTERM)
         "world_size",  # filled in at runtime here, a property there
+        "eval_strategy",  # TRL 'no'; ours 'steps': a --dataset_test_split given is evaluated (None: nothing is)
     }
     shared = [f for f in vars(ours_args) if hasattr(theirs, f) and f not in differ]
     assert {"beta", "loss_type", "scale_rewards", "use_bias_correction_kl", "vllm_importance_sampling_mode",

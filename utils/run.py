@@ -145,7 +145,7 @@ def format_help(args_class, script: str) -> str:
 
     import tyro
 
-    hints = typing.get_type_hints(args_class)
+    hints, extras = typing.get_type_hints(args_class), typing.get_type_hints(args_class, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(args_class)}
     module = sys.modules.get(args_class.__module__)
     about = (inspect.getdoc(module) or "").split("\n\n")[0].replace("\n", " ")
@@ -166,7 +166,9 @@ def format_help(args_class, script: str) -> str:
             default = field.default if field.default is not dataclasses.MISSING else None
             if field.default_factory is not dataclasses.MISSING:
                 default = field.default_factory()
-            out.append(f"  --{name} {_metavar(hints[name])}")
+            metadata = getattr(extras[name], "__metadata__", ())
+            aliases = [a for meta in metadata for a in (getattr(meta, "aliases", None) or ())]
+            out.append(f"  {', '.join([f'--{name}', *aliases])} {_metavar(hints[name])}")
             lines = textwrap.wrap(doc, 96, initial_indent="      ", subsequent_indent="      ") or ["     "]
             tail = f" (default: {default})"
             lines[-1:] = [lines[-1] + tail] if len(lines[-1] + tail) <= 100 else [lines[-1], "     " + tail]
