@@ -46,7 +46,6 @@ import utils.run
 import utils.saving
 import utils.scoring
 import utils.tracking
-import utils.vllm
 
 
 @dataclass
@@ -894,7 +893,8 @@ def setup(args: Args) -> Run:
     args.num_generations_eval = args.num_generations_eval or args.num_generations  # TRL 1.16's
     if args.num_generations_eval < 1:
         raise ValueError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
-    utils.vllm.check_args(args)
+    if args.use_vllm:  # utils/vllm.py is optional: imported only with --use_vllm
+        utils.run.optional_module("utils.vllm", "--use_vllm").check_args(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
@@ -946,7 +946,8 @@ def setup(args: Args) -> Run:
     policy, optimizer = accelerator.prepare(policy, optimizer)
     engine = None
     if args.use_vllm:
-        engine = utils.vllm.Engine(args, accelerator, args.model_name_or_path, longest)
+        vllm_module = utils.run.optional_module("utils.vllm", "--use_vllm")
+        engine = vllm_module.Engine(args, accelerator, args.model_name_or_path, longest)
     if ref_policy is not None:
         ref_policy = utils.run.bare(utils.run.prepare_frozen(ref_policy, accelerator))
     if reward_model is not None:

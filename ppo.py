@@ -47,7 +47,6 @@ import utils.saving
 import utils.scoring
 import utils.stats
 import utils.tracking
-import utils.vllm
 
 
 @dataclass
@@ -705,7 +704,8 @@ def setup(args: Args) -> Run:
     utils.loading.use_model_flags(args)
     # Everything that can be checked before a model is loaded.
     fill_sizes(args, 1)
-    utils.vllm.check_args(args)
+    if args.use_vllm:  # utils/vllm.py is optional: imported only with --use_vllm
+        utils.run.optional_module("utils.vllm", "--use_vllm").check_args(args)
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
@@ -792,7 +792,10 @@ def setup(args: Args) -> Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length
-    engine = utils.vllm.Engine(args, accelerator, policy_path, max_model_len) if args.use_vllm else None
+    engine = None
+    if args.use_vllm:
+        vllm_module = utils.run.optional_module("utils.vllm", "--use_vllm")
+        engine = vllm_module.Engine(args, accelerator, policy_path, max_model_len)
     reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     scorer = utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer, reward_fn=reward_fn)
     accelerator.print(scorer.describe())

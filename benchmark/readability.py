@@ -1,8 +1,10 @@
 """Readability figures of the scripts: what a copy carries, how much prose, what breaks the line limit.
 
-For each script: the utils modules a copy needs (its imports, followed through utils/ transitively) and their
-lines; words of comment and docstring per line of code; lines over the project's 110-character limit;
-`# fmt: skip` markers; and the size of the diff between sibling scripts (`diff a b`, changed lines).
+For each script: the utils modules a copy needs, its core (its module-level imports, followed through the
+module-level imports of utils/ transitively), and their lines; its optional modules, imported only inside
+functions, behind a flag (a copy without them runs, and the flag says which file to copy); words of comment and
+docstring per line of code; lines over the project's 110-character limit; `# fmt: skip` markers; and the size of
+the diff between sibling scripts (`diff a b`, changed lines).
 
     python benchmark/readability.py              # a table of the current tree
     python benchmark/readability.py --root DIR   # the same for another checkout
@@ -21,22 +23,42 @@ LINE_LIMIT = 110
 SIBLINGS = (("rloo", "grpo"), ("rloo", "ppo"), ("grpo", "online_dpo"))
 
 
-def utils_imports(path: Path) -> set[str]:
-    """The utils modules a file imports, by module name ('utils' is the package's __init__)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def _utils_modules(name: str) -> set[str]:
+    """'utils.x.y' -> {'utils', 'utils.x'}: importing utils.x runs utils/__init__.py first."""
+    parts = name.split(".")
+    return {"utils", ".".join(parts[:2])} if len(parts) >= 2 else {"utils"}
+
+
+def utils_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(module-level, in-function) utils modules a file imports, by module name ('utils' is the package's
+    __init__). Module level is anything not inside a function (an `if __name__ == "__main__":` block counts);
+    in a function: an import statement there, or a call `optional_module("utils.x", ...)` (utils/run.py's)."""
+    top, inside = set(), set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "optional_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names = [node.args[0].value]
+            in_function = True  # imported when the call runs, which a flag decides
         for name in names:
             if name == "utils" or name.startswith("utils."):
-                found.add("utils")  # importing utils.x runs utils/__init__.py first
-                parts = name.split(".")
-                if len(parts) >= 2:
-                    found.add(".".join(parts[:2]))
-    return found
+                (inside if in_function else top).update(_utils_modules(name))
+        in_function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function)
+
+    visit(ast.parse(path.read_text()), False)
+    return top, inside
 
 
 def module_path(root: Path, module: str) -> Path | None:
@@ -45,16 +67,40 @@ def module_path(root: Path, module: str) -> Path | None:
     return path if path.exists() else None
 
 
-def footprint(root: Path, script: Path) -> dict[str, int]:
-    """{utils module file: lines} of every utils module `script` needs, transitively."""
-    todo, seen = list(utils_imports(script)), {}
+def _closure(root: Path, modules: set[str]) -> dict[str, int]:
+    """{utils module file: lines} of `modules` and what they import at module level, transitively."""
+    todo, seen = list(modules), {}
     while todo:
         path = module_path(root, todo.pop())
         if path is None or str(path) in seen:
             continue
         seen[str(path)] = len(path.read_text().splitlines())
-        todo.extend(utils_imports(path))
+        todo.extend(utils_imports(path)[0])
     return {str(Path(p).relative_to(root)): n for p, n in sorted(seen.items())}
+
+
+def footprint(root: Path, script: Path) -> dict[str, int]:
+    """The core a copy of `script` needs: {utils module file: lines} of the utils modules it imports at module
+    level, and theirs, transitively. A module imported only inside a function is optional (`optional`)."""
+    return _closure(root, utils_imports(script)[0])
+
+
+def optional(root: Path, script: Path) -> dict[str, int]:
+    """The optional modules of `script`: {utils module file: lines} of the utils modules that it or its core
+    imports only inside functions (behind a flag), with what they import at module level, less the core."""
+    core = footprint(root, script)
+    inside = set(utils_imports(script)[1])
+    for module in core:
+        inside |= utils_imports(root / module)[1]
+    # an optional module's own in-function imports are optional too
+    found, todo = {}, list(inside)
+    while todo:
+        module = todo.pop()
+        for path, lines in _closure(root, {module}).items():
+            if path not in found:
+                found[path] = lines
+                todo.extend(utils_imports(root / path)[1])
+    return {path: lines for path, lines in sorted(found.items()) if path not in core}
 
 
 def prose_and_code(path: Path) -> tuple[int, int]:
@@ -90,7 +136,8 @@ def prose_and_code(path: Path) -> tuple[int, int]:
 
 
 def figures(root: Path) -> dict[str, dict]:
-    """{script: {lines, utils_lines, utils_modules, words_per_code_line, long_lines, fmt_skip}}."""
+    """{script: {lines, utils_lines, utils_modules, optional_modules, words_per_code_line, long_lines,
+    fmt_skip}}: utils_* is the core a copy needs; optional_modules, {file: lines} of those behind a flag."""
     out = {}
     for name in SCRIPTS:
         path = root / f"{name}.py"
@@ -101,6 +148,7 @@ def figures(root: Path) -> dict[str, dict]:
             "lines": len(text.splitlines()),
             "utils_lines": sum(modules.values()),
             "utils_modules": modules,
+            "optional_modules": optional(root, path),
             "words_per_code_line": round(words / max(code, 1), 2),
             "long_lines": sum(len(line) > LINE_LIMIT for line in text.splitlines()),
             "fmt_skip": text.count("# fmt: skip"),
@@ -119,11 +167,16 @@ README_END = "<!-- /footprint -->"
 
 
 def footprint_table(root: Path) -> str:
-    """The README's table: each script, its lines, and the utils modules (and their lines) a copy needs."""
-    rows = ["| script | lines | utils lines a copy needs | utils modules |", "|---|---|---|---|"]
+    """The README's table: each script, its lines, the utils modules (and their lines) a copy needs, and the
+    optional ones (imported only behind a flag; a copy without them runs, and that flag says which to copy)."""
+    rows = [
+        "| script | lines | utils lines a copy needs | utils modules | optional modules |",
+        "|---|---|---|---|---|",
+    ]
     for name, row in figures(root).items():
         modules = ", ".join(Path(m).stem for m in row["utils_modules"] if not m.endswith("__init__.py"))
-        rows.append(f"| `{name}.py` | {row['lines']} | {row['utils_lines']} | {modules} |")
+        extra = ", ".join(f"{Path(m).stem} ({n})" for m, n in row["optional_modules"].items()) or "-"
+        rows.append(f"| `{name}.py` | {row['lines']} | {row['utils_lines']} | {modules} | {extra} |")
     return "\n".join(rows)
 
 
@@ -144,11 +197,15 @@ def main() -> None:
     if parsed.readme:
         write_readme_table(root)
     rows = figures(root)
-    print(f"{'script':<11} {'lines':>5} {'utils lines':>11} {'words/line':>10} {'>110':>5} {'fmt:skip':>8}")
+    print(
+        f"{'script':<11} {'lines':>5} {'utils lines':>11} {'words/line':>10} {'>110':>5} {'fmt:skip':>8}  "
+        "optional modules"
+    )
     for name, row in rows.items():
+        extra = ", ".join(f"{Path(m).stem} ({n})" for m, n in row["optional_modules"].items()) or "-"
         print(
             f"{name:<11} {row['lines']:>5} {row['utils_lines']:>11} {row['words_per_code_line']:>10} "
-            f"{row['long_lines']:>5} {row['fmt_skip']:>8}"
+            f"{row['long_lines']:>5} {row['fmt_skip']:>8}  {extra}"
         )
     utils_words, utils_code = map(
         sum, zip(*(prose_and_code(p) for p in sorted((root / "utils").glob("*.py"))))

@@ -30,9 +30,9 @@ def test_import_has_no_side_effects(script, tmp_path, monkeypatch):
 @pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
 def test_script_copied_with_its_utils_modules_alone_runs(script, tmp_path):
     """The copy contract: a script and the utils modules benchmark/readability.py says it needs (its copy
-    footprint, the figure the README states) in an empty folder import and answer --help there; a script that
-    reaches for another utils module, benchmark/, tests/ or another script fails. Several test files also train
-    from a copy of the whole of utils/."""
+    footprint, the core: module-level imports, the figure the README states; not the optional modules) in an
+    empty folder import and answer --help there; a script that reaches for another utils module, benchmark/,
+    tests/ or another script fails. Several test files also train from a copy of the whole of utils/."""
     import shutil
 
     import readability

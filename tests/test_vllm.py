@@ -17,7 +17,7 @@ import torch
 import utils.generation
 import utils.logprobs
 import utils.vllm
-from conftest import run_deepspeed, run_script, run_torchrun
+from conftest import ROOT, run_deepspeed, run_script, run_torchrun
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -60,6 +60,28 @@ def test_use_vllm_without_vllm_fails_before_loading_models(tmp_path):
                        "r.py:f", "--dataset_name", str(tmp_path / "nowhere.jsonl")], check=False)  # fmt: skip
     assert proc.returncode == 2 and "rloo.py: error: --use_vllm needs vLLM" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_copy_without_utils_vllm_says_which_file_to_copy(tmp_path):
+    """utils/vllm.py is optional: rloo.py copied with its core alone (benchmark/readability.py's footprint) answers
+    --help, and --use_vllm is one line naming the file to copy (not vLLM, the package), exit 2."""
+    import shutil
+
+    import readability
+
+    modules = readability.footprint(ROOT, ROOT / "rloo.py")
+    assert "utils/vllm.py" not in modules
+    shutil.copy(ROOT / "rloo.py", tmp_path / "rloo.py")
+    (tmp_path / "utils").mkdir()
+    for module in modules:
+        shutil.copy(ROOT / module, tmp_path / module)
+    assert "--use_vllm" in run_script(["rloo.py", "--help"], cwd=tmp_path, timeout=120).stdout
+    proc = run_script(["rloo.py", "--use_vllm", "--sft_model_path", str(tmp_path / "nowhere"), "--reward_fn",
+                       "r.py:f", "--dataset_name", str(tmp_path / "nowhere.jsonl")], cwd=tmp_path, check=False)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr
+    assert last.startswith("rloo.py: error: --use_vllm needs utils/vllm.py"), proc.stderr
+    assert "copy it" in last and "Traceback" not in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------------------------------- the engine in-process

@@ -18,7 +18,7 @@ Plumbing one can skip on a first read:
     utils/loading.py     models and tokenizers from the hub or a folder
     utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits
     utils/trl_flags.py   TRL 0.19 / 1.16 command lines of rloo.py
-    utils/vllm.py        the colocated vLLM engine
+    utils/vllm.py        the colocated vLLM engine (optional: imported only with --use_vllm)
 
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """

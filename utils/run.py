@@ -357,6 +357,23 @@ def raised_here(error: BaseException, script: str) -> bool:
     return filename == os.path.abspath(script) or filename.startswith(utils_dir + os.sep)
 
 
+def optional_module(name: str, flag: str):
+    """Import an optional utils module (`name`, e.g. "utils.vllm") that only `flag` needs; a copy of a script
+    without its file gets one sentence saying which file to copy, not an ImportError."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:  # the module is there; something it imports is not
+            raise
+    path = name.replace(".", "/") + ".py"
+    raise ValueError(
+        f"{flag} needs {path}, which this copy lacks: copy it from the repository this script came from "
+        f"into {os.path.dirname(path)}/ beside run.py."
+    )
+
+
 def run_cli(args_class, main: Callable) -> None:
     """Parse the flags and run `main(args)`. Exit codes: bad input 2, non-finite value 1, SIGTERM 143,
     SIGINT 130; one stderr line each, also for a signal before training or after the last step."""
