@@ -642,8 +642,17 @@ Final metrics:
 """
     final = "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items())
     resolved = f"\n## Configuration\n\n| flag | value |\n|---|---|\n{config}"
+    curves = None
+    try:  # optional: a copy without utils/plots.py writes its card without curves
+        from utils.plots import plot_curves
+
+        metrics_path = os.path.join("runs", args.run_name, "metrics.jsonl")
+        curves = plot_curves(metrics_path, os.path.join(args.output_dir, "curves.png"))
+    except ModuleNotFoundError:
+        pass
+    shown = "\n## Curves\n\n![training curves](curves.png)\n" if curves else ""
     with open(os.path.join(args.output_dir, "README.md"), "w") as f:
-        f.write(card + final + resolved)
+        f.write(card + final + shown + resolved)
 
 
 def save(run, args: Args, metrics: dict) -> None:
@@ -840,6 +849,14 @@ def main(args: Args) -> None:
     train_names = ("loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "epoch", "inner_epoch")
 
     saved, finished_rng = args.resume_from_checkpoint, None  # the last finished epoch's checkpoint, RNG
+    metrics_path = os.path.join(run.run_dir, "metrics.jsonl")
+    if is_main:  # one line an epoch; a resume keeps the lines up to its checkpoint's step
+        kept = []
+        if run.first_epoch and os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
     for epoch in tqdm(range(run.first_epoch, args.num_epochs), disable=not is_main):
         start_time = time.time()
         # 1. Sample: DDIM trajectories, every latent and step log-prob kept; async rewards meanwhile
@@ -941,6 +958,11 @@ def main(args: Args) -> None:
             speed = args.samples_per_epoch / (time.time() - start_time)
             writer.add_scalar("time/samples_per_second", speed, global_step)
             tqdm.write(utils.tracking.console_line(final_metrics, global_step))
+            with open(metrics_path, "a") as f:
+                f.write(
+                    json.dumps({"step": global_step, **{k: float(v) for k, v in final_metrics.items()}})
+                    + "\n"
+                )
 
         # 6. Checkpoint
         stopping = run.stop.requested()
@@ -957,7 +979,12 @@ def main(args: Args) -> None:
     if is_main:
         save(run, args, {name: float(value) for name, value in final_metrics.items()})
         writer.close()
-        print(f"done: logs in {run.run_dir}/; model in {args.output_dir}/ (card: README.md)", flush=True)
+        card = (
+            "README.md, curves.png"
+            if os.path.exists(os.path.join(args.output_dir, "curves.png"))
+            else "README.md"
+        )
+        print(f"done: logs in {run.run_dir}/; model in {args.output_dir}/ (card: {card})", flush=True)
         if args.track:
             import wandb
 

@@ -3,6 +3,7 @@ tracker and the clipped loss on hand-computed cases, rewards, input checks, and 
 on the tiny Stable-Diffusion pipeline (log, image grid, save, exact resume, two processes)."""
 
 import ast
+import json
 import math
 import os
 from pathlib import Path
@@ -317,7 +318,11 @@ def test_train_log_save_and_resume_exactly(tiny_sd, tmp_path):
     )
     assert "logs: runs/a/ (TensorBoard, images/); watch with: tensorboard --logdir runs" in proc.stdout
     assert proc.stdout.count(" | objective/reward_mean ") == 3  # a metrics line per epoch
-    assert proc.stdout.rstrip().endswith("done: logs in runs/a/; model in a/ (card: README.md)")
+    assert proc.stdout.rstrip().endswith("done: logs in runs/a/; model in a/ (card: README.md, curves.png)")
+    logged = [
+        json.loads(line) for line in (tmp_path / "runs" / "a" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [line["step"] for line in logged] == [2, 4, 6] and "objective/reward_mean" in logged[0]
 
     metrics = scalars(tmp_path / "runs" / "a")
     for name in ("objective/reward_mean", "objective/reward_std", "loss/policy_avg", "policy/approxkl_avg",
@@ -334,6 +339,7 @@ def test_train_log_save_and_resume_exactly(tiny_sd, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
     card = (out / "README.md").read_text()
     assert "objective/reward_mean" in card and "| num_epochs | `3` |" in card  # the resolved flags
+    assert "![training curves](curves.png)" in card and (out / "curves.png").stat().st_size > 1000
     assert card.startswith("---\n") and "library_name: diffusers" in card and f"base_model: {tiny_sd}" in card
     final = lora_weights(out)
     assert max(v.abs().max().item() for k, v in final.items() if "lora.up" in k) > 0  # B moved from zero
