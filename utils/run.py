@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -89,27 +90,36 @@ def check_flags(args_class, argv: list[str]) -> None:
 RUNTIME_GROUP = "Filled in at runtime"  # the Args group of derived sizes: shown in --help, not flags
 
 
-def flag_groups(args_class) -> list[tuple[str, list[str]]]:
-    """[(group, field names)] in source order, a group being the `# Title` comment above its fields."""
+def source_fields(args_class) -> list[tuple[str, str, str]]:
+    """[(group, field name, docstring)] in source order, a group being the `# Title` comment above its fields."""
     import ast
     import inspect
     import textwrap
 
     try:
         lines = textwrap.dedent(inspect.getsource(args_class)).splitlines()
-    except (OSError, TypeError):  # no source (a frozen or generated class): one group
-        return [("options", [f.name for f in dataclasses.fields(args_class)])]
+    except (OSError, TypeError):  # no source (a frozen or generated class): one group, no docs
+        return [("options", f.name, "") for f in dataclasses.fields(args_class)]
     body = ast.parse("\n".join(lines)).body[0].body
-    groups: list[tuple[str, list[str]]] = [("options", [])]
-    previous_end = 0
-    for node in body:
+    fields, group, previous_end = [], "options", 0
+    for node, after in zip(body, [*body[1:], None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             for line in lines[previous_end : node.lineno - 1]:
                 if line.strip().startswith("# ") and line.startswith("    #"):
-                    groups.append((line.strip()[2:], []))
-            groups[-1][1].append(node.target.id)
+                    group = line.strip()[2:]
+            is_doc = isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant)
+            doc = after.value.value if is_doc and isinstance(after.value.value, str) else ""
+            fields.append((group, node.target.id, " ".join(doc.split())))
         previous_end = node.end_lineno
-    return [(title, names) for title, names in groups if names]
+    return fields
+
+
+def flag_groups(args_class) -> list[tuple[str, list[str]]]:
+    """[(group, field names)] in source order (see source_fields)."""
+    groups: dict[str, list[str]] = {}
+    for group, name, _ in source_fields(args_class):
+        groups.setdefault(group, []).append(name)
+    return list(groups.items())
 
 
 def runtime_fields(args_class) -> set[str]:
@@ -128,7 +138,7 @@ def _metavar(hint) -> str:
     origin, members = typing.get_origin(hint), [a for a in typing.get_args(hint) if a is not type(None)]
     if origin is typing.Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(hint)) + "}"
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(members) == 1:
+    if origin in (typing.Union, types.UnionType) and len(members) == 1:
         return _metavar(members[0])
     if origin in (list, tuple):
         return f"{_metavar(members[0])} [{_metavar(members[0])} ...]" if members else "VALUE [VALUE ...]"
@@ -143,20 +153,18 @@ def format_help(args_class, script: str) -> str:
     import inspect
     import textwrap
 
-    import tyro
-
     hints, extras = typing.get_type_hints(args_class), typing.get_type_hints(args_class, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(args_class)}
     module = sys.modules.get(args_class.__module__)
     about = (inspect.getdoc(module) or "").split("\n\n")[0].replace("\n", " ")
     out = [f"usage: {script} [--flag VALUE ...]", "", *textwrap.wrap(about, 100), "",
            "  -h, --help  show this message and exit"]  # fmt: skip
+    docs = {name: doc for _, name, doc in source_fields(args_class)}
     for title, names in flag_groups(args_class):
         runtime = title.startswith(RUNTIME_GROUP) and "must match" not in title
         out += ["", f"{title}{' (computed from the flags above; not flags)' if runtime else ''}:"]
         for name in names:
-            field = fields[name]
-            doc = " ".join((tyro._docstrings.get_field_docstring(args_class, name, ()) or "").split())
+            field, doc = fields[name], docs[name]
             if runtime:
                 out += [
                     f"  {name}",
@@ -213,18 +221,24 @@ def _value_problem(name: str, hint, values: list[str]) -> str | None:
     return None
 
 
+def flag_values(argv: list[str], i: int) -> tuple[list[str], int]:
+    """The values of the flag at argv[i] (`--flag=v` or the tokens up to the next `--`) and the index after them."""
+    end = i + 1
+    while end < len(argv) and not argv[end].startswith("--"):
+        end += 1
+    return ([argv[i].partition("=")[2]] if "=" in argv[i] else argv[i + 1 : end]), end
+
+
 def check_values(args_class, argv: list[str]) -> None:
     """A ValueError in one sentence for a value the flag cannot take, or a computed size given as a flag."""
     hints, runtime = typing.get_type_hints(args_class), runtime_fields(args_class)
     i = 0
     while i < len(argv):
-        name, end = _flag_name(argv[i]), i + 1
-        while end < len(argv) and not argv[end].startswith("--"):
-            end += 1
+        name = _flag_name(argv[i])
+        values, end = flag_values(argv, i)
         if name in runtime:
             raise ValueError(f"--{name} is computed from the other flags at runtime, not set; see --help.")
         if name in hints and hints[name] is not bool:
-            values = [argv[i].partition("=")[2]] if "=" in argv[i] else argv[i + 1 : end]
             problem = _value_problem(name, hints[name], values)
             if problem:
                 raise ValueError(problem)
@@ -279,16 +293,14 @@ def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = N
     while i < len(argv):
         token, name = argv[i], _flag_name(argv[i])
         base = name[3:] if name.startswith("no_") and name[3:] in TRL_HARMLESS else name
-        end = i + 1
-        while end < len(argv) and not argv[end].startswith("--"):
-            end += 1  # the flag's values
+        values, end = flag_values(argv, i)
         if name and name not in known and base in TRL_HARMLESS:
             if notes is not None:
                 notes.append(f"--{name} (a TRL flag) is ignored: {TRL_HARMLESS[base]}.")
             i = end
             continue
         if name == "warmup_steps" and name not in known and "warmup_ratio" in known:
-            value = token.partition("=")[2] if "=" in token else " ".join(argv[i + 1 : end])
+            value = " ".join(values)
             try:
                 fraction = float(value)
             except ValueError:
