@@ -642,14 +642,7 @@ Final metrics:
 """
     final = "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items())
     resolved = f"\n## Configuration\n\n| flag | value |\n|---|---|\n{config}"
-    curves = None
-    try:  # optional: a copy without utils/plots.py writes its card without curves
-        from utils.plots import plot_curves
-
-        metrics_path = os.path.join("runs", args.run_name, "metrics.jsonl")
-        curves = plot_curves(metrics_path, os.path.join(args.output_dir, "curves.png"))
-    except ModuleNotFoundError:
-        pass
+    curves = utils.tracking.card_curves(os.path.join("runs", args.run_name, "metrics.jsonl"), args.output_dir)
     shown = "\n## Curves\n\n![training curves](curves.png)\n" if curves else ""
     with open(os.path.join(args.output_dir, "README.md"), "w") as f:
         f.write(card + final + shown + resolved)
@@ -851,10 +844,7 @@ def main(args: Args) -> None:
     saved, finished_rng = args.resume_from_checkpoint, None  # the last finished epoch's checkpoint, RNG
     metrics_path = os.path.join(run.run_dir, "metrics.jsonl")
     if is_main:  # one line an epoch; a resume keeps the lines up to its checkpoint's step
-        kept = []
-        if run.first_epoch and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= global_step]
+        kept = utils.tracking.logged_until(metrics_path, global_step) if run.first_epoch else []
         with open(metrics_path, "w") as f:
             f.writelines(kept)
     for epoch in tqdm(range(run.first_epoch, args.num_epochs), disable=not is_main):

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from utils.checkpoint import start_over
 from utils.loading import config_dropout_kept
+from utils.tracking import card_curves
 
 
 def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
@@ -52,14 +53,7 @@ def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: 
     if args is not None:
         metrics_path = os.path.join(getattr(args, "logging_dir", "runs"), str(getattr(args, "run_name", "")),
                                     "metrics.jsonl")  # fmt: skip
-        curves = None
-        try:  # optional: a copy without utils/plots.py writes its card without curves
-            from utils.plots import plot_curves
-
-            curves = plot_curves(metrics_path, os.path.join(output_dir, "curves.png"))
-        except ModuleNotFoundError:
-            pass
-        if curves:
+        if card_curves(metrics_path, output_dir):
             lines += ["## Curves", "", f"![training curves](curves.png) (from `{metrics_path}`)", ""]
         config = {name: str(value).replace("|", "\\|") for name, value in vars(args).items()}  # table-safe
         lines += ["## Configuration", "", f"<details><summary>every flag, as resolved ({len(config)})</summary>",

@@ -52,12 +52,7 @@ class Tracker:
             resumed = checkpoint.resumed_state()
             same = resumed.get("step") == start_step and resumed.get("run_name") == args.run_name
             count = resumed.get("metrics_lines") if same else None
-            with open(self.path) as f:
-                lines = [line for line in f if line.strip()]
-            if count is not None:
-                kept = lines[:count]
-            else:
-                kept = [line for line in lines if json.loads(line).get("step", 0) <= start_step]
+            kept = logged_until(self.path, start_step, count)
         with open(self.path, "w") as f:
             f.writelines(kept)
         self.writer = SummaryWriter(self.run_dir, purge_step=start_step + 1 if start_step else None)
@@ -124,6 +119,28 @@ class Tracker:
             import wandb
 
             wandb.finish()
+
+
+def logged_until(path: str, step: int, count: int | None = None) -> list[str]:
+    """The lines of a metrics.jsonl a resume at `step` keeps: the first `count` (what its checkpoint saw), or
+    without a count those logged at or before `step`."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    if count is not None:
+        return lines[:count]
+    return [line for line in lines if json.loads(line).get("step", 0) <= step]
+
+
+def card_curves(metrics_path: str, output_dir: str) -> bool:
+    """Draw `output_dir/curves.png` from a metrics.jsonl for the model card with the optional utils/plots.py;
+    False when a copy lacks that file or there is nothing to draw."""
+    try:
+        from utils.plots import plot_curves
+    except ModuleNotFoundError:
+        return False
+    return plot_curves(metrics_path, os.path.join(output_dir, "curves.png")) is not None
 
 
 # The metrics a console line and the curves show first, when a script logs them (docs/metrics.md).
