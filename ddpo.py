@@ -642,7 +642,14 @@ Final metrics:
 """
     final = "".join(f"- {name}: {value:.4g}\n" for name, value in metrics.items())
     resolved = f"\n## Configuration\n\n| flag | value |\n|---|---|\n{config}"
-    curves = utils.tracking.card_curves(os.path.join("runs", args.run_name, "metrics.jsonl"), args.output_dir)
+    curves = None
+    try:  # optional: a copy without utils/plots.py writes its card without curves, as utils/saving.py
+        from utils.plots import plot_curves
+
+        metrics_path = os.path.join("runs", args.run_name, "metrics.jsonl")
+        curves = plot_curves(metrics_path, os.path.join(args.output_dir, "curves.png"))
+    except ModuleNotFoundError:
+        pass
     shown = "\n## Curves\n\n![training curves](curves.png)\n" if curves else ""
     with open(os.path.join(args.output_dir, "README.md"), "w") as f:
         f.write(card + final + shown + resolved)

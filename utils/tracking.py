@@ -133,16 +133,6 @@ def logged_until(path: str, step: int, count: int | None = None) -> list[str]:
     return [line for line in lines if json.loads(line).get("step", 0) <= step]
 
 
-def card_curves(metrics_path: str, output_dir: str) -> bool:
-    """Draw `output_dir/curves.png` from a metrics.jsonl for the model card with the optional utils/plots.py;
-    False when a copy lacks that file or there is nothing to draw."""
-    try:
-        from utils.plots import plot_curves
-    except ModuleNotFoundError:
-        return False
-    return plot_curves(metrics_path, os.path.join(output_dir, "curves.png")) is not None
-
-
 # The metrics a console line and the curves show first, when a script logs them (docs/metrics.md).
 MAIN_METRICS = ("loss", "objective/rlhf_reward", "objective/scores", "reward", "accuracy", "rewards/accuracies",
                 "rewards/margins", "objective/kl", "kl", "objective/entropy", "entropy", "loss/policy_avg",
