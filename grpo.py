@@ -118,6 +118,24 @@ class Args:
     disable_dropout: bool = True
     """turn the policy's dropout off, so that the training forward's logprobs equal sampling's (TRL: False)"""
 
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters instead of every weight; the reference is then the policy with its adapter off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling alpha: the adapter's update is scaled by alpha / r"""
+    lora_dropout: float = 0.05
+    """dropout on the adapters' inputs (off with --disable_dropout, as TRL)"""
+    lora_target_modules: list[str] | None = None
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model"""
+    lora_modules_to_save: list[str] | None = None
+    """modules trained whole beside the adapters (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the update is scaled by alpha / sqrt(r)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA)"""
+
     # Sampling
     num_generations: int = 8
     """completions per prompt, the group (at least 2)"""
@@ -895,6 +913,9 @@ def setup(args: Args) -> Run:
         raise ValueError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
     if args.use_vllm:  # utils/vllm.py is optional: imported only with --use_vllm
         utils.run.optional_module("utils.vllm", "--use_vllm").check_args(args)
+    lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
+    if lora is not None:
+        lora.check_args(args, accelerator)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
@@ -928,12 +949,14 @@ def setup(args: Args) -> Run:
     policy = utils.loading.from_pretrained(
         AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
     )
-    if args.disable_dropout:
+    if lora is not None:
+        policy = lora.add_adapter(policy, args, args.seed)
+    if args.disable_dropout:  # after LoRA wrapping: the adapters' dropout goes too, as TRL
         utils.loading.disable_dropout(policy)
     # TRL 1.16 stops at the tokenizer's EOS and at every EOS id of the policy's generation_config.
     eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
     ref_policy = reward_model = None
-    if args.beta > 0:
+    if args.beta > 0 and lora is None:  # LoRA: the policy with its adapter off
         ref_policy = utils.loading.from_pretrained(
             AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
         )
@@ -950,6 +973,8 @@ def setup(args: Args) -> Run:
         engine = vllm_module.Engine(args, accelerator, args.model_name_or_path, longest)
     if ref_policy is not None:
         ref_policy = utils.run.bare(utils.run.prepare_frozen(ref_policy, accelerator))
+    elif args.beta > 0:
+        ref_policy = lora.AdapterOff(policy)
     if reward_model is not None:
         reward_model = utils.run.bare(utils.run.prepare_frozen(reward_model, accelerator))
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
@@ -1225,7 +1250,8 @@ def main(args: Args) -> None:
     progress.close()
 
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
-    utils.saving.save_model(
+    saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
+    saving.save_model(
         accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, {**metrics, **eval_metrics}
     )
     run.tracker.close()

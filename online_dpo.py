@@ -130,6 +130,24 @@ class Args:
     disable_dropout: bool = True
     """turn the policy's dropout off, so that the training forward's logprobs equal sampling's (TRL's default)"""
 
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters instead of every weight; the reference is then the policy with its adapter off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling alpha: the adapter's update is scaled by alpha / r"""
+    lora_dropout: float = 0.05
+    """dropout on the adapters' inputs (off with --disable_dropout, as TRL)"""
+    lora_target_modules: list[str] | None = None
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model"""
+    lora_modules_to_save: list[str] | None = None
+    """modules trained whole beside the adapters (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the update is scaled by alpha / sqrt(r)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA)"""
+
     # Sampling
     max_new_tokens: int = 64
     """tokens sampled per completion (then truncated after the EOS)"""
@@ -612,6 +630,9 @@ def setup(args: Args) -> Run:
         args, args.gradient_accumulation_steps, micro_batch_size=2 * args.per_device_train_batch_size
     )
     fill_sizes(args, accelerator.num_processes)
+    lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
+    if lora is not None:
+        lora.check_args(args, accelerator)
     if args.resume_from_checkpoint is None:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path
@@ -655,17 +676,22 @@ def setup(args: Args) -> Run:
     # ones in the policy's dtype.
     policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    ref_policy = None  # LoRA: the policy with its adapter off
+    if lora is None:
+        ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    else:
+        policy = lora.add_adapter(policy, args, args.seed)
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
-    for model in (policy, ref_policy) if args.disable_dropout else (ref_policy,):
-        utils.loading.disable_dropout(model)
+    for model in [policy, ref_policy] if args.disable_dropout else [ref_policy]:
+        if model is not None:
+            utils.loading.disable_dropout(model)
     # TRL 1.16 stops at the tokenizer's EOS and at every EOS id of the policy's generation_config.
     eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.trainer_optimizer(policy, args)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
+    ref_policy = lora.AdapterOff(policy) if lora else utils.run.prepare_frozen(ref_policy, accelerator)
     if reward_model is not None:
         reward_model = utils.run.prepare_frozen(reward_model, accelerator)
     scorer = None
@@ -912,9 +938,8 @@ def main(args: Args) -> None:
 
     # 7. Save the policy and a model card (every process takes part, so ZeRO-3 can gather its shards).
     algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
-    utils.saving.save_model(
-        accelerator, policy, run.tokenizer, args, algorithm, args.model_name_or_path, metrics
-    )
+    saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
+    saving.save_model(accelerator, policy, run.tokenizer, args, algorithm, args.model_name_or_path, metrics)
     run.tracker.close()
     utils.run.end_run(accelerator)
 

@@ -85,6 +85,24 @@ class Args:
     gradient_checkpointing: bool = False
     """gradient checkpointing in the policy and the critic"""
 
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters instead of every weight; the reference is then the policy with its adapter off (the critic trains whole, as TRL)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling alpha: the adapter's update is scaled by alpha / r"""
+    lora_dropout: float = 0.05
+    """dropout on the adapters' inputs (off with --disable_dropout, as TRL)"""
+    lora_target_modules: list[str] | None = None
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model"""
+    lora_modules_to_save: list[str] | None = None
+    """modules trained whole beside the adapters (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the update is scaled by alpha / sqrt(r)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA)"""
+
     # Models and data
     model_name_or_path: str | None = None
     """the policy's tokenizer, and its weights unless --sft_model_path"""
@@ -709,6 +727,9 @@ def setup(args: Args) -> Run:
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
+    lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
+    if lora is not None:
+        lora.check_args(args, accelerator)
     reward_fn = utils.scoring.load_reward_fn(args.reward_fn) if args.reward_fn else None
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("models", args.run_name)
@@ -759,7 +780,11 @@ def setup(args: Args) -> Run:
     set_seed(args.seed)
     rank = accelerator.process_index
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    ref_policy = None  # LoRA: the policy with its adapter off; the critic trains whole, as TRL's
+    if lora is None:
+        ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    else:
+        policy = lora.add_adapter(policy, args, args.seed)
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     same_tokens = reward_tokenizer is None or utils.scoring.same_tokenizer(tokenizer, reward_tokenizer)
@@ -781,7 +806,7 @@ def setup(args: Args) -> Run:
             f"{critic_flag} {critic_path} has {critic_rows} token embeddings, fewer than the policy's "
             f"{policy_rows}; the critic reads the policy's tokens, so give it the policy's tokenizer."
         )
-    for m in (policy, ref_policy, critic) + ((reward_model,) if reward_model else ()):
+    for m in [m for m in (policy, ref_policy, critic, reward_model) if m is not None]:
         utils.loading.disable_dropout(m)  # so that recomputed logprobs equal sampling's
         if getattr(m.config, "pad_token_id", None) is None:
             m.config.pad_token_id = tokenizer.pad_token_id
@@ -790,7 +815,10 @@ def setup(args: Args) -> Run:
     model = PolicyAndValue(policy, critic)
     optimizer = utils.run.trainer_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
+    if lora is not None:
+        ref_policy = lora.AdapterOff(utils.run.bare(model).policy)
+    else:
+        ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length
     engine = None
     if args.use_vllm:
@@ -1017,9 +1045,8 @@ def main(args: Args) -> dict:
         run.checkpointer.maybe_save(update, **run.checkpointed, state=checkpoint_state)
 
     # 7. Save the policy alone (no value head), with its tokenizer and a model card.
-    utils.saving.save_model(
-        accelerator, model, run.tokenizer, args, "PPO", run.policy_path, metrics, "policy"
-    )
+    saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
+    saving.save_model(accelerator, model, run.tokenizer, args, "PPO", run.policy_path, metrics, "policy")
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)
     return metrics

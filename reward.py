@@ -143,6 +143,26 @@ class Args:
     bf16: bool = False
     """bfloat16 mixed precision (without it: the accelerate config's choice)"""
 
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters instead of every weight (the score head trains whole)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling alpha: the adapter's update is scaled by alpha / r"""
+    lora_dropout: float = 0.05
+    """dropout on the adapters' inputs (off with --disable_dropout, as TRL)"""
+    lora_target_modules: list[str] | None = None
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model"""
+    lora_modules_to_save: list[str] | None = None
+    """modules trained whole beside the adapters (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the update is scaled by alpha / sqrt(r)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA)"""
+    lora_task_type: Literal["SEQ_CLS"] = "SEQ_CLS"
+    """peft's task type: a reward model is a sequence classifier (TRL's default, CAUSAL_LM, would not train the head)"""
+
     # Logging
     logging_steps: int = 10
     """log training metrics every this many optimizer steps"""
@@ -437,6 +457,9 @@ def setup(args: Args) -> Run:
 
     ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
     accelerator = utils.run.make_accelerator(args, ga, micro)
+    lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
+    if lora is not None:
+        lora.check_args(args, accelerator)
     set_seed(args.seed)
     fill_sizes(args, accelerator.num_processes)  # before the checkpointer, which records the batch size
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -452,12 +475,15 @@ def setup(args: Args) -> Run:
     # A sequence classifier with one label: a causal LM gets a newly initialised score head.
     model = load_reward_model(args.model_name_or_path, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if lora is not None:  # the score head trains whole beside the adapters (SEQ_CLS)
+        model = lora.add_adapter(model, args, args.seed, task_type=args.lora_task_type)
     if args.disable_dropout:
         utils.loading.disable_dropout(model)
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = utils.run.adamw(
-        model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay
+        trained, lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay
     )
     score_model, optimizer = accelerator.prepare(ScoreModel(model), optimizer)
     eval_loader = None
@@ -595,9 +621,13 @@ def main(args: Args) -> None:
     # 7. Save: every process takes part (ZeRO-3 gathers the weights), then the score is normalised.
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
+    classifier = accelerator.unwrap_model(model).model
+    if args.use_peft:  # the adapter to --output_dir/adapter, the merged classifier to --output_dir
+        lora = utils.run.optional_module("utils.lora", "--use_peft")
+        classifier = lora.save_adapter_and_merge(accelerator, classifier, args.output_dir)
+        state_dict = {"model." + key: value for key, value in classifier.state_dict().items()}
     if is_main:
         state_dict = {key.removeprefix("model."): value for key, value in state_dict.items()}
-        classifier = accelerator.unwrap_model(model).model
         save_reward_model(classifier, args.output_dir, state_dict, save_function=accelerator.save)
         run.tokenizer.save_pretrained(args.output_dir)
     accelerator.wait_for_everyone()

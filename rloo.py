@@ -125,6 +125,24 @@ class Args:
     disable_dropout: bool = True
     """turn the policy's dropout off, so that the training forward's logprobs equal sampling's (TRL: False)"""
 
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters instead of every weight; the reference is then the policy with its adapter off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling alpha: the adapter's update is scaled by alpha / r"""
+    lora_dropout: float = 0.05
+    """dropout on the adapters' inputs (off with --disable_dropout, as TRL)"""
+    lora_target_modules: list[str] | None = None
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model"""
+    lora_modules_to_save: list[str] | None = None
+    """modules trained whole beside the adapters (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the update is scaled by alpha / sqrt(r)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA)"""
+
     # Sampling
     rloo_k: int | None = None
     """completions per prompt (at least 2); None: 2"""
@@ -695,6 +713,9 @@ def setup(args: Args) -> Run:
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
+    lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
+    if lora is not None:
+        lora.check_args(args, accelerator)
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     reward_fns = [
@@ -746,10 +767,15 @@ def setup(args: Args) -> Run:
 
     # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
-    ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    ref_policy = None  # LoRA: the policy with its adapter off
+    if lora is None:
+        ref_policy = utils.loading.from_pretrained(AutoModelForCausalLM, policy_path, policy_flag)
+    else:
+        policy = lora.add_adapter(policy, args, args.seed)
     reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
-    for model in (policy, ref_policy) if args.disable_dropout else (ref_policy,):
-        utils.loading.disable_dropout(model)
+    for model in [policy, ref_policy] if args.disable_dropout else [ref_policy]:
+        if model is not None:
+            utils.loading.disable_dropout(model)
     # --stop_token eos: the tokenizer's EOS and every EOS id of the policy's generation_config (TRL 1.16).
     eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
     stop_token_ids = eos_ids if args.stop_token == "eos" else None
@@ -759,7 +785,7 @@ def setup(args: Args) -> Run:
         utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.trainer_optimizer(policy, args)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    ref_policy = utils.run.prepare_frozen(ref_policy, accelerator)
+    ref_policy = lora.AdapterOff(policy) if lora else utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length
     engine = None
     if args.use_vllm:
@@ -977,7 +1003,8 @@ def main(args: Args) -> dict:
         )
 
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
-    utils.saving.save_model(accelerator, policy, run.tokenizer, args, "RLOO", run.policy_path, metrics)
+    saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
+    saving.save_model(accelerator, policy, run.tokenizer, args, "RLOO", run.policy_path, metrics)
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)
     return metrics

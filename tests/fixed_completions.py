@@ -169,3 +169,41 @@ def assert_same_steps(ours: list[dict], theirs: list[dict], start: dict, rel=2e-
             assert gap <= rel * update + 1e-7, (
                 f"step {step}: {name}: |ours - TRL's| {gap:.3g}, TRL's update {update:.3g}"
             )
+
+
+LORA = dict(lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj", "up_proj"])
+
+
+def trl_lora(trainer_module, flags: dict):
+    """TRL's peft_config for the LoRA flags popped from `flags` (None without them); TRL's get_peft_model seeded
+    with --seed, as utils.lora.add_adapter does, so both sides start from the same adapter."""
+    import torch
+    from peft import LoraConfig
+
+    lora = {key: flags.pop(key) for key in list(flags) if key.startswith("lora_")}
+    if not lora:
+        return None
+    original, seed = trainer_module.get_peft_model, flags["seed"]
+
+    def seeded(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return original(*args, **kwargs)
+
+    trainer_module.get_peft_model = seeded
+    return LoraConfig(task_type="CAUSAL_LM", r=lora["lora_r"], lora_alpha=lora["lora_alpha"],
+                      lora_dropout=lora["lora_dropout"], target_modules=lora["lora_target_modules"])  # fmt: skip
+
+
+def lora_start(policy_path, seed: int) -> dict:
+    """The trained parameters of `policy_path` with LORA's adapter as utils.lora.add_adapter starts it."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    import utils.lora
+
+    flags = types.SimpleNamespace(**LORA, lora_modules_to_save=None, use_rslora=False, use_dora=False,
+                                  gradient_checkpointing=False)  # fmt: skip
+    model = utils.lora.add_adapter(AutoModelForCausalLM.from_pretrained(policy_path), flags, seed)
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}

@@ -82,10 +82,10 @@ def ours(lab, out, flags: dict, steps: int, nproc: int = 1):
     argv = ["tests/fixed_run.py", "grpo.py", "--model_name_or_path", str(lab / "policy"),
             "--dataset_name", str(lab / "prompts.jsonl"), "--reward_funcs", f"{lab / 'reward.py'}:shape",
             "--num_generations", str(G), "--max_completion_length", str(R), "--temperature", str(T),
-            "--learning_rate", str(LR), "--max_steps", str(steps), "--output_dir", str(out / "model"),
+            "--max_steps", str(steps), "--output_dir", str(out / "model"),
             "--logging_dir", str(out / "runs"), "--run_name", "ours", "--num_sample_generations", "0"]  # fmt: skip
-    for key, value in {**SHARED, **flags}.items():
-        argv += [f"--{key}", str(value)]
+    for key, value in {"learning_rate": LR, **SHARED, **flags}.items():
+        argv += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
     env = {"FIXED_COMPLETIONS": str(out / "counter"), "STEPS_OUT": str(out / "steps")}
     (out / "counter").mkdir(parents=True)
     if nproc == 1:
@@ -117,17 +117,19 @@ def build_trainer(spec: dict):
     module_spec = importlib.util.spec_from_file_location("reward", f"{lab}/reward.py")
     reward = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(reward)
+    peft_config = fixed_completions.trl_lora(trl.trainer.grpo_trainer, flags)
     config = trl.GRPOConfig(
         output_dir=f"{out}/trl", use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        num_generations=G, max_completion_length=R, temperature=T, learning_rate=LR, max_steps=spec["steps"],
+        num_generations=G, max_completion_length=R, temperature=T, max_steps=spec["steps"],
         logging_steps=1, disable_dropout=True, gradient_checkpointing=False,
-        **{"lr_scheduler_type": "linear", "warmup_steps": 0, "weight_decay": 0.0, "optim": "adamw_torch", **flags},
+        **{"learning_rate": LR, "lr_scheduler_type": "linear", "warmup_steps": 0, "weight_decay": 0.0, "optim": "adamw_torch", **flags},
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
         model=f"{lab}/policy",
         reward_funcs=[reward.shape],
         args=config,
         train_dataset=load_dataset("json", data_files=f"{lab}/prompts.jsonl", split="train"),
+        peft_config=peft_config,
     )
     counter = f"{out}/trl_counter"
     os.makedirs(counter, exist_ok=True)
@@ -185,3 +187,20 @@ def test_two_processes_equal_trls(lab, tmp_path):
     trl_steps, trl_log = theirs(trl_spec(lab, tmp_path, flags, 2), nproc=2)
     assert_same_metrics(our_log, trl_log, one_micro_batch=False)
     assert_same_steps(our_steps, trl_steps, weights(lab / "policy"))
+
+
+def test_lora_equals_trls(lab, tmp_path):
+    """--use_peft against GRPOTrainer(peft_config=...): the adapter alone trained, the reference the policy with
+    its adapter off; the second iteration's KL (beta 0.2) is taken after a step moved the adapter."""
+    flags = dict(loss_type="grpo", beta=0.2, per_device_train_batch_size=8, num_iterations=2, learning_rate=LR * 3,
+                 adam_epsilon=1e-6,  # rounding in near-0 gradients of a fresh lora_B is not a whole AdamW step
+                 use_peft=True, **fixed_completions.LORA)  # fmt: skip
+    our_steps, our_log = ours(lab, tmp_path / "ours", flags, 4)
+    trl_flags = {key: value for key, value in flags.items() if key != "use_peft"}
+    trl_steps, trl_log = theirs(trl_spec(lab, tmp_path, trl_flags, 4))
+    assert_same_metrics(our_log, trl_log, one_micro_batch=True)
+    start = fixed_completions.lora_start(lab / "policy", SHARED["seed"])
+    assert all(".lora_" in name for name in our_steps[0])  # the base's weights are not trained
+    assert_same_steps(our_steps, trl_steps, start)
+    assert all((our_steps[-1][n] - start[n]).abs().max() > LR for n in start)
+    assert our_log[0]["kl"] == 0 and our_log[1]["kl"] > 1e-6, [line["kl"] for line in our_log]

@@ -265,12 +265,12 @@ TRL_HARMLESS = {
     "num_completions_to_print": "tables of sample completions show a few rows",
 }
 TRL_REFUSED = {
-    "use_peft": "LoRA is only in sft.py and dpo.py",
-    "lora_r": "LoRA is only in sft.py and dpo.py",
-    "lora_alpha": "LoRA is only in sft.py and dpo.py",
-    "lora_dropout": "LoRA is only in sft.py and dpo.py",
-    "lora_task_type": "LoRA is only in sft.py and dpo.py",
-    "lora_target_modules": "LoRA is only in sft.py and dpo.py",
+    "use_peft": "LoRA is in sft.py, dpo.py, reward.py, ppo.py, rloo.py, grpo.py and online_dpo.py",
+    "lora_r": "LoRA is in sft.py, dpo.py, reward.py, ppo.py, rloo.py, grpo.py and online_dpo.py",
+    "lora_alpha": "LoRA is in sft.py, dpo.py, reward.py, ppo.py, rloo.py, grpo.py and online_dpo.py",
+    "lora_dropout": "LoRA is in sft.py, dpo.py, reward.py, ppo.py, rloo.py, grpo.py and online_dpo.py",
+    "lora_task_type": "the task type follows the script: CAUSAL_LM for a policy, SEQ_CLS in reward.py",
+    "lora_target_modules": "LoRA is in sft.py, dpo.py, reward.py, ppo.py, rloo.py, grpo.py and online_dpo.py",
     "load_in_4bit": "quantized training is not supported",
     "load_in_8bit": "quantized training is not supported",
     "fp16": "fp16 is not supported; use --bf16",

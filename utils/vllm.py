@@ -180,7 +180,14 @@ class Engine:
         together (ZeRO-3 gathers the shards)."""
         with gathered_for_generation(model, accelerator) as bare:
             policy = getattr(bare, attribute) if attribute else bare
-            weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
+            state = policy.state_dict()
+            if hasattr(
+                policy, "peft_config"
+            ):  # LoRA (utils/lora.py): the adapter merged in, the base's names
+                from utils.lora import merged_state_dict
+
+                state = merged_state_dict(policy)
+            weights = [(name, tensor.detach()) for name, tensor in state.items()]
             # not load_weights: the CPU backend repacks linear weights only in reload_weights
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
