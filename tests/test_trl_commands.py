@@ -270,8 +270,8 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
     for args_class, argv, message in [
         (
             online_dpo.Args,
-            ["--use_peft"],
-            "--use_peft (a TRL flag) means nothing here: LoRA is only in sft.py and dpo.py.",
+            ["--lora_task_type", "SEQ_CLS"],
+            "--lora_task_type (a TRL flag) means nothing here: the task type follows the script",
         ),
         (online_dpo.Args, ["--fp16"], "use --bf16"),
         (dpo.Args, ["--warmup_steps", "100"], "--warmup_steps 100: give the warmup as a fraction"),
@@ -307,12 +307,11 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
 
 
 def test_a_refused_trl_flag_is_one_line(tmp_path):
-    proc = run_script(
-        ["reward.py", "--use_peft", "--lora_task_type", "SEQ_CLS"], cwd=ROOT, check=False, timeout=120
-    )
+    proc = run_script(["ilql.py", "--use_peft", "--lora_r", "8"], cwd=ROOT, check=False, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "reward.py: error: --use_peft (a TRL flag) means nothing here: LoRA is only in sft.py and dpo.py."
+        "ilql.py: error: --use_peft (a TRL flag) means nothing here: LoRA is in sft.py, dpo.py, reward.py, "
+        "ppo.py, rloo.py, grpo.py and online_dpo.py."
     )
 
 

@@ -266,6 +266,41 @@ def test_engine_weights_follow_the_policy_after_updates(lab):
         engine.sync_weights(model, lab.accelerator)
 
 
+@needs_vllm
+def test_engine_gets_the_merged_weights_of_a_lora_policy(lab):
+    """A LoRA policy (utils/lora.py) syncs base + B A * scale under the base's names: the engine's logprobs equal
+    the adapted policy's, and the policy's own base weights are left as they were."""
+    import copy
+
+    import utils.lora
+
+    flags = types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"],
+                                  lora_modules_to_save=None, use_rslora=False, use_dora=False,
+                                  gradient_checkpointing=False)  # fmt: skip
+    policy = utils.lora.add_adapter(copy.deepcopy(lab.model), flags, seed=0).eval()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    base = {k: v.clone() for k, v in policy.state_dict().items() if "base_layer" in k}
+    text = prompts(2, seed=5)
+    try:
+        lab.engine.sync_weights(policy, lab.accelerator)
+        for ids, engine_logprobs in zip(text, lab.engine.sequence_logprobs(text)):
+            ids = torch.tensor(ids)[None]
+            with torch.no_grad():
+                logits = policy(input_ids=ids).logits[:, :-1]
+                expected = utils.logprobs.logprobs_from_logits(logits, ids[:, 1:])[0]
+                plain = utils.logprobs.logprobs_from_logits(
+                    lab.model(input_ids=ids).logits[:, :-1], ids[:, 1:]
+                )[0]
+            assert (engine_logprobs - expected).abs().max() < 1e-4
+            assert (plain - expected).abs().max() > 1e-2  # the adapter shows
+        assert all(torch.equal(v, policy.state_dict()[k]) for k, v in base.items())
+    finally:
+        lab.engine.sync_weights(lab.model, lab.accelerator)
+
+
 # -------------------------------------------------------------------------------------- the scripts with --use_vllm
 KEY_WORDS_REWARD = """
 KEYS = set({keys!r})

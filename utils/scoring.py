@@ -39,6 +39,7 @@ from utils.logprobs import position_ids_from_mask
 # ----------------------------------------------------------------------------------------------------------------
 def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, head) of a one-label sequence classifier, to score every token."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA model (peft)
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if backbone is None or head is None:
