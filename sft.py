@@ -153,7 +153,7 @@ class Args:
     lora_dropout: float = 0.05
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
-    """module names to adapt; None: every linear layer except the output head"""
+    """modules given adapters (e.g. q_proj v_proj, or all-linear); None: peft's default for the model, as TRL"""
 
     # Logging
     logging_steps: int = 10
@@ -471,7 +471,8 @@ def setup(args: Args) -> Run:
             raise ValueError("--use_peft merges the adapters when saving, which ZeRO-3 cannot; use ZeRO-2.")
         if args.gradient_checkpointing:
             policy.enable_input_require_grads()  # frozen embeddings must still pass gradients to checkpoints
-        targets = args.lora_target_modules or "all-linear"
+        targets = args.lora_target_modules
+        targets = "all-linear" if targets == ["all-linear"] else targets
         lora = LoraConfig(
             r=args.lora_r,
             lora_alpha=args.lora_alpha,

@@ -957,6 +957,36 @@ def versions(python: str, names: list[str]) -> dict:
     return json.loads(result.stdout)
 
 
+def ensure_world(args: Args, work: str) -> str:
+    """The world of --preset's sizes in `work`/world, built (tiny_world.py or shape_world.py) unless it is there."""
+    toy, world = args.preset == "toy", os.path.join(work, "world")
+    size = ["--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers),
+            "--intermediate_size", str(args.intermediate_size), "--num_heads", str(args.num_heads)]  # fmt: skip
+    world_config = os.path.join(world, "world.json")
+    wanted = {
+        "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers,
+        "intermediate_size": args.intermediate_size,
+        "num_heads": args.num_heads,
+    }
+    if not toy:
+        wanted |= {"vocab_size": args.vocab_size, "prompt_length": args.prompt_length,
+                   "response_length": args.response_length}  # fmt: skip
+        size += [
+            f"--{k}={v}"
+            for k, v in wanted.items()
+            if k not in ("hidden_size", "num_layers", "intermediate_size", "num_heads")
+        ]
+    if not os.path.exists(world_config) or any(
+        json.load(open(world_config)).get(k) != v for k, v in wanted.items()
+    ):
+        builder = "tiny_world.py" if toy else "shape_world.py"
+        print(f"building the world in {world} ({builder})", flush=True)
+        subprocess.run([sys.executable, os.path.join(HERE, builder), "--output_dir", world, *size],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return world
+
+
 def main(args: Args) -> dict:
     args = resolve(args)
     toy = args.preset == "toy"
@@ -984,31 +1014,7 @@ def main(args: Args) -> dict:
                 f"--{name} {path} does not exist; create the TRL environment (requirements-trl.txt)."
             )
     work = os.path.abspath(args.work_dir)
-    world = os.path.join(work, "world")
-    size = ["--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers),
-            "--intermediate_size", str(args.intermediate_size), "--num_heads", str(args.num_heads)]  # fmt: skip
-    world_config = os.path.join(world, "world.json")
-    wanted = {
-        "hidden_size": args.hidden_size,
-        "num_layers": args.num_layers,
-        "intermediate_size": args.intermediate_size,
-        "num_heads": args.num_heads,
-    }
-    if not toy:
-        wanted |= {"vocab_size": args.vocab_size, "prompt_length": args.prompt_length,
-                   "response_length": args.response_length}  # fmt: skip
-        size += [
-            f"--{k}={v}"
-            for k, v in wanted.items()
-            if k not in ("hidden_size", "num_layers", "intermediate_size", "num_heads")
-        ]
-    if not os.path.exists(world_config) or any(
-        json.load(open(world_config)).get(k) != v for k, v in wanted.items()
-    ):
-        builder = "tiny_world.py" if toy else "shape_world.py"
-        print(f"building the world in {world} ({builder})", flush=True)
-        subprocess.run([sys.executable, os.path.join(HERE, builder), "--output_dir", world, *size],
-                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    world = ensure_world(args, work)
     runs = {a: {s: [] for s in sides} for a in algorithms}
     failures, specs = [], {}
     started = time.time()

@@ -154,3 +154,24 @@ def test_impossible_lora_flags_are_one_sentence():
         utils.lora.check_args(types.SimpleNamespace(use_vllm=False, use_dora=False, lora_r=4), zero3)
     with pytest.raises(ValueError, match=r"^--lora_r 0: the rank must be at least 1\.$"):
         utils.lora.check_args(types.SimpleNamespace(use_vllm=False, use_dora=False, lora_r=0), plain)
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo", "reward", "ppo", "rloo", "grpo", "online_dpo"])
+def test_lora_flags_default_to_trls_model_config(script):
+    """Every LoRA flag a script shares with TRL 1.16's ModelConfig has its default (reward.py's task type aside:
+    a reward model is a sequence classifier, docs/lora.md)."""
+    import dataclasses
+    import importlib
+
+    import trl
+
+    ours = {f.name: f.default for f in dataclasses.fields(importlib.import_module(script).Args)}
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.ModelConfig)}
+    shared = [
+        n
+        for n in ours
+        if n in theirs and (n.startswith("lora_") or n in ("use_peft", "use_rslora", "use_dora"))
+    ]
+    assert {"use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"} <= set(shared)
+    differ = {n: (ours[n], theirs[n]) for n in shared if ours[n] != theirs[n]}
+    assert differ == ({"lora_task_type": ("SEQ_CLS", "CAUSAL_LM")} if script == "reward" else {})
