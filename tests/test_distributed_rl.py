@@ -128,6 +128,26 @@ def test_one_process_ddp_zero2_zero3_agree_at_equal_global_batch(script, runs):
             torch.testing.assert_close(weights[name], value, rtol=0, atol=5e-4)
 
 
+def test_lora_one_process_ddp_zero2_agree(runs):
+    """rloo.py with --use_peft: the adapter's steps and the KL to the adapter-off reference the same on one
+    process, DDP and ZeRO-2 (ZeRO-3 is refused: the merged save needs whole weights)."""
+    lora = ("--use_peft", "--lora_target_modules", "q_proj", "v_proj")
+    reference_out, reference = runs("rloo.py", "one", *lora)
+    reference_weights = load_file(reference_out / "model.safetensors")
+    for launch in ("ddp", "zero2"):
+        out, metrics = runs("rloo.py", launch, *lora)
+        assert len(metrics) == len(reference) == UPDATES
+        for step, (expected, got) in enumerate(zip(reference, metrics), 1):
+            for name in COMPARED:
+                if name in expected:
+                    assert got[name] == pytest.approx(expected[name], **TOLERANCE), (launch, step, name)
+        weights = load_file(out / "model.safetensors")
+        for name, value in reference_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=5e-4)
+        assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert reference[-1]["objective/kl"] != 0  # the reference is not the adapted policy
+
+
 @pytest.mark.parametrize(
     "script,launch",
     [("ppo.py", "one"), ("rloo.py", "zero2"), pytest.param("rloo.py", "one", marks=pytest.mark.slow),
