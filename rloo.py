@@ -46,7 +46,6 @@ import utils.saving
 import utils.scoring
 import utils.stats
 import utils.tracking
-import utils.trl_flags
 
 
 @dataclass
@@ -537,7 +536,28 @@ TRL_DEFAULTS = {
 
 def flag(args: Args, name: str) -> str:
     """`--name` in the command line's TRL version."""
-    return utils.trl_flags.flag_name(name, TRL_RENAMED, args.dialect, VERSIONS)
+    return f"--{TRL_RENAMED.get(name, name) if args.dialect == '1.16' else name}"
+
+
+def trl1_flags_given(args: Args) -> list[str]:
+    """The TRL 1.16 names set on the command line (None, or False for a switch: not set)."""
+    values = {name: getattr(args, name) for name in (*TRL_RENAMED.values(), *TRL1_ONLY)}
+    return [name for name, value in values.items() if value is not None and value is not False]
+
+
+def read_trl019_flags(args: Args) -> Args:
+    """A command line of TRL 0.19's flags alone: its defaults for the flags not given, nothing translated."""
+    for name, (default, _) in TRL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for old, new in TRL_RENAMED.items():
+        setattr(args, new, getattr(args, old))  # so the logged flags agree
+    if args.reward_fn is not None:
+        args.reward_funcs = [args.reward_fn]
+    if args.reward_clip_range is None:
+        args.reward_clip_range = (10.0,)
+    args.dialect = "0.19"
+    return args
 
 
 def read_trl_flags(args: Args) -> Args:
@@ -549,8 +569,16 @@ def read_trl_flags(args: Args) -> Args:
         raise ValueError(f"--reward_clip_range takes one value or two (min <= max), got {clip}.")
     two_values = clip is not None and len(clip) == 2
     choice = "1.16" if args.trl_defaults == "auto" and two_values else args.trl_defaults
-    version = utils.trl_flags.speaks(args, TRL_RENAMED, TRL1_ONLY, choice, VERSIONS)
-    utils.trl_flags.read_sizes(args)
+    newer = trl1_flags_given(args)
+    if choice != "1.16" and not newer:
+        return read_trl019_flags(args)
+    # utils/trl_flags.py is optional: imported only for a command line that speaks TRL 1.16
+    named = f"--{newer[0]} (a TRL 1.16 flag)" if newer else "--trl_defaults 1.16"
+    if not newer and args.trl_defaults != "1.16":
+        named = "--reward_clip_range with two values (TRL 1.16)"
+    trl_flags = utils.run.optional_module("utils.trl_flags", named)
+    version = trl_flags.speaks(args, TRL_RENAMED, TRL1_ONLY, choice, VERSIONS)
+    trl_flags.read_sizes(args)
     if args.normalize_advantage and args.normalize_advantages:
         raise ValueError(
             "--normalize_advantage (TRL 0.19) and --normalize_advantages (TRL 1.16) normalize the "
@@ -571,8 +599,7 @@ def read_trl_flags(args: Args) -> Args:
             "--reward_fn (TRL 0.19, one function) and --reward_funcs (TRL 1.16) both name reward "
             "functions; put them all in --reward_funcs."
         )
-    newer = utils.trl_flags.newer_flags(args, TRL_RENAMED, TRL1_ONLY)
-    changed = utils.trl_flags.resolve(args, TRL_RENAMED, TRL_DEFAULTS, version, VERSIONS)
+    changed = trl_flags.resolve(args, TRL_RENAMED, TRL_DEFAULTS, version, VERSIONS)
     if args.reward_fn is not None:
         args.reward_funcs = [args.reward_fn]
     if version == "1.16" and args.stop_token is None and args.stop_token_id is None:
@@ -594,7 +621,7 @@ def read_trl_flags(args: Args) -> Args:
             reason = (
                 "--trl_defaults 1.16" if args.trl_defaults == "1.16" else "--reward_clip_range has two values"
             )
-        utils.trl_flags.say_changed_defaults(changed, reason, TRL_RENAMED, VERSIONS)
+        trl_flags.say_changed_defaults(changed, reason, TRL_RENAMED, VERSIONS)
     args.dialect = version
     return args
 
@@ -629,7 +656,10 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError("pass the policy to train with --sft_model_path or --model_name_or_path.")
     if args.stop_token is not None and args.stop_token_id is not None:
         raise ValueError("pass only one of --stop_token and --stop_token_id.")
-    args.world_size, args.num_mini_batches = world_size, utils.trl_flags.mini_batches(args, world_size)
+    args.world_size = world_size
+    if args.generation_batch_size is not None:  # TRL 1.16
+        trl_flags = utils.run.optional_module("utils.trl_flags", "--generation_batch_size (a TRL 1.16 flag)")
+        args.num_mini_batches = trl_flags.mini_batches(args, world_size)
     args.local_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     )
@@ -655,7 +685,8 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         if args.max_steps is not None:  # TRL 1.16: whole updates
             steps_per_update = args.num_ppo_epochs * args.num_mini_batches
             updates_per_epoch = num_prompts // prompts_per_update
-            args.num_total_batches = utils.trl_flags.num_updates(
+            trl_flags = utils.run.optional_module("utils.trl_flags", "--max_steps (a TRL 1.16 flag)")
+            args.num_total_batches = trl_flags.num_updates(
                 args.max_steps, args.num_train_epochs, updates_per_epoch, steps_per_update
             )
             return args

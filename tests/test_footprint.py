@@ -1,8 +1,11 @@
 """The copy footprint: what a copy of each script carries from utils/, printed, and stated in the README."""
 
+import shutil
+
+import pytest
 import readability
 
-from conftest import ROOT
+from conftest import ROOT, run_script
 
 
 def test_readme_states_each_scripts_copy_footprint():
@@ -55,3 +58,66 @@ def test_vllm_is_optional_for_the_scripts_that_sample_with_it():
     for script in ("rloo", "ppo", "grpo"):
         assert "utils/vllm.py" not in readability.footprint(ROOT, ROOT / f"{script}.py"), script
         assert "utils/vllm.py" in readability.optional(ROOT, ROOT / f"{script}.py"), script
+
+
+OPTIONAL_MODULES = (
+    "utils/lora.py",
+    "utils/plots.py",
+    "utils/reward_tokenizer.py",
+    "utils/trl_flags.py",
+    "utils/vllm.py",
+)
+
+
+def test_no_core_imports_an_optional_module():
+    """The optional modules stay out of every script's core (imports point down: optional on core, never back)."""
+    for script in readability.SCRIPTS:
+        core = readability.footprint(ROOT, ROOT / f"{script}.py")
+        assert not set(OPTIONAL_MODULES) & set(core), script
+
+
+@pytest.fixture(scope="module")
+def core_copy(world, tmp_path_factory):
+    """rloo.py copied with its core alone (no optional module), and a default tiny run of it that trained."""
+    out = tmp_path_factory.mktemp("core_copy")
+    shutil.copy(ROOT / "rloo.py", out / "rloo.py")
+    (out / "utils").mkdir()
+    for module in readability.footprint(ROOT, ROOT / "rloo.py"):
+        shutil.copy(ROOT / module, out / module)
+    flags = [
+        "--sft_model_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
+        "--dataset_name", str(world / "dataset"), "--dataset_train_split", "sft", "--rloo_k", "2",
+        "--per_device_train_batch_size", "4", "--total_episodes", "8", "--response_length", "8",
+        "--num_sample_generations", "0", "--logging_dir", str(out / "runs"), "--run_name", "run",
+    ]  # fmt: skip
+    run_script(["rloo.py", *flags, "--output_dir", str(out / "trained")], cwd=out)
+    return out, flags
+
+
+@pytest.mark.parametrize(
+    "module, asked, says",
+    [
+        ("utils/trl_flags.py", ["--num_generations", "2"], "--num_generations (a TRL 1.16 flag) needs"),
+        ("utils/reward_tokenizer.py", ["--reward_tokenizer_path", "OTHER"], "a reward model with another"),
+        ("utils/lora.py", ["--use_peft"], "--use_peft needs"),
+    ],
+)
+def test_copy_without_an_optional_module_names_it_when_asked(core_copy, world, module, asked, says):
+    """A copy of rloo.py with its core alone ran a default tiny training (core_copy); asked for the feature of a
+    module it lacks (a TRL 1.16 flag; a reward tokenizer other than the policy's), it exits 2 with one line
+    naming the file to copy."""
+    from transformers import AutoTokenizer
+
+    out, flags = core_copy
+    assert not (out / module).exists() and (out / "trained" / "config.json").exists()
+    if "OTHER" in asked:  # the policy's vocabulary with another EOS: not the same tokenizer
+        other = AutoTokenizer.from_pretrained(world / "policy")
+        other.eos_token = "<|pad|>"
+        other.save_pretrained(out / "other_tokenizer")
+        asked = [str(out / "other_tokenizer") if a == "OTHER" else a for a in asked]
+    proc = run_script(["rloo.py", *flags, *asked, "--output_dir", str(out / "asked")], cwd=out, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr
+    assert last.startswith(f"rloo.py: error: {says}"), last
+    assert f"needs {module}, which this copy lacks" in last, last
+    assert "copy it" in last and "Traceback" not in proc.stderr, proc.stderr

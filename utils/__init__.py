@@ -17,8 +17,13 @@ Plumbing one can skip on a first read:
     utils/tracking.py    metrics (TensorBoard, metrics.jsonl, W&B), sample tables, the non-finite guard
     utils/loading.py     models and tokenizers from the hub or a folder
     utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits
-    utils/trl_flags.py   TRL 0.19 / 1.16 command lines of rloo.py
-    utils/vllm.py        the colocated vLLM engine (optional: imported only with --use_vllm)
+
+Optional, imported only on the path that needs it (a copy without one says which file to copy):
+    utils/trl_flags.py   TRL 1.16 command lines of rloo.py (with a TRL 1.16 flag)
+    utils/reward_tokenizer.py  reward models that read text: another tokenizer, a chat template
+    utils/vllm.py        the colocated vLLM engine (with --use_vllm)
+    utils/lora.py        LoRA adapters, the adapter-off reference, merged saving (with --use_peft)
+    utils/plots.py       curves.png of the model card (a copy without it saves the card without curves)
 
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """

@@ -6,7 +6,8 @@ functions (`path.py:function`, plain or TRL-style), and `RewardScorer` for trunc
 
 A reward model reads, first that applies: conversations rendered whole by its tokenizer's chat template (as
 utils.data.reward_ids trains); the policy's ids when the tokenizers match; else the text re-encoded with its
-tokenizer (+ EOS when the policy finished), cut from the left to its length."""
+tokenizer (+ EOS when the policy finished), cut from the left to its length. What reads text is in the
+optional utils/reward_tokenizer.py, imported only on those paths."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ import torch
 import torch.nn as nn
 
 from utils import data
-from utils.generation import lengths_to_mask, pad
 from utils.loading import disable_dropout, from_pretrained
 from utils.logprobs import position_ids_from_mask
+from utils.run import optional_module
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,16 +364,8 @@ def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> n
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Different tokenizers: decode with the policy's, encode with the reward model's
+# Different tokenizers: the policy's ids when they match, else utils/reward_tokenizer.py reads the text
 # ----------------------------------------------------------------------------------------------------------------
-UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report about 1e30
-
-
-def first_id(*ids: int | None) -> int:
-    """The first set one of `ids` (else 0)."""
-    return next((i for i in ids if i is not None), 0)
-
-
 def same_tokenizer(a, b) -> bool:
     """True when `a` and `b` give the same ids: same vocabulary, EOS, BOS and UNK (pad is never read)."""
     if a is b:
@@ -392,43 +385,6 @@ def load_reward_tokenizer(reward_tokenizer_path: str | None, reward_model_path: 
     return from_pretrained(AutoTokenizer, path, flag)
 
 
-def reward_max_length(reward_model: nn.Module, reward_tokenizer) -> int | None:
-    """The longest sequence the reward model takes (positions, tokenizer), or None."""
-    config = getattr(getattr(reward_model, "module", reward_model), "config", None)
-    limits = [
-        getattr(config, "max_position_embeddings", None),
-        getattr(reward_tokenizer, "model_max_length", None),
-    ]
-    limits = [int(n) for n in limits if isinstance(n, (int, float)) and 0 < n < UNBOUNDED_LENGTH]
-    return min(limits) if limits else None
-
-
-def encode_for_reward(
-    reward_tokenizer, prompt, completion: str, max_length: int | None, finished: bool = True
-) -> tuple[list[int], bool]:
-    """(reward-model ids of prompt + completion, whether cut from the left to `max_length`).
-
-    Messages with a chat template: the conversation rendered whole. Else ids(prompt) + ids(completion)
-    + [EOS], the EOS only when the policy `finished` and it is not there yet."""
-    if not isinstance(prompt, str) and getattr(reward_tokenizer, "chat_template", None):
-        messages = [*prompt, {"role": "assistant", "content": completion}]
-        text = reward_tokenizer.apply_chat_template(messages, tokenize=False)
-        ids = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        if not isinstance(prompt, str):  # no template: the contents, one per line
-            prompt = "\n".join(m["content"] for m in prompt)
-        ids = reward_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        completion_ids = reward_tokenizer(completion, add_special_tokens=False)["input_ids"]
-        eos = reward_tokenizer.eos_token_id
-        if finished and eos is not None and not (completion_ids and completion_ids[-1] == eos):
-            completion_ids = completion_ids + [eos]
-        ids = ids + completion_ids
-    if not ids:  # empty text, no EOS: score one neutral token
-        ids = [first_id(reward_tokenizer.unk_token_id, reward_tokenizer.pad_token_id)]
-    cut = max_length is not None and len(ids) > max_length
-    return (ids[-max_length:] if cut else ids), cut
-
-
 class RewardScorer:
     """Scores [B] of query + response rows from a reward model or function (module docstring)."""
 
@@ -446,13 +402,15 @@ class RewardScorer:
         self.policy_tokenizer = policy_tokenizer
         self.reward_tokenizer = reward_tokenizer if reward_tokenizer is not None else policy_tokenizer
         self.same_tokenizer = reward_fn is not None or same_tokenizer(policy_tokenizer, self.reward_tokenizer)
-        self.max_length = None
+        self.max_length = max_length  # None: the reward model's own (utils/reward_tokenizer.py)
         self.vocab_rows = None  # larger ids must never reach the reward model's embedding
         if reward_model is not None:
-            self.max_length = max_length or reward_max_length(reward_model, self.reward_tokenizer)
             bare = getattr(reward_model, "module", reward_model)
             embeddings = bare.get_input_embeddings() if hasattr(bare, "get_input_embeddings") else None
             self.vocab_rows = getattr(embeddings, "num_embeddings", None) or bare.config.vocab_size
+        if reward_model is not None and not self.same_tokenizer:  # before training, in a copy without it
+            text = self.reading_text("a reward model with another tokenizer than the policy's")
+            self.max_length = max_length or text.reward_max_length(reward_model, self.reward_tokenizer)
         self.num_truncated = 0
         self.logged_metrics: dict[str, list[float]] = defaultdict(list)
         self.logged_extra: dict[str, list] = defaultdict(list)
@@ -507,40 +465,23 @@ class RewardScorer:
             and bool(getattr(self.reward_tokenizer, "chat_template", None))
         )
 
-    def texts(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int):
-        """(prompts, completions, finished) decoded by the policy's tokenizer; finished: ends with its EOS."""
-        last = last_token_indices(attention_mask)
-        eos = self.policy_tokenizer.eos_token_id
-        finished = (query_responses.gather(1, last[:, None]).squeeze(1) == eos) & (last >= context_length)
-        mask = attention_mask.bool() & (query_responses < len(self.policy_tokenizer))
-        decode = lambda ids: self.policy_tokenizer.decode(  # noqa: E731
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-        rows = list(zip(query_responses.tolist(), mask.tolist()))
-        prompts = [decode([t for t, m in zip(r[:context_length], k[:context_length]) if m]) for r, k in rows]
-        completions = [
-            decode([t for t, m in zip(r[context_length:], k[context_length:]) if m]) for r, k in rows
-        ]
-        return prompts, completions, finished.tolist()
-
     def encode(
         self,
         query_responses: torch.Tensor,
         attention_mask: torch.Tensor,
         context_length: int,
         prompts: Sequence | None = None,
+        why: str = "a reward model reading text",
     ) -> list[list[int]]:
         """The reward model's ids of every row; `prompts` replaces the decoded prompts."""
-        decoded_prompts, completions, finished = self.texts(query_responses, attention_mask, context_length)
-        prompts = decoded_prompts if prompts is None else list(prompts)
-        if len(prompts) != len(completions):
-            raise ValueError(f"got {len(prompts)} prompts for {len(completions)} rows to score.")
-        rows = []
-        for prompt, completion, done in zip(prompts, completions, finished):
-            ids, cut = encode_for_reward(self.reward_tokenizer, prompt, completion, self.max_length, done)
-            self.num_truncated += cut
-            rows.append(ids)
-        return rows
+        text = self.reading_text(why)
+        return text.encode(self, query_responses, attention_mask, context_length, prompts)
+
+    @staticmethod
+    def reading_text(why: str):
+        """utils/reward_tokenizer.py, optional: `why` (a sentence's subject) says in a copy without it what
+        needs it."""
+        return optional_module("utils.reward_tokenizer", why)
 
     def __call__(
         self,
@@ -567,15 +508,15 @@ class RewardScorer:
             )  # fmt: skip
         raw_prompts = prompts if prompts is not None else (columns or {}).get("prompt")
         if self.renders_conversations(raw_prompts):
-            rows = self.encode(query_responses, attention_mask, context_length, raw_prompts)
+            why, prompts = "a conversation read through the reward model's chat template", raw_prompts
         elif self.same_tokenizer and (
             self.vocab_rows is None or int(query_responses.max()) < self.vocab_rows
         ):
             # the fast path: the policy's ids
             return batched_score(self.reward_model, query_responses, attention_mask, chunk_size)
+        elif self.same_tokenizer:
+            why = "a sampled id past the reward model's vocabulary"
         else:
-            rows = self.encode(query_responses, attention_mask, context_length, prompts)
-        pad_id = first_id(self.reward_tokenizer.pad_token_id, self.reward_tokenizer.eos_token_id)
-        ids = pad(rows, pad_id, "right").to(query_responses.device)  # masks from lengths
-        mask = lengths_to_mask(torch.tensor([len(r) for r in rows], device=ids.device), ids.size(1))
-        return batched_score(self.reward_model, ids, mask.long(), chunk_size)
+            why = "a reward model with another tokenizer than the policy's"
+        rows = self.encode(query_responses, attention_mask, context_length, prompts, why)
+        return self.reading_text(why).score_encoded(self, rows, chunk_size, query_responses.device)

@@ -1,7 +1,8 @@
 """Command lines in TRL 0.x's and 1.x's flags (`rloo_k` -> `num_generations`, `kl_coef` -> `beta`, ...).
 
 A script lists renamed pairs, 1.x-only flags and differing defaults, every field None when not given. A
-command line speaks 1.x when it sets a 1.x name, else 0.x; the script reads the 0.x names."""
+command line speaks 1.x when it sets a 1.x name, else 0.x; the script reads the 0.x names. Optional: rloo.py
+imports it only for a command line with a 1.x flag (TRL 0.x's flags alone need nothing translated)."""
 
 import math
 from collections.abc import Iterable
@@ -66,11 +67,6 @@ def say_changed_defaults(
     if changed:
         values = ", ".join(f"--{renamed.get(n, n)}={shown(a)}->{shown(b)}" for n, a, b in changed)
         say_once(f"{reason}, so TRL {versions[1]}'s defaults apply: {values}")
-
-
-def flag_name(name: str, renamed: dict[str, str], version: str, versions: tuple[str, str]) -> str:
-    """`--name` as the command line's version calls it."""
-    return f"--{renamed.get(name, name) if version == versions[1] else name}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
