@@ -219,8 +219,8 @@ class Args:
     """passes over the prompts if --max_steps is -1"""
     scale_rewards: str = "group"
     """divide the centred rewards by the std of the group (group, True), the batch, or not (none, False)"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
-    """how the per-token losses are averaged (see aggregate_loss); cispo and sapo change the loss too"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    """how the per-token losses are averaged (see aggregate_loss); cispo, sapo and vespo change the loss too"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """sequence: every token's ratio is its completion's exp(mean log-ratio) (GSPO; the paper's loss_type: grpo)"""
     epsilon: float = 0.2
@@ -243,6 +243,14 @@ class Args:
     """sapo: temperature of the gate where A > 0"""
     sapo_temperature_neg: float = 1.05
     """sapo: temperature of the gate where A <= 0"""
+    vespo_k_pos: float = 2.0
+    """vespo: power k of the weight phi(w) = w^k exp(lambda (1 - w)) where A >= 0 (larger: less weight at w < 1)"""
+    vespo_lambda_pos: float = 3.0
+    """vespo: decay lambda of phi where A >= 0 (larger: less weight at w > 1)"""
+    vespo_k_neg: float = 3.0
+    """vespo: power k of phi where A < 0"""
+    vespo_lambda_neg: float = 2.0
+    """vespo: decay lambda of phi where A < 0"""
 
     # Dynamic sampling (DAPO; verl's flag names, the paper's reference implementation)
     filter_groups: bool = False
@@ -379,6 +387,28 @@ def sapo_token_loss(logprobs, old_logprobs, advantages, temperature_pos, tempera
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
 
 
+VESPO_LOG_W_MIN = math.log(1e-8)  # the VESPO paper's floor of w, as TRL's
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio, advantages, mask, k_pos, lambda_pos, k_neg, lambda_neg, importance_weights=None):
+    """VESPO's weight of each completion (https://arxiv.org/abs/2602.10693) [B, 1], no gradient; its per-token
+    loss is -phi(w_i) A_i logprob_it, a policy gradient whose soft, asymmetric weight replaces the clip:
+
+    phi(w_i) = w_i^k exp(lambda (1 - w_i))     phi(1) = 1, largest at w = k / lambda
+    log w_i  = sum_t m_it (clamp(log r_it, -20, 20) + clamp(log iw_it, log 1e-8, 20)), clamped to [log 1e-8, 20]
+
+    log_ratio = logp - logp_old, mask [B, R]; (k, lambda) = (k_pos, lambda_pos) where A_i >= 0, else the _neg pair;
+    advantages [B]; importance_weights: vLLM's per-token weights iw [B, R] (None: 1). An overflow gives 0."""
+    log_w = log_ratio.clamp(-20, 20)
+    if importance_weights is not None:
+        log_w = log_w + importance_weights.log().clamp(VESPO_LOG_W_MIN, 20)
+    log_w = (log_w * mask).sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, 20)
+    positive = advantages[:, None] >= 0
+    k, lam = torch.where(positive, k_pos, k_neg), torch.where(positive, lambda_pos, lambda_neg)
+    return (k * log_w + lam * (1 - log_w.exp())).exp().nan_to_num(0.0, 0.0, 0.0)
+
+
 def sequence_level(logprobs, old_logprobs, mask) -> torch.Tensor:
     """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071): old logprobs [B, R] under which every token's
     ratio is its completion's, s_i = exp((1/|o_i|) sum_t (logp_it - logp_old_it)), with the gradient of s_i."""
@@ -389,9 +419,14 @@ def sequence_level(logprobs, old_logprobs, mask) -> torch.Tensor:
     return logprobs - mean_log_ratio
 
 
-def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance_weights=None):
-    """Per-token loss [B, R] of --loss_type, times the vLLM importance weights ([B, R] or [B, 1]) if any."""
-    if args.loss_type == "cispo":
+def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance_weights=None, mask=None,
+                      vllm_weights=None):  # fmt: skip
+    """Per-token loss [B, R] of --loss_type, times the importance weights ([B, R] or [B, 1]) if any; vespo reads
+    the loss mask and vLLM's token weights into its sequence weight (TRL 1.16: not into the product)."""
+    if args.loss_type == "vespo":
+        phi = vespo_weights(logprobs - old_logprobs, advantages, mask, *vespo_flags(args), vllm_weights)
+        loss = -phi * advantages[:, None] * logprobs
+    elif args.loss_type == "cispo":
         loss = cispo_token_loss(logprobs, old_logprobs, advantages, args.epsilon_high)
     elif args.loss_type == "sapo":
         loss = sapo_token_loss(
@@ -402,6 +437,11 @@ def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance
             logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.delta
         )
     return loss if importance_weights is None else loss * importance_weights
+
+
+def vespo_flags(args: Args) -> tuple[float, float, float, float]:
+    """(k_pos, lambda_pos, k_neg, lambda_neg) of --loss_type vespo."""
+    return args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg
 
 
 def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold) -> torch.Tensor:
@@ -477,7 +517,7 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
     luspo   (1/B) sum_it l_it                       token sum per completion (LUSPO: long completions weigh more)"""
     mask = mask.to(per_token_loss.dtype)
     total = (per_token_loss * mask).sum()
-    loss_type = {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # as TRL
+    loss_type = {"cispo": "dapo", "vespo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # as TRL
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     if loss_type == "bnpo":
@@ -738,6 +778,25 @@ def check_importance_sampling_flags(args: Args) -> None:
         )
 
 
+def check_vespo_flags(args: Args) -> None:
+    """TRL's constraints of --loss_type vespo, and a phi that has its peak and decay (TRL clamps lambda >= 1e-4)."""
+    if min(args.vespo_k_pos, args.vespo_k_neg) < 0 or min(args.vespo_lambda_pos, args.vespo_lambda_neg) <= 0:
+        raise ValueError("--vespo_k_pos and --vespo_k_neg must be at least 0, the --vespo_lambda_* positive.")
+    mode = args.vllm_importance_sampling_mode
+    if args.use_vllm and args.vllm_importance_sampling_correction and not mode.startswith("token_"):
+        raise ValueError(
+            f"--loss_type vespo takes vLLM's weights token by token into its own sequence weight: pass "
+            f"--vllm_importance_sampling_mode token_truncate or token_mask (got {mode}), as TRL 1.16 requires."
+        )
+    if args.importance_sampling_level != "token":
+        warnings.warn(
+            "--loss_type vespo weighs whole completions itself; --importance_sampling_level sequence changes only "
+            "the KL's bias correction (TRL 1.16 warns the same).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
     """Check the flags and fill in the batch sizes; ValueError with one sentence."""
     if args.num_generations < 2:
@@ -771,6 +830,8 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     if args.loss_type == "sapo" and min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
         raise ValueError("--sapo_temperature_pos and --sapo_temperature_neg must be positive.")
     check_importance_sampling_flags(args)
+    if args.loss_type == "vespo" and not args.world_size:  # once: the second call sees the same flags
+        check_vespo_flags(args)
     if args.model_name_or_path is None:
         raise ValueError("pass the policy to train with --model_name_or_path.")
     num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
@@ -1149,7 +1210,9 @@ def main(args: Args) -> None:
                     raw_old_logprobs = mb_old_logprobs
                     if args.importance_sampling_level == "sequence":
                         mb_old_logprobs = sequence_level(logprobs, mb_old_logprobs, mb_mask)
-                    mb_weights = importance_weights[idx] if importance_weights is not None else 1.0
+                    vllm_weights = importance_weights[idx] if importance_weights is not None else None
+                    vespo = args.loss_type == "vespo"  # vLLM's weights enter its sequence weight instead
+                    mb_weights = 1.0 if vllm_weights is None or vespo else vllm_weights
                     if args.off_policy_mask_threshold is not None:  # against vLLM's logprobs if it sampled
                         sampled = sampled_logprobs[idx] if args.use_vllm else raw_old_logprobs
                         threshold = args.off_policy_mask_threshold
@@ -1160,7 +1223,7 @@ def main(args: Args) -> None:
                         q = args.top_entropy_quantile
                         mb_weights = mb_weights * high_entropy_mask(entropy, mb_mask, q, accelerator)
                     per_token_loss = policy_token_loss(
-                        args, logprobs, mb_old_logprobs, advantages[idx], mb_weights
+                        args, logprobs, mb_old_logprobs, advantages[idx], mb_weights, mb_mask, vllm_weights
                     )
                     kl = torch.zeros_like(mb_old_logprobs)
                     if run.ref_policy is not None:
@@ -1188,6 +1251,10 @@ def main(args: Args) -> None:
                     if args.loss_type == "cispo":  # tokens whose weight the cap lowered
                         capped = (each[0] > args.epsilon_high) & (advantages[idx, None] > 0)
                         clipped = (token_mean(capped.float(), each[1]), 0.0, 0.0)
+                    if vespo:  # the mean weight phi of a completion
+                        flags = (*vespo_flags(args), vllm_weights)
+                        phi = vespo_weights(logprobs - mb_old_logprobs, advantages[idx], mb_mask, *flags)
+                        clipped = (phi.mean(), 0.0, 0.0)
                     mb_stats = [
                         token_mean(kl, mb_mask),
                         token_mean(entropy, mb_mask),
@@ -1213,6 +1280,8 @@ def main(args: Args) -> None:
                 clip_metrics = {}  # sapo has no clip
                 if args.loss_type == "cispo":
                     clip_metrics = {"cispo_clip_ratio": stats[3].item()}
+                elif args.loss_type == "vespo":
+                    clip_metrics = {"vespo/phi_seq_mean": stats[3].item()}
                 elif args.loss_type != "sapo":
                     clip_metrics = {
                         "clip_ratio/low_mean": stats[3].item(),

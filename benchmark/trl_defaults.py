@@ -106,14 +106,17 @@ Where the same flag means something else:
   alone); ours prints no tables with `no`.
 """,
     "grpo": """Measured against TRL 1.16's `GRPOTrainer.train()` by `tests/test_update_parity_grpo.py` (the weights after
-every optimizer step and the shared metrics: eleven setups, among them GSPO, LUSPO, a cosine schedule with
-warmup and weight decay, --top_entropy_quantile and --off_policy_mask_threshold, and two processes). Where the
-same flag does something else:
+every optimizer step and the shared metrics: twelve setups, among them GSPO, LUSPO, VESPO, a cosine schedule
+with warmup and weight decay, --top_entropy_quantile and --off_policy_mask_threshold, and two processes). Where
+the same flag does something else:
 
 - `disable_dropout True`: TRL 1.16 sets the `p` of `nn.Dropout` modules to 0, while a Llama-style attention reads
   `config.attention_dropout` in its attention call, so TRL still trains with that dropout (the tiny world's
   policy with 0.1: grad norm 4.724 against 4.665 without). Ours zeroes the config's dropout too (and writes it
   back in the saved model); the test's policy has no attention dropout.
+- `loss_type vespo`: vLLM's token weights enter the completion's weight over its loss tokens only; TRL sums
+  them over every position, the same unless the clip bounds leave out 1 (then TRL's padding counts). A
+  `--vespo_lambda_*` at or below 0 is refused, where TRL uses 1e-4 (and a negative `--vespo_k_*` too).
 """,
     "online_dpo": """Measured against TRL 1.16's `OnlineDPOTrainer.train()` by `tests/test_update_parity_online_dpo.py`
 (the weights after every optimizer step and the shared metrics). Where TRL 1.16 does something we do not copy:

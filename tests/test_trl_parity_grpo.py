@@ -8,10 +8,13 @@
   None), the old logprobs it recomputes (and when), and its vLLM importance weights and sampling metrics for each
   `vllm_importance_sampling_mode` (its generation stubbed with fixed completions);
 - left-padded prompts: the same logprobs;
+- vespo: grpo.vespo_weights against TRL's own `get_gamma_weights` on random tensors (clamps, vLLM weights of 0),
+  and the loss and gradients with vLLM's token weights folded into the sequence weight (TRL's constraints on the
+  flags: below);
 - the differences we keep on purpose, asserted: the DAPO normalizer when one generation feeds several optimizer
   steps, frac_reward_zero_std under batch scaling.
 
-TRL's loss types luspo and vespo are not in grpo.py (they need sequence-level importance sampling)."""
+TRL's luspo is compared step by step in test_update_parity_grpo.py."""
 
 import pytest
 import torch
@@ -29,7 +32,7 @@ assert trl.__version__ == "1.16.0", trl.__version__
 
 G, P, Q, R, T = 4, 2, 6, 7, 0.7  # group, prompts, prompt and completion lengths, temperature
 B = G * P
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]  # TRL 1.16's that grpo.py has too
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo"]  # TRL 1.16's that grpo.py has too
 
 
 def our_args(**flags) -> grpo.Args:
@@ -133,11 +136,11 @@ def test_loss_and_gradients_equal_trls(world, tmp_path_factory, ours, loss_type,
     ours.zero_grad()
     logprobs, entropy = our_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)
     old_logprobs = logprobs.detach() if old is None else old
-    per_token_loss = grpo.policy_token_loss(args, logprobs, old_logprobs, advantages)
+    mask = completion_mask.bool()
+    per_token_loss = grpo.policy_token_loss(args, logprobs, old_logprobs, advantages, mask=mask)
     kl = grpo.kl_penalty(logprobs, old_logprobs, ref, bias_correction)
     if beta > 0:
         per_token_loss = per_token_loss + beta * kl
-    mask = completion_mask.bool()
     loss = grpo.aggregate_loss(per_token_loss, mask, loss_type, R, num_items=mask.sum().item())
     loss.backward()
 
@@ -151,6 +154,10 @@ def test_loss_and_gradients_equal_trls(world, tmp_path_factory, ours, loss_type,
     )
     if beta > 0:
         assert trainer._metrics["train"]["kl"][-1] == pytest.approx(grpo.token_mean(kl, mask).item(), 1e-5)
+    if loss_type == "vespo":
+        phi = grpo.vespo_weights(logprobs - old_logprobs, advantages, mask, *grpo.vespo_flags(args))
+        assert trainer._metrics["train"]["vespo/phi_seq_mean"][-1] == pytest.approx(phi.mean().item(), 1e-5)
+        assert off_policy == (phi.std() > 0.1)  # off-policy the weights vary; on-policy phi(1) = 1
 
 
 @pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"])
@@ -188,6 +195,91 @@ def test_loss_with_vllm_importance_weights_equals_trls(world, tmp_path_factory, 
     theirs = grads(trainer.model)
     for name, grad in grads(ours).items():
         torch.testing.assert_close(grad, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_vespo_weights_equal_trls_gamma_weights():
+    """grpo.vespo_weights and TRL's own GRPOTrainer.get_gamma_weights on random log-ratios (some beyond the
+    clamps of log r and log w), advantages of both signs and 0, vLLM token weights (some 0: token_mask's
+    out-of-bounds) or none, TRL's default k, lambda and others."""
+    g = torch.Generator().manual_seed(11)
+    rows, length = 64, 9
+    log_ratio = 0.4 * torch.randn(rows, length, generator=g)
+    log_ratio[0, 0], log_ratio[1, 0], log_ratio[2, :] = 30.0, -30.0, 3.0  # a token clamp; log w over 20
+    advantages = torch.randn(rows, generator=g)
+    advantages[:4] = 0.0
+    mask = utils.generation.lengths_to_mask(
+        torch.randint(0, length + 1, (rows,), generator=g), length
+    ).float()
+    weights = (0.3 * torch.randn(rows, length, generator=g)).exp() * mask + (1 - mask)  # 1 on padding (TRL's)
+    weights[5, 0] = 0.0
+    for flags in [(2.0, 3.0, 3.0, 2.0), (1.0, 0.5, 4.0, 6.0)]:
+        for iw in (None, weights):
+            mine = grpo.vespo_weights(log_ratio, advantages, mask, *flags, iw)
+            theirs = trl.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, iw, *flags)
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+            assert mine.shape == (rows, 1) and mine.std() > 0.1 and not mine.requires_grad
+    assert (
+        grpo.vespo_weights(torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3), 2, 3, 3, 2)
+        .eq(1)
+        .all()
+    )
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "token_truncate"])
+def test_vespo_loss_with_vllm_importance_weights_equals_trls(world, tmp_path_factory, ours, mode):
+    """vespo folds vLLM's token weights into its sequence weight w and multiplies the loss by nothing else, in
+    TRL and in grpo.py alike (main() passes them so: test_update_parity_grpo.py has no vLLM)."""
+    flags = dict(beta=0.1, loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5)
+    trainer = trl_trainer(world, tmp_path_factory, **flags)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    args = our_args(**flags)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch(seed=12)
+    g = torch.Generator().manual_seed(13)
+    advantages = torch.randn(B, generator=g)
+    with torch.no_grad():
+        current = our_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)[0]
+    old = current + 0.2 * torch.randn(B, R, generator=g)
+    sampling = old + 0.4 * torch.randn(B, R, generator=g)
+    ref = old + 0.3 * torch.randn(B, R, generator=g)
+    weights = grpo.vllm_importance_weights(old, sampling, completion_mask, mode, 0.5, 2.0)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=advantages, num_items_in_batch=completion_mask.sum(),
+                  ref_per_token_logps=ref, old_per_token_logps=old, importance_sampling_ratio=weights)  # fmt: skip
+    try:
+        trainer.model.zero_grad()
+        trainer._metrics["train"].clear()
+        trl_loss = trainer._compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        trainer.use_vllm = False
+    ours.zero_grad()
+    logprobs, _ = our_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    mask = completion_mask.bool()
+    per_token_loss = grpo.policy_token_loss(args, logprobs, old, advantages, None, mask, weights)
+    per_token_loss = per_token_loss + 0.1 * grpo.kl_penalty(logprobs, old, ref, True)
+    loss = grpo.aggregate_loss(per_token_loss, mask, "vespo", R, mask.sum().item())
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)
+    theirs = grads(trainer.model)
+    for name, grad in grads(ours).items():
+        torch.testing.assert_close(grad, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+    phi = grpo.vespo_weights(logprobs - old, advantages, mask, *grpo.vespo_flags(args), weights)
+    assert trainer._metrics["train"]["vespo/phi_seq_mean"][-1] == pytest.approx(phi.mean().item(), 1e-5)
+    without = grpo.vespo_weights(logprobs - old, advantages, mask, *grpo.vespo_flags(args))
+    assert (phi - without).abs().max() > 0.05  # the weights mattered
+
+
+def test_vespo_flags_are_checked_as_trl_checks_them():
+    """TRL 1.16 refuses vespo with vLLM's sequence-level correction and warns at importance_sampling_level
+    sequence (where vespo's w stays the sum of the token log-ratios); a phi needs k >= 0 and lambda > 0."""
+    with pytest.raises(ValueError, match="token_truncate or token_mask"):
+        our_args(loss_type="vespo", use_vllm=True)
+    our_args(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask")
+    our_args(loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=False)
+    with pytest.warns(UserWarning, match="only the KL's bias correction"):
+        our_args(loss_type="vespo", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="vespo_lambda"):
+        our_args(loss_type="vespo", vespo_lambda_neg=0.0)
 
 
 def test_dapo_normalizer_differs_when_a_generation_feeds_several_steps(world, tmp_path_factory, ours):

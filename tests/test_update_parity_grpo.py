@@ -47,6 +47,9 @@ CASES = {
         dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.1, per_device_train_batch_size=4,
              gradient_accumulation_steps=2), 2,
     ),
+    "vespo_iterations_kl": (
+        dict(loss_type="vespo", beta=0.1, per_device_train_batch_size=8, num_iterations=2), 4,
+    ),
     "top_entropy_quantile": (dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=8, top_entropy_quantile=0.3), 2),
     "off_policy_mask_iterations": (
         dict(loss_type="grpo", beta=0.0, per_device_train_batch_size=8, num_iterations=2,
@@ -148,7 +151,7 @@ def theirs(spec: dict, nproc: int = 1):
 COMPARED = ["loss", "grad_norm", "learning_rate", "reward", "reward_std", "rewards/shape/mean",
             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio"]  # fmt: skip
 PER_MICRO_BATCH = ["kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                   "cispo_clip_ratio"]  # fmt: skip
+                   "cispo_clip_ratio", "vespo/phi_seq_mean"]  # fmt: skip
 
 
 def assert_same_metrics(our_log: list[dict], trl_log: list[dict], one_micro_batch: bool):
