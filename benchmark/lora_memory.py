@@ -58,12 +58,19 @@ def main(args: Args) -> dict:
         runs, commands = {"full": [], "lora": []}, {}
         for i in range(args.runs):
             for config in ("full", "lora"):
-                spec = speed.workload(algorithm, speed_args, world, os.path.join(work, f"{algorithm}-{config}"))
+                spec = speed.workload(
+                    algorithm, speed_args, world, os.path.join(work, f"{algorithm}-{config}")
+                )
                 spec["ours_command"] += LORA if config == "lora" else []
                 commands[config] = spec["ours_command"]
                 log = os.path.join(work, "logs", f"lora-{algorithm}-{config}-{i}.log")
                 runs[config].append(speed.run_one("ours", spec, sys.executable, speed_args, log))
-                print(algorithm, config, i, {k: round(runs[config][-1].get(k, float("nan")), 2) for k in FIGURES})
+                print(
+                    algorithm,
+                    config,
+                    i,
+                    {k: round(runs[config][-1].get(k, float("nan")), 2) for k in FIGURES},
+                )
         summary = {}
         for figure in FIGURES:
             full, lora = ([run.get(figure) for run in runs[c]] for c in ("full", "lora"))
