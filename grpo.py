@@ -279,6 +279,14 @@ class Args:
     num_generations_eval: int | None = None
     """completions sampled per held-out prompt; None: --num_generations (TRL 1.16)"""
 
+    # Tools (multi-turn rollouts: utils/tools.py, docs/tools.md)
+    tools: list[str] | None = None
+    """path/to/file.py:function or module.function: Python functions (type hints, docstring) the policy may call"""
+    max_tool_calling_iterations: int | None = None
+    """rounds of tool calls and answers per completion at most (None: until a turn calls none or the length ends)"""
+    tool_timeout: float | None = 30.0
+    """seconds a tool call may take before it is a failure (not a TRL 1.16 flag; None: no limit)"""
+
     # Filled in at runtime
     world_size: int = 0
     """number of processes"""
@@ -557,9 +565,10 @@ def take_groups(
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sample(args, run, queries, query_mask, sync_weights=True, num_completions=None, generator=None):
-    """(responses, lengths, response_mask [G * P, R], sampling logprobs): G = num_completions (None:
-    num_generations) per prompt [P, Q], completion-major, cut after EOS. Calls draw noise from `generator`
-    (None: run.sampling_generator) in turn."""
+    """(responses, lengths, response_mask [G * P, R], sampling logprobs, tool_mask): G = num_completions (None:
+    num_generations) per prompt [P, Q], completion-major, cut after EOS; tool_mask: the sampled tokens (with
+    --tools, not the tool answers between turns). Calls draw noise from `generator` (None:
+    run.sampling_generator) in turn."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     G = num_completions or args.num_generations
     R, T = args.max_completion_length, args.temperature
@@ -589,9 +598,34 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
             )
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(call_logprobs)
-    logprobs = torch.cat(logprobs)
-    responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_ids, run.pad_id)
-    return responses, lengths, utils.generation.lengths_to_mask(lengths, R), logprobs
+        logprobs = torch.cat(logprobs)
+        responses, lengths = utils.generation.truncate_response(torch.cat(responses), run.eos_ids, run.pad_id)
+        response_mask = utils.generation.lengths_to_mask(lengths, R)
+        if run.tools is not None:  # the tool calls, their answers and the next turns (utils/tools.py)
+            rows = (queries, query_mask, responses, lengths, logprobs)
+            return tool_rollouts(args, run, model, generate, generator or run.sampling_generator, *rows)
+    return responses, lengths, response_mask, logprobs, response_mask
+
+
+def tool_rollouts(args, run, model, generate, generator, queries, query_mask, responses, lengths, logprobs):
+    """sample()'s outputs after the first turn, continued with tools: the completion holds every turn and tool
+    answer; the last output, the tool mask, is 1 on sampled tokens only (lengths count those)."""
+    P, R, chunk = queries.size(0), args.max_completion_length, args.local_rollout_forward_batch_size
+    prompts = [queries[i % P][query_mask[i % P]].tolist() for i in range(responses.size(0))]
+    sample_turn = run.tools.turn_sampler(
+        generate, model, run.eos_ids, run.pad_id, args.temperature, chunk, generator,
+        **utils.generation.sampling_knobs(args),
+    )  # fmt: skip
+    rollout = run.tools.continue_rollouts(
+        prompts,
+        [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())],
+        [row[:n] for row, n in zip(logprobs.float().tolist(), lengths.tolist())],
+        sample_turn,
+        R,
+        utils.loading.config_positions(getattr(utils.run.inner_model(model), "config", None)),
+    )
+    responses, response_mask, tool_mask, logprobs = rollout.tensors(R, run.pad_id, queries.device)
+    return responses, tool_mask.sum(1), response_mask, logprobs, tool_mask
 
 
 @torch.no_grad()
@@ -610,6 +644,9 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
         prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()]
+        row_columns = utils.data.columns_of_rows(columns, examples, idx)
+        if run.tools is not None and columns:  # TRL's completions with tools: the turns and tool messages
+            row_columns[utils.scoring.COMPLETION_MESSAGES] = [run.tools.messages[i] for i in idx.tolist()]
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -617,7 +654,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             Q,
             chunk,
             prompts=prompts,
-            columns=utils.data.columns_of_rows(columns, examples, idx),
+            columns=row_columns,
             trainer_state=trainer_state,
         )
         rewards_per_func.append(rewards.float())
@@ -639,9 +676,15 @@ def old_and_ref_logprobs(args, run, queries, query_mask, responses, response_mas
     return tuple(torch.cat(logprobs) if logprobs else None for logprobs in (old_logprobs, ref_logprobs))
 
 
+def ended_at_eos(responses, response_mask, eos_ids) -> torch.Tensor:
+    """[B] bool: the completion's last token is an EOS (with tools, its last turn's; TRL's not-truncated)."""
+    last = responses.gather(1, (response_mask.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0]
+    return torch.isin(last, eos_ids) & response_mask.any(1)
+
+
 def sample_groups(args, run, step, drawn):
     """Phase 1 on this process: (examples [P], queries, query_mask, responses, response_mask, sampling
-    logprobs, rewards [B, F], filter metrics). --filter_groups (DAPO's dynamic sampling): rounds of P new
+    logprobs, tool_mask, rewards [B, F], filter metrics). --filter_groups (DAPO's dynamic sampling): rounds of P new
     prompts until every process holds P groups whose --filter_groups_metric differs (all decide on every
     process's counts, so all stop together), at most --max_num_gen_batches; each round draws its noise
     from run.sampling_generator in turn, so a resume replays it."""
@@ -654,7 +697,9 @@ def sample_groups(args, run, step, drawn):
             [run.prompt_ids[i] for i in examples], run.pad_id, run.accelerator.device
         )
         with run.accelerator.autocast():
-            responses, _, response_mask, sampled_logprobs = sample(args, run, queries, query_mask, not rounds)
+            responses, _, response_mask, sampled_logprobs, tool_mask = sample(
+                args, run, queries, query_mask, not rounds
+            )
             epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
             trainer_state = utils.scoring.TrainerState(
                 global_step=step, max_steps=args.total_steps, epoch=epoch
@@ -663,7 +708,16 @@ def sample_groups(args, run, step, drawn):
                 args, run, queries, query_mask, responses, response_mask, examples, trainer_state
             )
         rounds.append(
-            (examples, queries, query_mask, responses, response_mask, sampled_logprobs, rewards_per_func)
+            (
+                examples,
+                queries,
+                query_mask,
+                responses,
+                response_mask,
+                sampled_logprobs,
+                tool_mask,
+                rewards_per_func,
+            )
         )
         if not args.filter_groups:
             return *rounds[0], {}
@@ -685,7 +739,7 @@ def sample_groups(args, run, step, drawn):
     queries, query_mask = utils.generation.left_pad(
         [run.prompt_ids[i] for i in examples], run.pad_id, run.accelerator.device
     )
-    rows = [take_groups([round_[k] for round_ in rounds], picked, G) for k in range(3, 7)]
+    rows = [take_groups([round_[k] for round_ in rounds], picked, G) for k in range(3, 8)]
     dropped = run.accelerator.reduce((~keep).sum() - (~keep[picked]).sum(), "sum")
     metrics = {
         "filter_groups/num_gen_batches": len(rounds),
@@ -934,6 +988,7 @@ class Run:
     reward_names: list[str]
     weights: torch.Tensor
     engine: object
+    tools: object  # utils.tools.Tools with --tools, else None
     pad_id: int
     eos_ids: torch.Tensor
     prompt_ids: list
@@ -977,6 +1032,10 @@ def setup(args: Args) -> Run:
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
     if lora is not None:
         lora.check_args(args, accelerator)
+    if args.tools:  # utils/tools.py is optional: imported only with --tools
+        tools_module = utils.run.optional_module("utils.tools", "--tools")
+        tools_module.check_args(args)
+        tool_fns = tools_module.load_tools(args.tools)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
@@ -994,10 +1053,15 @@ def setup(args: Args) -> Run:
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
     pad_id = tokenizer.pad_token_id
-    prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
+    tools = None
+    if args.tools:
+        timeout, rounds = args.tool_timeout, args.max_tool_calling_iterations
+        tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds)
+    texts = utils.data.prompt_texts if tools is None else tools.prompt_texts  # with tools: their schemas
+    prompt_texts = texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     splits = [utils.chat.tokenize_prompts(tokenizer, prompt_texts), None]
     if eval_dataset is not None:
-        eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
+        eval_texts = texts(eval_dataset, tokenizer, "--dataset_test_split")
         splits[1] = utils.chat.tokenize_prompts(tokenizer, eval_texts)
     splits = utils.loading.cut_prompts(splits, args.max_prompt_length)
     model, flag = args.model_name_or_path, "--model_name_or_path"
@@ -1078,6 +1142,7 @@ def setup(args: Args) -> Run:
         reward_names=reward_names,
         weights=weights,
         engine=engine,
+        tools=tools,
         pad_id=pad_id,
         eos_ids=eos_ids,
         prompt_ids=prompt_ids,
@@ -1129,13 +1194,14 @@ def main(args: Args) -> None:
             responses,
             response_mask,
             sampled_logprobs,
+            tool_mask,
             rewards_per_func,
             filtered,
         ) = sample_groups(args, run, step, drawn)
         generation += 1
         drawn += filtered.get("filter_groups/num_gen_batches", 1)
-        context_length, lengths = queries.size(1), response_mask.sum(1)
-        has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+        context_length, lengths = queries.size(1), tool_mask.sum(1)  # sampled tokens (TRL's with tools)
+        has_eos = ended_at_eos(responses, response_mask, run.eos_ids)
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
@@ -1153,13 +1219,14 @@ def main(args: Args) -> None:
         # ALGO LOGIC: A = (reward - mean of its group) / (std + eps), one per completion
         batch_std = nanstd(all_rewards) if args.scale_rewards == "batch" else None
         advantages = group_advantages(rewards, G, args.scale_rewards, batch_std)
-        loss_mask = response_mask & has_eos[:, None] if args.mask_truncated_completions else response_mask
+        # ALGO LOGIC: the loss, KL and entropy see the sampled tokens only, never a tool's answer
+        loss_mask = tool_mask & has_eos[:, None] if args.mask_truncated_completions else tool_mask
         importance_weights = None
         if correct_vllm:
             importance_weights = vllm_importance_weights(
                 old_logprobs,
                 sampled_logprobs,
-                response_mask,
+                tool_mask,
                 args.vllm_importance_sampling_mode,
                 args.vllm_importance_sampling_clip_min,
                 args.vllm_importance_sampling_clip_max,
@@ -1168,13 +1235,14 @@ def main(args: Args) -> None:
             **reward_metrics(all_rewards_per_func, all_rewards, G, run.reward_names, args.world_size),
             "completions/mean_length": utils.run.gathered_mean(accelerator, lengths),
             "completions/clipped_ratio": utils.run.gathered_mean(accelerator, ~has_eos),
+            **(run.tools.metrics(accelerator) if run.tools is not None else {}),
             **filtered,
             **logged_means(accelerator, run.scorers),
         }
         if correct_vllm:
             generation_metrics.update(
                 importance_sampling_metrics(
-                    old_logprobs, sampled_logprobs, importance_weights, response_mask, accelerator
+                    old_logprobs, sampled_logprobs, importance_weights, tool_mask, accelerator
                 )
             )
         window_generations.append(generation_metrics)
@@ -1358,14 +1426,14 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         args.seed, utils.evaluation.EVAL_KEY, indices[0], device=device
     )
     with run.accelerator.autocast():
-        responses, lengths, response_mask, _ = sample(args, run, queries, query_mask, False, k, noise)
+        responses, lengths, response_mask, _, _ = sample(args, run, queries, query_mask, False, k, noise)
         rewards_per_func = score(
             args, run, queries, query_mask, responses, response_mask, indices, trainer_state, held_out=True
         )
     rewards = combine_rewards(rewards_per_func, run.weights)
     # TRL 1.16: a group of one completion has std 0
     group_std = nanstd(rewards.view(k, -1), 0) if k > 1 else torch.zeros(len(indices), device=device)
-    has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+    has_eos = ended_at_eos(responses, response_mask, run.eos_ids)
     values = {
         "reward": rewards,
         "frac_reward_zero_std": group_std.isclose(torch.zeros_like(group_std)).float().repeat(k),

@@ -14,6 +14,11 @@ writes, in a few seconds and deterministically for `--seed`:
                    language_modeling (messages, some multi-turn), prompt_completion, prompt_only, preference
                    (explicit prompt) and implicit_prompt_preference (whole conversations, as UltraFeedback)
     chat_template.jinja  the template alone, for --chat_template_path
+    tokenizer_tools/, policy_tools/
+                   the chat tokenizer with a tool-calling template (tool schemas, <tool_call>{json}</tool_call>,
+                   tool turns) and a response_template that parses the calls, and a policy of its vocabulary
+    dataset_tools/ the tool task (prompt_only, train and test): "What is the code of {name}?", answerable only
+                   through benchmark/tiny_tools.py's lookup tool (the code is a hash of the name)
 
 The task. A post is `--post_words` words of filler with `--num_keys` key words hidden in it (key words come
 from their own vocabulary). The post's facts are its key words in order. A summary is scored by the gold
@@ -72,6 +77,38 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# The chat template with tools (Qwen's shape, shorter): the tools' names and arguments in a system turn, a call as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> in the assistant turn, the answer in a tool turn.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\nTools:' }}"
+    "{%- for tool in tools %}{{ ' ' + tool.function.name + '(' + (tool.function.parameters.properties | list | join(', ')) + ')' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls %}"
+    "{{ '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)  # fmt: skip
+# transformers' response parsing of that template's assistant turns (tokenizer.parse_response).
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+TOOL_QUESTION = "What is the code of {name}?"
 SYSTEM_PROMPT = "Summarize the post in a few words."
 FOLLOW_UP = "Only the first fact?"
 
@@ -351,6 +388,7 @@ def build(args: Args) -> str:
 
     save_models_and_data(args, model_config(args, tokenizer), tokenizer, splits)
     build_chat(args, splits, tokenizer)
+    build_tools(args)
     return args.output_dir
 
 
@@ -410,6 +448,50 @@ def build_chat(args: Args, splits: dict[str, list[dict]], tokenizer) -> None:
         datasets.DatasetDict({k: datasets.Dataset.from_list(rows) for k, rows in parts.items()}).save_to_disk(
             os.path.join(args.output_dir, "dataset_chat", folder)
         )
+
+
+def tool_code(name: str) -> str:
+    """The code of a name, which only the tool knows: a key word picked by a hash of the name."""
+    import hashlib
+
+    return KEY_WORDS[int(hashlib.sha256(name.encode()).hexdigest(), 16) % len(KEY_WORDS)]
+
+
+def tool_rows(rng: random.Random, n: int, taken: set) -> list[dict]:
+    """`n` questions about new names (four letters), each with its code as `answer`."""
+    rows = []
+    while len(rows) < n:
+        name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(4))
+        if name not in taken:
+            taken.add(name)
+            question = [{"role": "user", "content": TOOL_QUESTION.format(name=name)}]
+            rows.append({"prompt": question, "name": name, "answer": tool_code(name)})
+    return rows
+
+
+def build_tools(args: Args) -> None:
+    """The tool-calling part of the world, written after (and without touching) everything else: the chat
+    tokenizer with <tool_call> and </tool_call> tokens, the tool template and its response template, a policy of
+    that vocabulary, and the tool task (names of the test split never appear in train)."""
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.output_dir, "tokenizer_chat"))
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    torch.manual_seed(args.seed + 4)
+    model = LlamaForCausalLM(model_config(args, tokenizer))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(os.path.join(args.output_dir, "policy_tools"))
+    for folder in ("policy_tools", "tokenizer_tools"):
+        tokenizer.save_pretrained(os.path.join(args.output_dir, folder))
+    rng, taken = random.Random(args.seed + 5), set()
+    parts = {"train": tool_rows(rng, args.num_sft, taken), "test": tool_rows(rng, args.num_test, taken)}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(rows) for k, rows in parts.items()}).save_to_disk(
+        os.path.join(args.output_dir, "dataset_tools")
+    )
 
 
 if __name__ == "__main__":

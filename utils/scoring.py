@@ -223,7 +223,8 @@ def discard(*_args) -> None:
 
 
 REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
-NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids")  # TRL passes every other dataset column
+COMPLETION_MESSAGES = "completion messages"  # a column of a multi-turn rollout's messages (utils/tools.py)
+NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids", COMPLETION_MESSAGES)  # TRL passes every other
 
 
 def check_reward_fn(fn: Callable, spec: str, columns: Sequence[str] | None = None) -> Callable:
@@ -289,8 +290,10 @@ def call_reward_fn(
     raw_prompts = columns.get("prompt")
     if raw_prompts:  # the dataset's prompts, not their decoded (maybe truncated) tokens
         prompts = list(raw_prompts)
-        if data.is_conversation(raw_prompts[0]):
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        if data.is_conversation(raw_prompts[0]):  # multi-turn rollouts bring their turns and tool messages
+            completions = columns.get(COMPLETION_MESSAGES) or [
+                [{"role": "assistant", "content": c}] for c in completions
+            ]
     keywords = {k: v for k, v in columns.items() if k not in NOT_PASSED_COLUMNS}
     keywords.update(
         prompts=prompts,
