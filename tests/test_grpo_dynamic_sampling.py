@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import grpo
-from conftest import make_rl_lab, read_metrics, run_script, run_torchrun, weights
+from conftest import make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
 
 # Half the prompts (even length) get 1.0 whatever the completion: their groups never have a spread. The others get
 # the parity of the completion's length, 0 or 1, an accuracy-like reward: a group of 4 is all equal 1 time in 8.
@@ -124,11 +124,17 @@ def test_dynamic_sampling_drops_groups_and_resumes_exactly(lab, tmp_path):
     assert all(torch.equal(here[n], there[n]) for n in here)
 
 
-def test_two_processes_stop_sampling_together(lab, tmp_path):
-    """2 processes: each fills its own batch of whole groups; the rounds continue until both have theirs, so both
-    log (and gather) the same number of rounds, and neither trains on a group without a spread."""
-    run_torchrun(["grpo.py", *flags_for(lab, tmp_path, "ddp"), "--max_steps", "2"], nproc=2)
-    lines = read_metrics(tmp_path / "runs" / "ddp")
+@pytest.mark.parametrize("launch", ["ddp", pytest.param("zero2", marks=pytest.mark.slow)])
+def test_two_processes_stop_sampling_together(lab, tmp_path, launch):
+    """2 processes (DDP, or DeepSpeed ZeRO-2): each fills its own batch of whole groups; the rounds continue until
+    both have theirs, so both log (and gather) the same number of rounds, and neither trains on a group without a
+    spread."""
+    flags = ["grpo.py", *flags_for(lab, tmp_path, launch), "--max_steps", "2"]
+    if launch == "ddp":
+        run_torchrun(flags, nproc=2)
+    else:
+        run_deepspeed(flags, tmp_path, 2)
+    lines = read_metrics(tmp_path / "runs" / launch)
     assert [m["step"] for m in lines] == [1, 2]
     for metrics in lines:
         assert metrics["frac_reward_zero_std"] == 0.0 and metrics["filter_groups/num_gen_batches"] >= 2

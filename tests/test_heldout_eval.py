@@ -1,8 +1,10 @@
 """Held-out evaluation during RL training (utils/evaluation.py) in rloo.py, ppo.py and online_dpo.py: eval/ metrics
 at the evaluation points, their means equal to a recomputation from the scored completions (one process and
-two), training untouched by evaluation (the same metrics and weights with and without it, and a bit-exact
-resume with it), a missing split named on the command line refused in one line."""
+two; grpo.py also with --bf16, DeepSpeed ZeRO-2/3 and --use_vllm), training untouched by evaluation (the same
+metrics and weights with and without it, and a bit-exact resume with it), a missing split named on the command
+line refused in one line."""
 
+import importlib.util
 import json
 import math
 import os
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 import utils.evaluation
-from conftest import make_rl_lab, read_metrics, run_script, run_torchrun, weights
+from conftest import make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
 
 # Two reward functions that record every row they score (prompt, value, the evaluation's or training's state).
 RECORDING_REWARDS = """
@@ -221,9 +223,14 @@ def test_evaluation_schedule():
     assert not any(utils.evaluation.due(u, 10, args) for u in range(1, 11))
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "online_dpo.py"])
-def test_ppo_and_online_dpo_log_eval_metrics(lab, tmp_path, script):
-    """Two updates with --eval_steps 1: the held-out means after each, equal to those of the scored rows."""
+@pytest.mark.parametrize(
+    "script,nproc",
+    [("ppo.py", 1), ("online_dpo.py", 1), pytest.param("ppo.py", 2, marks=pytest.mark.slow),
+     pytest.param("online_dpo.py", 2, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_ppo_and_online_dpo_log_eval_metrics(lab, tmp_path, script, nproc):
+    """Two updates with --eval_steps 1: the held-out means after each, equal to those of the scored rows (on two
+    processes too: each held-out prompt scored once, 3 + 1 a process)."""
     reward = f"{lab / 'recording.py'}:words"
     flags = [
         script, "--dataset_name", str(lab / "data"), "--dataset_test_split", "test", "--reward_fn", reward,
@@ -235,7 +242,15 @@ def test_ppo_and_online_dpo_log_eval_metrics(lab, tmp_path, script):
         flags += ["--num_ppo_epochs", "1"]
     else:
         flags += ["--model_name_or_path", str(lab / "policy"), "--max_new_tokens", "8", "--max_steps", "2"]
-    run_script(flags, env={"REWARD_LOG": str(tmp_path / "log.jsonl")})
+    if nproc == 1:
+        run_script(flags, env={"REWARD_LOG": str(tmp_path / "log.jsonl")})
+    else:  # the same global batch
+        flags[flags.index("--per_device_train_batch_size") + 1] = "2"
+        os.environ["REWARD_LOG"] = str(tmp_path / "log.jsonl")  # run_torchrun passes the environment on
+        try:
+            run_torchrun(flags)
+        finally:
+            del os.environ["REWARD_LOG"]
     lines = read_metrics(tmp_path / "runs" / "run")
     assert [line["step"] for line in eval_lines(lines)] == [1, 2]
     found = recorded(tmp_path / "log.jsonl", held_out_prompts(lab))
@@ -365,3 +380,35 @@ def test_grpo_missing_split_stops_before_a_model_loads(grpo_runs, tmp_path):
         proc.stderr
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "launch",
+    ["bf16", "zero3", pytest.param("zero2", marks=pytest.mark.slow),
+     pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                                       reason="vLLM is not installed")])],
+)  # fmt: skip
+def test_grpo_evaluates_under_bf16_deepspeed_and_vllm(lab, tmp_path, launch):
+    """grpo.py's held-out evaluation with --bf16, under DeepSpeed ZeRO-2/3 on 2 processes (the weights gathered
+    for sampling, 4 held-out prompts a process) and with --use_vllm: evaluations after --eval_steps 2 and the
+    last step, every held-out prompt's 2 completions scored once, the logged means theirs."""
+    flags = rloo_flags(lab, tmp_path, "run", "--dataset_test_split", "test")
+    flags[0] = "grpo.py"
+    env = {"REWARD_LOG": str(tmp_path / "log.jsonl")}
+    if launch in ("bf16", "vllm"):
+        run_script([*flags, f"--{'use_vllm' if launch == 'vllm' else 'bf16'}"], env=env)
+    else:
+        flags[flags.index("--per_device_train_batch_size") + 1] = "4"  # the same global batch
+        os.environ.update(env)  # run_deepspeed passes the environment on
+        try:
+            run_deepspeed(flags, tmp_path, int(launch[-1]))
+        finally:
+            del os.environ["REWARD_LOG"]
+    lines = read_metrics(tmp_path / "runs" / "run")
+    assert [line["step"] for line in eval_lines(lines)] == [2, 3]
+    found = recorded(tmp_path / "log.jsonl", held_out_prompts(lab))
+    for line in eval_lines(lines):
+        words, vowels = found[("words", line["step"])], found[("vowels", line["step"])]
+        assert len(words) == len(vowels) == 2 * NUM_TEST
+        assert line["eval/rewards/words/mean"] == pytest.approx(sum(words) / len(words), abs=1e-5)
+        assert line["eval/reward"] == pytest.approx((sum(words) + sum(vowels)) / len(words), abs=1e-4)
