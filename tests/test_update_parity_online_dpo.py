@@ -30,6 +30,7 @@ import sys
 import pytest
 import torch
 
+import fixed_completions
 from conftest import OFFLINE_ENV, ROOT, make_rl_lab, read_metrics, weights
 from fixed_completions import (
     StepRecorder,
@@ -152,6 +153,7 @@ def trainer_class():
 
 def theirs(lab, out, flags: dict) -> tuple[list[dict], list[dict]]:
     """TRL's train() in this process -> (weights after each step, log history)."""
+    import trl.experimental.utils
     from datasets import load_dataset
     from transformers import AutoTokenizer
     from trl.experimental.online_dpo import OnlineDPOConfig
@@ -159,6 +161,10 @@ def theirs(lab, out, flags: dict) -> tuple[list[dict], list[dict]]:
     module_spec = importlib.util.spec_from_file_location("reward", lab / "reward.py")
     reward = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(reward)
+    flags = {key: value for key, value in flags.items() if key != "use_peft"}
+    lora = {key: flags.pop(key) for key in list(flags) if key.startswith("lora_")}
+    original = trl.experimental.utils.get_peft_model
+    peft_config = fixed_completions.trl_lora(trl.experimental.utils, {**lora, "seed": 3})
     torch.manual_seed(0)
     config = OnlineDPOConfig(
         output_dir=str(out / "trl"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
@@ -172,7 +178,9 @@ def theirs(lab, out, flags: dict) -> tuple[list[dict], list[dict]]:
         args=config,
         train_dataset=load_dataset("json", data_files=str(lab / "prompts.jsonl"), split="train"),
         processing_class=AutoTokenizer.from_pretrained(lab / "policy"),
+        peft_config=peft_config,
     )
+    trl.experimental.utils.get_peft_model = original
     (out / "trl_counter").mkdir(parents=True)
     trainer.model.generate = model_generate(trainer, out / "trl_counter", R)
     recorder = StepRecorder(out / "trl_steps", model=trainer.model)
@@ -221,6 +229,23 @@ def test_each_step_equals_trls(lab, tmp_path, case):
     if accumulation > 1:
         assert all(log["grad_norm"] > 10 * MAX_GRAD_NORM for log in our_log)
         assert [log["beta"] for log in our_log] == flags["beta"]
+
+
+def test_lora_equals_trls(lab, tmp_path):
+    """--use_peft against OnlineDPOTrainer(peft_config=...): the adapter alone trained; the second step's
+    implicit rewards are log-ratios against the policy with its adapter off, after the first step moved it."""
+    flags = dict(loss_type="sigmoid", beta=0.1, per_device_train_batch_size=8, use_peft=True,
+                 adam_epsilon=1e-6, **fixed_completions.LORA)  # fmt: skip
+    process = start_ours(lab, tmp_path / "ours", flags)
+    try:
+        trl_steps, trl_log = theirs(lab, tmp_path, flags)
+    finally:
+        our_steps, our_log = finish_ours(process, tmp_path / "ours")
+    start = fixed_completions.lora_start(lab / "policy", 3)
+    assert all(".lora_" in name for name in our_steps[0])  # the base's weights are not trained
+    assert_same_steps(our_steps, trl_steps, start)
+    assert_same_metrics(our_log, trl_log, 1)
+    assert our_log[0]["rewards/margins"] == 0 and our_log[1]["rewards/margins"] != 0
 
 
 def test_two_processes_take_one_processs_steps(lab, tmp_path):

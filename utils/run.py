@@ -392,7 +392,7 @@ def run_cli(args_class, main: Callable) -> None:
     import utils.signals as signals
 
     signals.RECEIVED.clear()
-    signals.stop_before_training()  # first thing: a Ctrl-C while the flags parse is one line too
+    signals.stop_before_training(imports=False)  # first thing: a Ctrl-C while the flags parse is one line too
     script = os.path.basename(sys.argv[0])
     show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
     try:

@@ -17,10 +17,11 @@ def exit_code(name: str) -> int:
     return EXIT_CODES.get(name, 143)
 
 
-def stop_before_training() -> None:
+def stop_before_training(imports: bool = True) -> None:
     """Until the checkpointer takes over, SIGINT or SIGTERM prints `script.py: interrupted before training
-    started; nothing was saved.` and exits; a second one exits at once."""
-    install(_before_training)
+    started; nothing was saved.` and exits (at once during the script's imports, `imports`; through SystemExit
+    from run_cli on); a second one exits at once."""
+    install(_during_imports if imports else _before_training)
 
 
 def stop_after_training() -> None:
@@ -59,6 +60,14 @@ def _say_and_exit(signum: int, what: str) -> None:
 
 def _before_training(signum, frame) -> None:
     _say_and_exit(signum, "before training started; nothing was saved.")
+
+
+def _during_imports(signum, frame) -> None:
+    """Before run_cli: the heavy imports hold nothing to save or close, and a SystemExit raised inside one (numpy's,
+    under torch's) leaves it half-imported, so the process exits at once."""
+    name = signal.Signals(signum).name
+    say("interrupted before training started; nothing was saved.")
+    os._exit(exit_code(name))
 
 
 def _after_training(signum, frame) -> None:
