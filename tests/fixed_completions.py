@@ -174,18 +174,20 @@ def assert_same_steps(ours: list[dict], theirs: list[dict], start: dict, rel=2e-
 LORA = dict(lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj", "up_proj"])
 
 
-def trl_lora(trainer_module, flags: dict):
-    """TRL's peft_config for the LoRA flags popped from `flags` (None without them); TRL's get_peft_model seeded
-    with --seed, as utils.lora.add_adapter does, so both sides start from the same adapter."""
+def trl_lora(trainer_module, flags: dict, seed: int):
+    """TRL's peft_config for the LoRA flags popped from `flags` (None without them); the trainer module's next
+    get_peft_model call seeded with `seed`, as utils.lora.add_adapter does, so both sides start from the same
+    adapter (then the module's own function is back)."""
     import torch
     from peft import LoraConfig
 
     lora = {key: flags.pop(key) for key in list(flags) if key.startswith("lora_")}
     if not lora:
         return None
-    original, seed = trainer_module.get_peft_model, flags["seed"]
+    original = trainer_module.get_peft_model
 
     def seeded(*args, **kwargs):
+        trainer_module.get_peft_model = original
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return original(*args, **kwargs)
@@ -195,15 +197,19 @@ def trl_lora(trainer_module, flags: dict):
                       lora_dropout=lora["lora_dropout"], target_modules=lora["lora_target_modules"])  # fmt: skip
 
 
-def lora_start(policy_path, seed: int) -> dict:
-    """The trained parameters of `policy_path` with LORA's adapter as utils.lora.add_adapter starts it."""
+def lora_flags(**overrides):
+    """The LoRA flags utils.lora.add_adapter reads: LORA's, with `overrides`."""
     import types
 
+    return types.SimpleNamespace(**{**LORA, "lora_modules_to_save": None, "use_rslora": False, "use_dora": False,
+                                    "gradient_checkpointing": False, **overrides})  # fmt: skip
+
+
+def lora_start(policy_path, seed: int) -> dict:
+    """The trained parameters of `policy_path` with LORA's adapter as utils.lora.add_adapter starts it."""
     from transformers import AutoModelForCausalLM
 
     import utils.lora
 
-    flags = types.SimpleNamespace(**LORA, lora_modules_to_save=None, use_rslora=False, use_dora=False,
-                                  gradient_checkpointing=False)  # fmt: skip
-    model = utils.lora.add_adapter(AutoModelForCausalLM.from_pretrained(policy_path), flags, seed)
+    model = utils.lora.add_adapter(AutoModelForCausalLM.from_pretrained(policy_path), lora_flags(), seed)
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}

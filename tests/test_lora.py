@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import fixed_completions
 from conftest import make_rl_lab, read_metrics, run_script, weights
 
 TARGETS = ["q_proj", "v_proj"]
@@ -101,9 +102,7 @@ def test_reference_is_the_base_with_the_adapter_off(lab):
     import utils.logprobs
     import utils.lora
 
-    flags = types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"],
-                                  lora_modules_to_save=None, use_rslora=False, use_dora=False,
-                                  gradient_checkpointing=False)  # fmt: skip
+    flags = fixed_completions.lora_flags(lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"])
     base = AutoModelForCausalLM.from_pretrained(lab / "policy").eval()
     policy = utils.lora.add_adapter(
         AutoModelForCausalLM.from_pretrained(lab / "policy"), flags, seed=0

@@ -120,7 +120,7 @@ def build_trainer(spec: dict):
     module_spec = importlib.util.spec_from_file_location("reward", f"{lab}/reward.py")
     reward = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(reward)
-    peft_config = fixed_completions.trl_lora(trl.trainer.grpo_trainer, flags)
+    peft_config = fixed_completions.trl_lora(trl.trainer.grpo_trainer, flags, flags["seed"])
     config = trl.GRPOConfig(
         output_dir=f"{out}/trl", use_cpu=True, bf16=False, report_to=[], save_strategy="no",
         num_generations=G, max_completion_length=R, temperature=T, max_steps=spec["steps"],

@@ -162,9 +162,7 @@ def theirs(lab, out, flags: dict) -> tuple[list[dict], list[dict]]:
     reward = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(reward)
     flags = {key: value for key, value in flags.items() if key != "use_peft"}
-    lora = {key: flags.pop(key) for key in list(flags) if key.startswith("lora_")}
-    original = trl.experimental.utils.get_peft_model
-    peft_config = fixed_completions.trl_lora(trl.experimental.utils, {**lora, "seed": 3})
+    peft_config = fixed_completions.trl_lora(trl.experimental.utils, flags, seed=3)
     torch.manual_seed(0)
     config = OnlineDPOConfig(
         output_dir=str(out / "trl"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
@@ -180,7 +178,6 @@ def theirs(lab, out, flags: dict) -> tuple[list[dict], list[dict]]:
         processing_class=AutoTokenizer.from_pretrained(lab / "policy"),
         peft_config=peft_config,
     )
-    trl.experimental.utils.get_peft_model = original
     (out / "trl_counter").mkdir(parents=True)
     trainer.model.generate = model_generate(trainer, out / "trl_counter", R)
     recorder = StepRecorder(out / "trl_steps", model=trainer.model)

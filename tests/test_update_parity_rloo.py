@@ -136,7 +136,7 @@ def build_trainer(spec: dict):
     reward = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(reward)
     reward_funcs = [getattr(reward, name) for name in flags.pop("reward_funcs", ["shape"])]
-    peft_config = fixed_completions.trl_lora(trl.trainer.rloo_trainer, flags)
+    peft_config = fixed_completions.trl_lora(trl.trainer.rloo_trainer, flags, flags["seed"])
     config = trl.RLOOConfig(
         output_dir=f"{out}/trl", use_cpu=True, bf16=False, report_to=[], save_strategy="no",
         num_generations=G, max_completion_length=R, temperature=T, max_steps=spec["steps"],

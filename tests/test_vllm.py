@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import fixed_completions
 import utils.generation
 import utils.logprobs
 import utils.vllm
@@ -274,9 +275,7 @@ def test_engine_gets_the_merged_weights_of_a_lora_policy(lab):
 
     import utils.lora
 
-    flags = types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"],
-                                  lora_modules_to_save=None, use_rslora=False, use_dora=False,
-                                  gradient_checkpointing=False)  # fmt: skip
+    flags = fixed_completions.lora_flags(lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"])
     policy = utils.lora.add_adapter(copy.deepcopy(lab.model), flags, seed=0).eval()
     with torch.no_grad():
         for name, p in policy.named_parameters():
