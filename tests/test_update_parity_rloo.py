@@ -224,7 +224,7 @@ def test_0_19_dialect_equals_trls(lab, tmp_path):
             "--per_device_train_batch_size", str(G * P), "--lr_scheduler_type", "constant", "--seed", "3",
             "--adam_epsilon", str(EPS)]  # fmt: skip
     flags = dict(beta=1.0, per_device_train_batch_size=G * P, num_iterations=2, max_grad_norm=0.0, epsilon=0.2,
-                 lr_scheduler_type="constant", learning_rate=LR / 10, adam_epsilon=EPS)  # fmt: skip
+                 lr_scheduler_type="constant", learning_rate=LR / 10, adam_epsilon=EPS, seed=3)  # fmt: skip
     our_steps, our_log = ours(lab, tmp_path / "ours", argv)
     trl_steps, trl_log = theirs(dict(lab=str(lab), out=str(tmp_path), flags=flags, steps=4))
     assert_same_metrics(our_log, trl_log, one_micro_batch=True)
