@@ -36,6 +36,7 @@ import tyro
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.examples
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -282,7 +283,7 @@ def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[d
     """Rows (truncate_pair's, with their index) of pairs in any of TRL's formats, completions ending with EOS,
     after our own --max_prompt_length / --max_completion_length; the counts of pairs, dropped pairs, prompts
     and completions our flags cut, and sequences --max_length cut."""
-    texts = utils.data.preference_texts(dataset, tokenizer, where)
+    texts = utils.examples.preference_texts(dataset, tokenizer, where)
     ids = [utils.chat.encode(tokenizer, texts[c], leading=c == "prompt") for c in COLUMNS]
     eos, rows = tokenizer.eos_token_id, []
     counts = {"pairs": len(dataset), "dropped": 0, "prompts_truncated": 0, "completions_truncated": 0}
@@ -350,10 +351,10 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 def micro_batch(args: Args, run: "Run", m: int) -> dict:
-    """This process's m-th micro-batch, found again exactly on resume (utils.data.shuffled_micro_batch)."""
+    """This process's m-th micro-batch, found again exactly on resume (utils.examples.shuffled_micro_batch)."""
     accelerator, micro = run.accelerator, args.per_device_train_batch_size
     rank, world = accelerator.process_index, accelerator.num_processes
-    rows = utils.data.shuffled_micro_batch(len(run.train_rows), m, micro, world, rank, args.seed)
+    rows = utils.examples.shuffled_micro_batch(len(run.train_rows), m, micro, world, rank, args.seed)
     batch = collate([run.train_rows[j] for j in rows], run.tokenizer.pad_token_id)
     return {key: value.to(accelerator.device) for key, value in batch.items()}
 

@@ -39,6 +39,7 @@ import torch.nn as nn
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.examples
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -284,7 +285,7 @@ class ILQLModel(nn.Module):
         """Last hidden state [B, T, H] (after the final norm) and the key-value cache."""
         decoder = getattr(self.backbone, self.backbone.base_model_prefix)
         if position_ids is None:
-            position_ids = utils.logprobs.position_ids_from_mask(attention_mask)
+            position_ids = utils.generation.position_ids_from_mask(attention_mask)
         out = decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -355,7 +356,7 @@ def generate(
     from transformers import DynamicCache
 
     mask, tokens, past = query_mask.long(), queries, DynamicCache()
-    position_ids, step_ids = utils.logprobs.position_ids_from_mask(mask), queries
+    position_ids, step_ids = utils.generation.position_ids_from_mask(mask), queries
     for _ in range(response_length):
         hidden, past = model.hidden(step_ids, mask, position_ids, past)
         scores = model.decode_scores(hidden[:, -1], beta, top_k)
@@ -474,7 +475,7 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
     rewards = [float(r) for r in utils.data.column(dataset, "reward")]
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
-    prompt_texts, completion_texts = utils.data.prompt_completion_texts(dataset, tokenizer, where)
+    prompt_texts, completion_texts = utils.examples.prompt_completion_texts(dataset, tokenizer, where)
     prompts = utils.chat.encode(tokenizer, prompt_texts, leading=True)
     completions = utils.chat.encode(tokenizer, completion_texts, leading=False)
     eos, rows = tokenizer.eos_token_id, []

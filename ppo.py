@@ -42,6 +42,7 @@ import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
+import utils.reward_model
 import utils.run
 import utils.saving
 import utils.scoring
@@ -448,7 +449,7 @@ class PolicyAndValue(nn.Module):
         logprobs, entropy, _ = utils.logprobs.response_logprobs(
             self.policy, query_responses, attention_mask, context_length, temperature, with_stats=True
         )
-        values = utils.scoring.per_token_scores(self.critic, query_responses, attention_mask)
+        values = utils.reward_model.per_token_scores(self.critic, query_responses, attention_mask)
         return logprobs, entropy, values[:, context_length - 1 : -1].float()
 
 
@@ -525,7 +526,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
             ref_logprobs.append(utils.logprobs.response_logprobs(run.ref_policy, qr, am, Q, T))
             if run.recompute_old_logprobs:
                 recomputed.append(utils.logprobs.response_logprobs(unwrapped.policy, qr, am, Q, T))
-        values.append(utils.scoring.per_token_scores(unwrapped.critic, qr, am)[:, Q - 1 : -1].float())
+        values.append(utils.reward_model.per_token_scores(unwrapped.critic, qr, am)[:, Q - 1 : -1].float())
     if run.recompute_old_logprobs:
         logprobs = torch.cat(recomputed)
     kl = torch.cat(kl_full) if kl_full else kl_per_token(logprobs, torch.cat(ref_logprobs), args.kl_estimator)

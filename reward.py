@@ -4,7 +4,7 @@ Stiennon et al. 2020, "Learning to summarize from human feedback", Sec. 3.4
 (https://arxiv.org/abs/2009.01325). A language model with a scalar head reads a prompt x and a completion y
 and returns a score r(x, y). For a pair where y_c was preferred over y_r, the model maximises
 P(y_c > y_r) = sigmoid(r(x, y_c) - r(x, y_r) - margin), i.e. minimises -log sigmoid(r_c - r_r - margin).
-The score is read at the last real token of prompt + completion + EOS with `utils.scoring.get_score`, the
+The score is read at the last real token of prompt + completion + EOS with `utils.reward_model.get_score`, the
 function the RL scripts use, so training and use agree. After training, the score head is shifted (and
 optionally scaled) so that the reference completions of the SFT data score 0 on average, as in the paper;
 the saved model holds the normalised head.
@@ -35,11 +35,12 @@ import tyro
 
 import utils.checkpoint
 import utils.data
+import utils.examples
 import utils.generation
 import utils.loading
+import utils.reward_model
 import utils.run
 import utils.saving
-import utils.scoring
 import utils.tracking
 
 PROMPT, CHOSEN, REJECTED, MARGIN, COMPLETION = "prompt", "chosen", "rejected", "margin", "completion"
@@ -210,7 +211,7 @@ def eval_metrics(scores, margins, groups, group_names: list[str], center_rewards
 
 # ---- the reward model --------------------------------------------------------------------------------------
 class ScoreModel(nn.Module):
-    """A sequence classifier whose forward is `utils.scoring.get_score`."""
+    """A sequence classifier whose forward is `utils.reward_model.get_score`."""
 
     # get_score calls the backbone and head directly: preparing this wrapper puts them inside DDP's forward.
     def __init__(self, model: nn.Module):
@@ -218,12 +219,12 @@ class ScoreModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return utils.scoring.get_score(self.model, input_ids, attention_mask)
+        return utils.reward_model.get_score(self.model, input_ids, attention_mask)
 
 
 def biased_head(model: nn.Module) -> nn.Linear:
     """The score head, given a bias (`config.score_bias`, 0 at first) where its class has none (Llama)."""
-    _, head = utils.scoring.score_head(model)
+    _, head = utils.reward_model.score_head(model)
     if head.bias is None:
         biased = nn.Linear(head.in_features, 1, device=head.weight.device, dtype=head.weight.dtype)
         with torch.no_grad():
@@ -294,7 +295,7 @@ def tokenize_rows(
     """Rows {index, sequences (one per column), margin, group}, counts of rows / dropped (a sequence longer
     than `max_length`), and the sorted group names (values of column `group_by`). Columns: [chosen, rejected]
     of pairs or [completion]."""
-    ids = utils.data.reward_ids(dataset, tokenizer, where, columns)
+    ids = utils.examples.reward_ids(dataset, tokenizer, where, columns)
     prompts, completions = ids[PROMPT], [ids[c] for c in columns]
     margins = list(dataset[MARGIN]) if MARGIN in dataset.column_names else [0.0] * len(dataset)
     values = [str(v) for v in dataset[group_by]] if group_by else [""] * len(dataset)
@@ -333,10 +334,10 @@ def loader(rows: list[dict], batch_size: int, pad_token_id: int):
 
 
 def micro_batch(args: Args, run: "Run", m: int) -> dict:
-    """This process's m-th micro-batch, found again exactly on resume (utils.data.shuffled_micro_batch)."""
+    """This process's m-th micro-batch, found again exactly on resume (utils.examples.shuffled_micro_batch)."""
     accelerator, micro = run.accelerator, args.per_device_train_batch_size
     rank, world = accelerator.process_index, accelerator.num_processes
-    rows = utils.data.shuffled_micro_batch(len(run.train_rows), m, micro, world, rank, args.seed)
+    rows = utils.examples.shuffled_micro_batch(len(run.train_rows), m, micro, world, rank, args.seed)
     batch = collate([run.train_rows[j] for j in rows], run.tokenizer.pad_token_id)
     return {key: value.to(accelerator.device) for key, value in batch.items()}
 

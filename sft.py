@@ -37,6 +37,7 @@ import tyro
 import utils.chat
 import utils.checkpoint
 import utils.data
+import utils.examples
 import utils.generation
 import utils.loading
 import utils.logprobs
@@ -279,7 +280,7 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dict], dict[str, int]]:
     """Rows {input_ids, loss_mask} of a split in any of TRL's SFT formats, cut or packed as TRL 1.16's
     SFTTrainer prepares them; kept/truncated/dropped counts of the examples."""
-    kind, examples = utils.data.sft_examples(
+    kind, examples = utils.examples.sft_examples(
         dataset, tokenizer, where, args.dataset_text_field, args.assistant_only_loss
     )
     counts, rows, max_prompt_length = {"kept": 0, "truncated": 0, "dropped": 0}, [], args.max_prompt_length
@@ -444,7 +445,7 @@ def setup(args: Args) -> Run:
         eval_split = utils.data.load_split(args.dataset_name, test_split, args.dataset_config)
         where = f"split {test_split!r}"
         eval_rows, eval_counts = tokenize_split(eval_split, tokenizer, args, where)
-        eval_prompts, eval_references = utils.data.sample_prompts(
+        eval_prompts, eval_references = utils.examples.sample_prompts(
             eval_split, tokenizer, where, args.num_samples, args.dataset_text_field
         )
     # positions restart at each example packed by bfd: the model sees no more than the longest example

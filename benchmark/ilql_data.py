@@ -31,6 +31,7 @@ import utils.chat  # noqa: E402
 import utils.data  # noqa: E402
 import utils.generation  # noqa: E402
 import utils.loading  # noqa: E402
+import utils.reward_model  # noqa: E402
 import utils.scoring  # noqa: E402
 
 
@@ -108,7 +109,7 @@ def sample_split(args: Args, split: str, model, tokenizer, reward_model, generat
                 mask = torch.cat(
                     [query_mask, utils.generation.lengths_to_mask(lengths, responses.size(1))], 1
                 )
-                rm_scores = utils.scoring.batched_score(reward_model, torch.cat([queries, responses], 1), mask.long(),
+                rm_scores = utils.reward_model.batched_score(reward_model, torch.cat([queries, responses], 1), mask.long(),
                                                 args.batch_size)  # fmt: skip
                 if args.missing_eos_penalty is not None:
                     rm_scores = rm_scores - args.missing_eos_penalty * (~has_eos).float()

@@ -12,6 +12,7 @@ import grpo
 import ppo
 import rloo
 import sft
+import utils.cli
 import utils.plots
 import utils.run
 import utils.saving
@@ -26,14 +27,14 @@ def test_help_is_grouped_as_the_source_with_every_flag_and_default(module, capsy
         utils.run.parse_args(module.Args, ["--help"])
     assert stop.value.code == 0
     text = capsys.readouterr().out
-    groups = utils.run.flag_groups(module.Args)
+    groups = utils.cli.flag_groups(module.Args)
     titles = [title for title, _ in groups]
     assert (
         titles[0] == "Run" and "Models and data" in titles and titles[-1].startswith("Filled in at runtime")
     )
     positions = [text.index(f"\n{title}") for title in titles]
     assert positions == sorted(positions)  # the source's order
-    runtime = utils.run.runtime_fields(module.Args)
+    runtime = utils.cli.runtime_fields(module.Args)
     assert runtime and runtime == set(groups[-1][1])
     for field in module.Args.__dataclass_fields__:
         if field in runtime:

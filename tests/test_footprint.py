@@ -61,9 +61,11 @@ def test_vllm_is_optional_for_the_scripts_that_sample_with_it():
 
 
 OPTIONAL_MODULES = (
+    "utils/cli.py",
     "utils/lora.py",
     "utils/plots.py",
     "utils/reward_tokenizer.py",
+    "utils/tools.py",
     "utils/trl_flags.py",
     "utils/vllm.py",
 )
@@ -121,3 +123,15 @@ def test_copy_without_an_optional_module_names_it_when_asked(core_copy, world, m
     assert last.startswith(f"rloo.py: error: {says}"), last
     assert f"needs {module}, which this copy lacks" in last, last
     assert "copy it" in last and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_copy_without_cli_parses_with_tyro(core_copy):
+    """Without utils/cli.py (TRL's flags, one-sentence flag errors, grouped --help) a copy parses with tyro
+    alone: its own --help, and its own error for an unknown flag, without a traceback."""
+    out, flags = core_copy
+    assert not (out / "utils" / "cli.py").exists()
+    shown = run_script(["rloo.py", "--help"], cwd=out)
+    assert "--kl-coef" in shown.stdout or "--kl_coef" in shown.stdout, shown.stdout
+    refused = run_script(["rloo.py", *flags, "--kl_coeff", "0.1"], cwd=out, check=False)
+    assert refused.returncode != 0 and "kl_coeff" in refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stderr, refused.stderr

@@ -87,7 +87,7 @@ def logged_steps(run_dir):
         pytest.param("reward.py", marks=pytest.mark.slow),
         pytest.param("dpo.py", marks=pytest.mark.slow),
     ],
-)  # the mechanism is shared (utils.checkpoint, utils.data.shuffled_micro_batch): one script in CI, all with -m slow
+)  # the mechanism is shared (utils.checkpoint, utils.examples.shuffled_micro_batch): one script in CI, all with -m slow
 def test_sigkill_then_resume_gives_the_same_weights(script, world, tmp_path):
     flags = SCRIPTS[script]
     run_script([script, *flags(world, tmp_path / "straight", "straight")])

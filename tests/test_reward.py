@@ -17,6 +17,7 @@ from transformers import (
 )
 
 import reward
+import utils.reward_model
 import utils.scoring
 from conftest import ROOT, run_script, run_torchrun
 
@@ -47,7 +48,7 @@ def score_rows(model, rows, batch_size=16):
     out = []
     for i in range(0, len(rows), batch_size):
         batch = reward.collate(rows[i : i + batch_size], PAD)
-        scores = utils.scoring.get_score(model, batch["input_ids"], batch["attention_mask"])
+        scores = utils.reward_model.get_score(model, batch["input_ids"], batch["attention_mask"])
         out.append(scores.view(-1, len(rows[i : i + batch_size])).T)
     return torch.cat(out)
 
@@ -104,7 +105,9 @@ def test_completion_ids_end_with_one_eos(world):
     eos = tokenizer.eos_token_id
     texts = [" landlord tbh", " landlord tbh" + tokenizer.eos_token, ""]
     rows = datasets.Dataset.from_list([{"prompt": " rent", "completion": text} for text in texts])
-    plain, ended, empty = reward.utils.data.reward_ids(rows, tokenizer, "rows", ["completion"])["completion"]
+    plain, ended, empty = reward.utils.examples.reward_ids(rows, tokenizer, "rows", ["completion"])[
+        "completion"
+    ]
     assert plain == ended and plain[-1] == eos and plain.count(eos) == 1
     assert empty == [eos]
 
@@ -150,7 +153,7 @@ def test_one_forward_pass_equals_separate_passes_and_the_classifier_itself():
         joint = reward.ScoreModel(model)(batch["input_ids"], batch["attention_mask"])
         for j in range(2):  # chosen alone, rejected alone: each padded to its own width
             alone = reward.collate([{**r, "sequences": [r["sequences"][j]]} for r in rows], PAD)
-            separate = utils.scoring.get_score(model, alone["input_ids"], alone["attention_mask"])
+            separate = utils.reward_model.get_score(model, alone["input_ids"], alone["attention_mask"])
             torch.testing.assert_close(joint[3 * j : 3 * j + 3], separate, atol=1e-5, rtol=1e-5)
         # the classifier's own forward (last non-pad token, pad != eos, right padding) reads the same place
         own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
@@ -177,7 +180,7 @@ def test_normalization_survives_a_reload(tmp_path, normalize_std):
     assert abs(after.mean().item()) < 1e-5
     if normalize_std:
         assert after.std().item() == pytest.approx(1.0, abs=1e-5)
-    # the weights load cleanly with a plain from_pretrained (the head without bias), and utils.scoring.get_score adds
+    # the weights load cleanly with a plain from_pretrained (the head without bias), and utils.reward_model.get_score adds
     # the shift kept in the config, so ppo.py and rloo.py see the normalized scores too
     plain, info = AutoModelForSequenceClassification.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["unexpected_keys"] and not info["missing_keys"] and plain.score.bias is None
@@ -252,8 +255,8 @@ def test_end_to_end_learns_and_the_output_serves_ppo(world, tmp_path):
     ids = torch.tensor([[tokenizer.pad_token_id] * 2 + query + [tokenizer.eos_token_id]])
     mask = (ids != tokenizer.pad_token_id).long()
     with torch.no_grad():
-        values = utils.scoring.per_token_scores(model, ids, mask)
-        score = utils.scoring.get_score(model, ids, mask)
+        values = utils.reward_model.per_token_scores(model, ids, mask)
+        score = utils.reward_model.get_score(model, ids, mask)
     assert values.shape == ids.shape and score.shape == (1,)
     torch.testing.assert_close(values[:, -1], score)
 

@@ -15,6 +15,7 @@ import torch
 
 import utils.chat
 import utils.generation
+import utils.reward_model
 import utils.scoring as scoring
 from conftest import run_script
 
@@ -282,7 +283,7 @@ def train_key_word_classifier(tokenizer, policy_tok, prompts, steps=300, seed=0)
         batch = [example() for _ in range(32)]
         ids = utils.generation.pad([b[0] for b in batch], tokenizer.pad_token_id, "right")
         mask = utils.generation.lengths_to_mask(torch.tensor([len(b[0]) for b in batch]), ids.size(1)).long()
-        scores = utils.scoring.get_score(model, ids, mask)
+        scores = utils.reward_model.get_score(model, ids, mask)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
             scores, torch.tensor([b[1] for b in batch])
         )
@@ -292,7 +293,7 @@ def train_key_word_classifier(tokenizer, policy_tok, prompts, steps=300, seed=0)
     model.eval()
     test = [example() for _ in range(400)]
     with torch.no_grad():
-        right = sum((utils.scoring.get_score(model, torch.tensor([i]), torch.ones(1, len(i))).item() > 0) == bool(y)
+        right = sum((utils.reward_model.get_score(model, torch.tensor([i]), torch.ones(1, len(i))).item() > 0) == bool(y)
                     for i, y in test)  # fmt: skip
     return model, right / len(test)
 

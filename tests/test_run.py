@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_script
-from utils import checkpoint, run, tracking
+from utils import checkpoint, cli, run, tracking
 
 
 @dataclass
@@ -44,7 +44,7 @@ def test_booleans_take_a_value_as_in_trl(argv, expected):
 
 def test_boolean_with_a_bad_value_is_refused():
     with pytest.raises(ValueError, match="--bf16 takes true or false"):
-        run.normalize_bool_flags(FlagArgs, ["--bf16=maybe"])
+        cli.normalize_bool_flags(FlagArgs, ["--bf16=maybe"])
 
 
 @pytest.mark.parametrize(
@@ -64,8 +64,8 @@ def test_aliases_and_negations_are_known_flags():
     import dpo
     import sft
 
-    assert {"max_steps", "total_steps", "no_bf16", "help"} <= run.known_flags(sft.Args)
-    assert {"precompute_ref_logps", "no_precompute_ref_log_probs"} <= run.known_flags(dpo.Args)
+    assert {"max_steps", "total_steps", "no_bf16", "help"} <= cli.known_flags(sft.Args)
+    assert {"precompute_ref_logps", "no_precompute_ref_log_probs"} <= cli.known_flags(dpo.Args)
     assert run.parse_args(sft.Args, ["--max_steps", "7", "--bf16", "False"]).total_steps == 7
 
 

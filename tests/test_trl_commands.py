@@ -10,7 +10,7 @@ import datasets
 import pytest
 
 from conftest import ROOT, run_script
-from utils import data, run
+from utils import cli, data, run
 
 
 def readme_commands() -> dict[str, str]:
@@ -259,7 +259,7 @@ def test_trl_flags_that_mean_nothing_here_are_noted_or_refused():
     notes = []
     argv = ["--report_to", "wandb", "tensorboard", "--bf16_full_eval", "--logging_first_step", "True", "--beta",
             "0.2", "--no_remove_unused_columns", "--dataset_num_proc=4"]  # fmt: skip
-    assert run.translate_trl_flags(dpo.Args, argv, notes) == ["--beta", "0.2"]
+    assert cli.translate_trl_flags(dpo.Args, argv, notes) == ["--beta", "0.2"]
     assert len(notes) == 5 and all("(a TRL flag) is ignored: " in note for note in notes)
     assert (
         run.parse_args(dpo.Args, ["--warmup_steps", "0.1"]).warmup_ratio == 0.1

@@ -8,10 +8,13 @@ import torch
 
 import utils.chat
 import utils.checkpoint
+import utils.cli
 import utils.data
+import utils.examples
 import utils.generation
 import utils.loading
 import utils.logprobs
+import utils.reward_model
 import utils.run
 import utils.saving
 import utils.scoring
@@ -86,7 +89,7 @@ def test_lengths_to_mask_and_last_token_indices():
     assert mask.tolist() == [[False] * 3, [True, True, False], [True] * 3]
     # left-padded query + right-padded response: the last real token is the end of the response
     am = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]])
-    assert utils.scoring.last_token_indices(am).tolist() == [4, 5, 2]
+    assert utils.reward_model.last_token_indices(am).tolist() == [4, 5, 2]
 
 
 def test_exact_div_and_checks(tmp_path):
@@ -258,9 +261,9 @@ def test_get_score_reads_last_real_token_under_any_padding(tiny_models):
         both = torch.cat([torch.full((1, 2), tok.pad_token_id), seq, torch.full((1, 4), tok.pad_token_id)], 1)
         for padded in (seq, left, right, both):
             batch = torch.cat([padded, padded])
-            score = utils.scoring.batched_score(reward, batch, batch != tok.pad_token_id, chunk_size=1)
+            score = utils.reward_model.batched_score(reward, batch, batch != tok.pad_token_id, chunk_size=1)
             torch.testing.assert_close(score, alone.expand(2), atol=1e-4, rtol=1e-4)
-        values = utils.scoring.per_token_scores(reward, both, both != tok.pad_token_id)
+        values = utils.reward_model.per_token_scores(reward, both, both != tok.pad_token_id)
         assert values.shape == both.shape
 
 
@@ -271,7 +274,7 @@ def test_reward_model_with_two_labels_is_refused(world):
         world / "reward", num_labels=2, ignore_mismatched_sizes=True
     )
     with pytest.raises(ValueError, match="exactly one"):
-        utils.scoring.score_head(model)
+        utils.reward_model.score_head(model)
 
 
 def test_disable_dropout():
@@ -386,7 +389,7 @@ def test_every_script_takes_the_model_flags(script, monkeypatch):
     model_flags = {"model_revision", "trust_remote_code"} | (
         {"attn_implementation"} if script != "ddpo" else set()
     )
-    assert model_flags <= utils.run.known_flags(module.Args)
+    assert model_flags <= utils.cli.known_flags(module.Args)
     if script == "ddpo":
         return  # its pipeline and CLIP loads take the flags directly
 
@@ -476,10 +479,10 @@ def test_scores_include_the_stored_normalization_shift(tiny_models):
     )
     mask = torch.ones_like(seq)
     with torch.no_grad():
-        plain = utils.scoring.get_score(reward, seq, mask)
+        plain = utils.reward_model.get_score(reward, seq, mask)
         reward.config.score_bias = -0.25
         try:
-            shifted = utils.scoring.get_score(reward, seq, mask)
+            shifted = utils.reward_model.get_score(reward, seq, mask)
         finally:
             reward.config.score_bias = None
     torch.testing.assert_close(shifted, plain - 0.25)
@@ -494,7 +497,7 @@ def test_shuffled_micro_batch_covers_each_row_once_per_epoch_on_any_process_coun
                 i
                 for m in range(epoch * per_epoch, (epoch + 1) * per_epoch)
                 for rank in range(world)
-                for i in utils.data.shuffled_micro_batch(rows, m, micro, world, rank, seed)
+                for i in utils.examples.shuffled_micro_batch(rows, m, micro, world, rank, seed)
             ]
             assert len(seen) == len(set(seen)) == per_epoch * micro * world  # no row twice, tail dropped
             expected = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()

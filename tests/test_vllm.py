@@ -149,7 +149,7 @@ def test_sampling_knobs_reach_the_engine(lab):
     Q = queries.size(1)
     mask = torch.cat([query_mask, torch.ones_like(sampled[:, Q:], dtype=torch.bool)], 1)
     with torch.no_grad():
-        positions = utils.logprobs.position_ids_from_mask(mask.long())
+        positions = utils.generation.position_ids_from_mask(mask.long())
         logits = lab.model(sampled, attention_mask=mask, position_ids=positions).logits.float()
     for step in range(8):
         kept = utils.generation.warp_logits(logits[:, Q - 1 + step], sampled[:, : Q + step], 1.0, **knobs)

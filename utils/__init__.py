@@ -3,15 +3,17 @@ nothing: a script imports the modules it uses (`import utils.generation`), so a 
 (`python benchmark/readability.py` lists them).
 
 What a reader meets while following an algorithm:
-    utils/data.py        datasets: loading, TRL's formats, texts by type, batch orders
+    utils/data.py        datasets: loading, TRL's formats, RL prompts, their batch order
+    utils/examples.py    the offline scripts' examples: SFT rows, preference texts, reward-model ids
     utils/generation.py  padding, truncation at the stop token, sampling
     utils/logprobs.py    forward passes and token log-probabilities
     utils/stats.py       masked statistics
-    utils/scoring.py     reward models, reward functions (TRL's contract), scoring across tokenizers
+    utils/reward_model.py  a reward model's score: per token, at the last token, in chunks
+    utils/scoring.py     reward models and functions (TRL's contract) on query + response rows
     utils/chat.py        chat templates, rendering conversations
 
 Plumbing one can skip on a first read:
-    utils/run.py         command line, one-sentence errors, the accelerator (DDP, DeepSpeed), frozen models
+    utils/run.py         command line (tyro), errors as one line, the accelerator (DDP, DeepSpeed), frozen models
     utils/checkpoint.py  checkpoints, exact resume, SIGTERM, the output folder
     utils/saving.py      the final model: weights, tokenizer, model card, hub push
     utils/tracking.py    metrics (TensorBoard, metrics.jsonl, W&B), sample tables, the non-finite guard
@@ -24,6 +26,8 @@ Optional, imported only on the path that needs it (a copy without one says which
     utils/vllm.py        the colocated vLLM engine (with --use_vllm)
     utils/lora.py        LoRA adapters, the adapter-off reference, merged saving (with --use_peft)
     utils/plots.py       curves.png of the model card (a copy without it saves the card without curves)
+    utils/cli.py         TRL's flags translated or refused, one sentence per bad flag, grouped --help (a copy
+                         without it parses with tyro alone)
 
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """

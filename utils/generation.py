@@ -10,13 +10,17 @@ import torch
 import torch.nn as nn
 
 from utils.loading import config_positions, say_once
-from utils.logprobs import position_ids_from_mask
 from utils.run import inner_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Padding and truncation
 # ----------------------------------------------------------------------------------------------------------------
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions [B, T] counted over real tokens, as generation does for left padding."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
 def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> torch.Tensor:
     """Token lists as a LongTensor [B, max_len], padded on `side`."""
     if side not in ("left", "right"):

@@ -8,16 +8,12 @@ import torch
 import torch.nn as nn
 
 from utils import lm_head
+from utils.generation import position_ids_from_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Forward passes
 # ----------------------------------------------------------------------------------------------------------------
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions [B, T] counted over real tokens, as generation does for left padding."""
-    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-
-
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask, position_ids=None, **kwargs):
     """Forward a causal LM on padded rows with matching position ids; or, given `position_ids` and no attention
     mask, on packed examples (positions from 0 in each), which the model keeps from attending to each other."""

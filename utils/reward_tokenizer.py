@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from utils.generation import lengths_to_mask, pad
-from utils.scoring import batched_score, last_token_indices
+from utils.reward_model import batched_score, last_token_indices
 
 UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report about 1e30
 
