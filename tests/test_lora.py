@@ -2,7 +2,8 @@
 modules_to_save) trains, the base weights stay bit-for-bit; the reference is the policy with its adapter off,
 equal to the base model's logprobs; the save is the merged model (--output_dir) and the adapter alone
 (--output_dir/adapter); resume is exact; the engine gets the merged weights. Whole-update cases against TRL's
-trainers with a peft_config: tests/test_update_parity_rloo.py and test_update_parity_grpo.py."""
+trainers with a peft_config: tests/test_update_parity_rloo.py, test_update_parity_grpo.py,
+test_update_parity_online_dpo.py and (reward.py) test_update_parity_offline.py."""
 
 import types
 
