@@ -64,7 +64,8 @@ every optimizer step, with gradient accumulation and on two processes). Where th
   step of a linear schedule); TRL's (transformers 5's `Trainer`) is the one the step just used.
 """,
     "reward": """Measured against TRL 1.16's `RewardTrainer.train()` by `tests/test_update_parity_offline.py` (the weights
-after every optimizer step, with gradient accumulation, a margin column and the centring term).
+after every optimizer step, with gradient accumulation, a margin column and the centring term; with `--use_peft`
+against `peft_config=LoraConfig(task_type="SEQ_CLS")` too).
 Where the logs differ:
 
 - `learning_rate` is the learning rate the next step will use, read after the scheduler's step (0 after the last

@@ -174,10 +174,10 @@ def assert_same_steps(ours: list[dict], theirs: list[dict], start: dict, rel=2e-
 LORA = dict(lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj", "up_proj"])
 
 
-def trl_lora(trainer_module, flags: dict, seed: int):
-    """TRL's peft_config for the LoRA flags popped from `flags` (None without them); the trainer module's next
-    get_peft_model call seeded with `seed`, as utils.lora.add_adapter does, so both sides start from the same
-    adapter (then the module's own function is back)."""
+def trl_lora(trainer_module, flags: dict, seed: int, task_type: str = "CAUSAL_LM"):
+    """TRL's peft_config of `task_type` for the LoRA flags popped from `flags` (None without them); the trainer
+    module's next get_peft_model call seeded with `seed`, as utils.lora.add_adapter does, so both sides start from
+    the same adapter (then the module's own function is back)."""
     import torch
     from peft import LoraConfig
 
@@ -193,7 +193,7 @@ def trl_lora(trainer_module, flags: dict, seed: int):
             return original(*args, **kwargs)
 
     trainer_module.get_peft_model = seeded
-    return LoraConfig(task_type="CAUSAL_LM", r=lora["lora_r"], lora_alpha=lora["lora_alpha"],
+    return LoraConfig(task_type=task_type, r=lora["lora_r"], lora_alpha=lora["lora_alpha"],
                       lora_dropout=lora["lora_dropout"], target_modules=lora["lora_target_modules"])  # fmt: skip
 
 
@@ -205,11 +205,16 @@ def lora_flags(**overrides):
                                     "gradient_checkpointing": False, **overrides})  # fmt: skip
 
 
-def lora_start(policy_path, seed: int) -> dict:
-    """The trained parameters of `policy_path` with LORA's adapter as utils.lora.add_adapter starts it."""
-    from transformers import AutoModelForCausalLM
+def lora_start(model_path, seed: int, task_type: str = "CAUSAL_LM") -> dict:
+    """The trained parameters of `model_path` with LORA's adapter as utils.lora.add_adapter starts it (SEQ_CLS:
+    a one-label classifier, its score head among them)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     import utils.lora
 
-    model = utils.lora.add_adapter(AutoModelForCausalLM.from_pretrained(policy_path), lora_flags(), seed)
+    if task_type == "SEQ_CLS":
+        base = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(model_path)
+    model = utils.lora.add_adapter(base, lora_flags(), seed, task_type)
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}

@@ -1,8 +1,9 @@
 """LoRA (--use_peft, utils/lora.py) in ppo.py, rloo.py, grpo.py, online_dpo.py and reward.py: only the adapter (and
 modules_to_save) trains, the base weights stay bit-for-bit; the reference is the policy with its adapter off,
 equal to the base model's logprobs; the save is the merged model (--output_dir) and the adapter alone
-(--output_dir/adapter); resume is exact; the engine gets the merged weights. Whole-update cases against TRL's
-trainers with a peft_config: tests/test_update_parity_rloo.py and test_update_parity_grpo.py."""
+(--output_dir/adapter); resume is exact; the engine gets the merged weights; --bf16 runs. Whole-update cases
+against TRL's trainers with a peft_config: tests/test_update_parity_rloo.py, test_update_parity_grpo.py,
+test_update_parity_online_dpo.py and (reward.py) test_update_parity_offline.py."""
 
 import types
 
@@ -174,3 +175,21 @@ def test_lora_flags_default_to_trls_model_config(script):
     assert {"use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"} <= set(shared)
     differ = {n: (ours[n], theirs[n]) for n in shared if ours[n] != theirs[n]}
     assert differ == ({"lora_task_type": ("SEQ_CLS", "CAUSAL_LM")} if script == "reward" else {})
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])
+def test_bf16_lora_run_finishes_with_the_base_unchanged(world, lab, tmp_path, script):
+    """--bf16 --use_peft (bf16 autocast over float32 weights): two updates and the save finish, the adapter
+    moved, the base's weights stay bit for bit, and the merged save is finite."""
+    run_script(script_flags(script, world, lab, tmp_path, "--bf16", "True"))
+    base, trained = weights(lab / "policy"), checkpoint_tensors(tmp_path / "model")
+    moved = [k for k in trained if k.endswith("lora_B.default.weight") and trained[k].abs().max() > 0]
+    assert moved, sorted(trained)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}  # a checkpoint keeps one name of a tied pair
+    names = {key: key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in trained}
+    names = {key: tied.get(name, name) for key, name in names.items()}
+    compared = [key for key in trained if ".lora_" not in key]
+    assert {names[key] for key in compared} == set(base), sorted({names[key] for key in compared} ^ set(base))
+    assert all(torch.equal(trained[key], base[names[key]]) for key in compared)
+    saved = weights(tmp_path / "model")
+    assert saved.keys() == base.keys() and all(v.isfinite().all() for v in saved.values())

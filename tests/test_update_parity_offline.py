@@ -7,7 +7,9 @@ and read the same rows; after every optimizer step the parameters and the metric
 agree. Each optimizer step is one pass over the whole training file (rows = per-device batch x accumulation x
 processes), so the two sides' different shuffles cannot make them differ: what is compared is everything the loops
 do with the rows, the chosen and rejected halves, the reference, the masks, the loss and its normalisation over
-micro-batches and processes, clipping, the schedule and AdamW.
+micro-batches and processes, clipping, the schedule and AdamW. reward.py with --use_peft runs against
+RewardTrainer(peft_config=LoraConfig(task_type="SEQ_CLS")), both sides' adapters started from one seed: the
+adapters and the score head (peft's modules_to_save) are compared, and the saved model with TRL's merged.
 
 Differences on purpose (docs/trl_defaults.md), kept out of the comparison:
 - the logged learning rate: ours is the one the next step will use (after the scheduler's step: 0 after the last
@@ -123,7 +125,7 @@ def start_ours(world, lab, out, kind: str, flags: dict, nproc: int):
     argv += {"dpo.py": ["--generate_during_eval", "False"], "sft.py": ["--num_samples", "0"],
              "reward.py": ["--normalize", "False"]}[script]  # fmt: skip
     for key, value in {**SHARED, **flags}.items():
-        argv += [f"--{key}", str(value)]
+        argv += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
     env = {"STEPS_OUT": str(out / "steps")}
     if nproc == 1:
         return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env={**os.environ, **OFFLINE_ENV, **env},
@@ -162,8 +164,11 @@ def build_trainer(spec: dict):
         return trl.SFTTrainer(
             model=f"{world}/{model}", args=trl.SFTConfig(**common, **flags), train_dataset=dataset
         )
+    peft_config = fixed_completions.trl_lora(trl.trainer.reward_trainer, flags, flags["seed"], "SEQ_CLS")
     config = trl.RewardConfig(**common, **flags, disable_dropout=True)
-    return trl.RewardTrainer(model=f"{world}/{model}", args=config, train_dataset=dataset)
+    return trl.RewardTrainer(
+        model=f"{world}/{model}", args=config, train_dataset=dataset, peft_config=peft_config
+    )
 
 
 def theirs(spec: dict, nproc: int):
@@ -203,3 +208,49 @@ def test_each_step_equals_trls(world, lab, tmp_path, case):
     assert_same_steps(our_steps, trl_steps, start)
     # the run moved the weights: a step that changed nothing would compare equal trivially
     assert all((our_steps[0][n] - start[n]).abs().max() > LR / 2 for n in our_steps[0])
+
+
+def test_lora_equals_trls(world, lab, tmp_path):
+    """--use_peft against RewardTrainer(peft_config=LoraConfig(task_type="SEQ_CLS")): the adapters and the score
+    head (peft's modules_to_save of a sequence classifier) train on both sides, the base's weights on neither; the
+    same parameters after every step, the same metrics, and our saved model is TRL's adapter merged into the base
+    with TRL's score head."""
+    flags = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, center_rewards_coefficient=0.1,
+                 **fixed_completions.LORA)  # fmt: skip
+    process = start_ours(world, lab, tmp_path / "ours", "reward_margin", {**flags, "use_peft": True}, 1)
+    spec = dict(world=str(world), lab=str(lab), out=str(tmp_path), kind="reward_margin")
+    spec["flags"] = {**SHARED, **flags}
+    try:
+        trl_steps, trl_log = theirs(spec, 1)
+    finally:
+        output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output[-6000:]
+    our_steps, our_log = our_results("reward.py", tmp_path / "ours")
+    assert_same_metrics("reward.py", our_log, trl_log)
+    start = fixed_completions.lora_start(world / "reward", SHARED["seed"], "SEQ_CLS")
+    head = "base_model.model.score.modules_to_save.default.weight"
+    trained = sorted(our_steps[0])
+    assert head in trained and all(".lora_" in n for n in trained if n != head), trained
+    assert_same_steps(our_steps, trl_steps, start)
+    # lora_A moves from the second step on (lora_B is 0 at first), at the linear schedule's LR / 2
+    assert all((our_steps[-1][n] - start[n]).abs().max() > LR / 4 for n in start)
+    base = weights(world / "reward")
+    assert_same_steps([weights(tmp_path / "ours" / "model")], [merged(world / "reward", trl_steps[-1])], base,
+                      min_steps=1)  # fmt: skip
+
+
+def merged(model_path, trained: dict) -> dict:
+    """The state dict of the classifier at `model_path` with `trained` (a LORA adapter and score head under
+    peft's names) merged in, under the base's names."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    lora = fixed_completions.LORA
+    config = LoraConfig(task_type="SEQ_CLS", r=lora["lora_r"], lora_alpha=lora["lora_alpha"],
+                        target_modules=lora["lora_target_modules"])  # fmt: skip
+    base = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    model = get_peft_model(base, config)
+    missing = set(trained) - set(model.state_dict())
+    assert not missing, sorted(missing)
+    model.load_state_dict(trained, strict=False)
+    return {name: p.detach().clone() for name, p in model.merge_and_unload().state_dict().items()}
