@@ -13,7 +13,7 @@ import reward
 import rloo
 import sft
 import tiny_world
-from utils import chat, data
+from utils import chat, data, examples
 
 USER, ASSISTANT = "user", "assistant"
 
@@ -74,25 +74,29 @@ def test_every_type_and_format_is_detected_and_extra_columns_are_ignored():
         data.detect_format(mixed, "d")
     pairs = datasets.Dataset.from_dict({"prompt": ["a"], "rejected": [" c"]})
     with pytest.raises(ValueError, match=r"missing column\(s\) \['chosen'\]: expected \['prompt', 'chosen'"):
-        data.preference_texts(pairs, None, "split 'x'")
+        examples.preference_texts(pairs, None, "split 'x'")
 
 
 def test_shared_prefix_of_implicit_prompts():
-    assert data.shared_prefix("The sky is blue.", "The sky is green.") == ("The sky is", " blue.", " green.")
+    assert examples.shared_prefix("The sky is blue.", "The sky is green.") == (
+        "The sky is",
+        " blue.",
+        " green.",
+    )
     # a shared first letter of the differing word stays with the completions
-    assert data.shared_prefix("The sky is blue.", "The sky is bright.") == (
+    assert examples.shared_prefix("The sky is blue.", "The sky is bright.") == (
         "The sky is",
         " blue.",
         " bright.",
     )
-    assert data.shared_prefix("TL;DR: dog vet", "TL;DR: dog cat") == ("TL;DR: dog", " vet", " cat")
+    assert examples.shared_prefix("TL;DR: dog vet", "TL;DR: dog cat") == ("TL;DR: dog", " vet", " cat")
     q = [msg("system", "s"), msg(USER, "u")]
     chosen, rejected = q + [msg(ASSISTANT, "a")], q + [msg(ASSISTANT, "b")]
-    assert data.shared_prefix(chosen, rejected) == (q, [msg(ASSISTANT, "a")], [msg(ASSISTANT, "b")])
+    assert examples.shared_prefix(chosen, rejected) == (q, [msg(ASSISTANT, "a")], [msg(ASSISTANT, "b")])
     with pytest.raises(ValueError, match="must share a beginning"):
-        data.shared_prefix("blue", "green")
+        examples.shared_prefix("blue", "green")
     with pytest.raises(ValueError, match="completion that is empty"):
-        data.shared_prefix(chosen, chosen)
+        examples.shared_prefix(chosen, chosen)
 
 
 def test_rendering_splits_a_conversation_into_prompt_and_completion(chat_tokenizer):
@@ -147,7 +151,7 @@ def test_multi_turn_sft_puts_the_loss_on_assistant_turns_only(chat_tokenizer):
         msg(ASSISTANT, "dog vet tbh"), msg(USER, "Only the first fact?"), msg(ASSISTANT, "dog"),
     ]  # fmt: skip
     rows = datasets.Dataset.from_dict({"messages": [conversation], "source": ["extra"]})
-    kind, [(ids, mask)] = data.sft_examples(rows, chat_tokenizer, "d", assistant_only_loss=True)
+    kind, [(ids, mask)] = examples.sft_examples(rows, chat_tokenizer, "d", assistant_only_loss=True)
     whole = chat_tokenizer(
         chat_tokenizer.apply_chat_template(conversation, tokenize=False).rstrip(), add_special_tokens=False
     )["input_ids"]
@@ -155,16 +159,16 @@ def test_multi_turn_sft_puts_the_loss_on_assistant_turns_only(chat_tokenizer):
     assert [t for t, m in zip(ids, mask) if m] == assistant_tokens_by_search(chat_tokenizer, conversation)
     assert chat_tokenizer.decode([t for t, m in zip(ids, mask) if m]).split("<|im_end|>")[:2] == [
         "dog vet tbh", "dog"]  # fmt: skip
-    _, [(ids_all, mask_all)] = data.sft_examples(rows, chat_tokenizer, "d")
+    _, [(ids_all, mask_all)] = examples.sft_examples(rows, chat_tokenizer, "d")
     assert ids_all == ids and all(mask_all)
     # conversational prompt-completion: the prompt never carries loss; the completion's assistant turns do
     pairs = datasets.Dataset.from_dict({"prompt": [conversation[:2]], "completion": [conversation[2:]]})
-    _, [(prompt_ids, completion_ids, completion_mask)] = data.sft_examples(
+    _, [(prompt_ids, completion_ids, completion_mask)] = examples.sft_examples(
         pairs, chat_tokenizer, "d", assistant_only_loss=True
     )
     assert prompt_ids + completion_ids == ids and completion_mask == mask[len(prompt_ids) :]
     with pytest.raises(ValueError, match="--assistant_only_loss needs conversational data"):
-        data.sft_examples(
+        examples.sft_examples(
             datasets.Dataset.from_dict({"text": ["a"]}), chat_tokenizer, "d", assistant_only_loss=True
         )
 
@@ -174,7 +178,7 @@ def test_eos_and_bos_follow_the_tokenizer(world, plain_tokenizer):
     from transformers import AutoTokenizer
 
     rows = datasets.Dataset.from_dict({"prompt": [" so then"], "completion": [" dog<|endoftext|>"]})
-    _, [(prompt_ids, completion_ids, _)] = data.sft_examples(rows, plain_tokenizer, "d")
+    _, [(prompt_ids, completion_ids, _)] = examples.sft_examples(rows, plain_tokenizer, "d")
     eos = plain_tokenizer.eos_token_id
     assert completion_ids.count(eos) == 1 and completion_ids[-1] == eos  # data carrying its EOS keeps one
     assert not chat.adds_bos(plain_tokenizer) and prompt_ids == plain_tokenizer(" so then")["input_ids"]
@@ -222,8 +226,8 @@ def test_explicit_and_implicit_conversational_preferences_give_the_same_texts(wo
     implicit = data.load_split(str(world / "dataset_chat"), "test", "implicit_prompt_preference").select(
         range(20)
     )
-    texts = data.preference_texts(explicit, chat_tokenizer, "d")
-    assert texts == data.preference_texts(implicit, chat_tokenizer, "d")
+    texts = examples.preference_texts(explicit, chat_tokenizer, "d")
+    assert texts == examples.preference_texts(implicit, chat_tokenizer, "d")
     assert all(t.endswith("<|im_end|>") for t in texts["chosen"] + texts["rejected"])
     assert all(p.endswith("<|im_start|>assistant\n") for p in texts["prompt"])
 

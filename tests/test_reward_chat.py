@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import utils.scoring as scoring
-from utils import chat, data
+from utils import chat, data, examples, reward_model
 
 ROWS = 12
 
@@ -38,13 +38,13 @@ def trl_ids(world, tokenizer, dataset, tmp_path):
 def test_conversational_reward_rows_are_trl_reward_trainers_ids(world, chat_tokenizer, config, tmp_path):
     dataset = chat_split(world, config)
     chosen_ids, rejected_ids = trl_ids(world, chat_tokenizer, dataset, tmp_path)
-    ids = data.reward_ids(dataset, chat_tokenizer, "d", ["chosen", "rejected"])
+    ids = examples.reward_ids(dataset, chat_tokenizer, "d", ["chosen", "rejected"])
     assert [p + c for p, c in zip(ids["prompt"], ids["chosen"])] == chosen_ids
     assert [p + r for p, r in zip(ids["prompt"], ids["rejected"])] == rejected_ids
     # the template's newline after <|im_end|> is kept, where DPO's rows (end_at_eos) stop at the EOS
     eos, newline = chat_tokenizer.eos_token_id, chat_tokenizer("\n", add_special_tokens=False)["input_ids"]
     assert all(row[-1 - len(newline)] == eos and row[-len(newline) :] == newline for row in chosen_ids)
-    dpo_chosen = data.preference_texts(dataset, chat_tokenizer, "d")["chosen"]
+    dpo_chosen = examples.preference_texts(dataset, chat_tokenizer, "d")["chosen"]
     assert all(text.endswith("<|im_end|>") for text in dpo_chosen)
     # the prompt ends where the assistant's turn opens, the same for chosen and rejected
     assert all(chat_tokenizer.decode(p).endswith("<|im_start|>assistant\n") for p in ids["prompt"])
@@ -53,7 +53,7 @@ def test_conversational_reward_rows_are_trl_reward_trainers_ids(world, chat_toke
 def test_standard_reward_rows_end_with_eos(world, chat_tokenizer):
     """Standard text keeps its rows: the prompt, then the completion with one EOS at its end."""
     dataset = data.load_split(str(world / "dataset"), "preference").select(range(ROWS))
-    ids = data.reward_ids(dataset, chat_tokenizer, "d", ["chosen", "rejected"])
+    ids = examples.reward_ids(dataset, chat_tokenizer, "d", ["chosen", "rejected"])
     encode = lambda texts: chat_tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     assert ids["prompt"] == encode(data.column(dataset, "prompt"))
     assert ids["chosen"] == [
@@ -67,7 +67,7 @@ def test_the_scorer_reads_a_conversation_where_reward_training_read_it(world, ch
     from transformers import AutoModelForSequenceClassification
 
     dataset = chat_split(world, "preference")
-    ids = data.reward_ids(dataset, chat_tokenizer, "d", ["chosen", "rejected"])
+    ids = examples.reward_ids(dataset, chat_tokenizer, "d", ["chosen", "rejected"])
     prompts, chosen = data.column(dataset, "prompt"), data.column(dataset, "chosen")
     assert all(len(c) == 1 and c[0]["role"] == "assistant" for c in chosen)
     # the policy's rows: its rendered prompt, left-padded, then the sampled content and its EOS
@@ -94,13 +94,13 @@ def test_the_scorer_reads_a_conversation_where_reward_training_read_it(world, ch
     with torch.no_grad():
         scores = scorer(query_responses, attention_mask, context_length, 4, prompts=prompts)
         one_by_one = [
-            scoring.get_score(model, torch.tensor([t]), torch.ones(1, len(t))).item() for t in trained
+            reward_model.get_score(model, torch.tensor([t]), torch.ones(1, len(t))).item() for t in trained
         ]
     torch.testing.assert_close(scores, torch.tensor(one_by_one), rtol=0, atol=1e-5)
     # reading one token earlier (the EOS, where rows cut at the EOS end) gives other scores
     with torch.no_grad():
         at_eos = [
-            scoring.get_score(model, torch.tensor([t[:-1]]), torch.ones(1, len(t) - 1)).item()
+            reward_model.get_score(model, torch.tensor([t[:-1]]), torch.ones(1, len(t) - 1)).item()
             for t in trained
         ]
     assert not torch.allclose(scores, torch.tensor(at_eos))
