@@ -464,16 +464,20 @@ def find_checkpoint(path: str, output_dir: str) -> str | None:
 def checkpoint_problem(path: str) -> str | None:
     """Why a checkpoint_<epoch> folder is incomplete (by the sizes in its trainer_state.json; an older
     checkpoint without one: by the zip of checkpoint.pt), or None."""
-    if os.path.isfile(os.path.join(path, utils.checkpoint.STATE_FILE)):
-        return utils.checkpoint.checkpoint_problem(path)
+    guards = utils.checkpoint.safeguards()  # a copy without utils/safeguards.py checks the zip alone
+    if guards and os.path.isfile(os.path.join(path, utils.checkpoint.STATE_FILE)):
+        return guards.checkpoint_problem(path)
     return None if zipfile.is_zipfile(os.path.join(path, "checkpoint.pt")) else "checkpoint.pt is cut short"
 
 
 def check_resumable(args: Args) -> None:
     """A checkpoint of another run (other defining flags) is refused in one sentence naming them."""
+    guards = utils.checkpoint.safeguards()
+    if guards is None:  # a copy without utils/safeguards.py trusts the flags
+        return
     with open(os.path.join(args.resume_from_checkpoint, utils.checkpoint.STATE_FILE)) as f:
         saved = json.load(f).get("run")
-    mismatch = utils.checkpoint.definition_mismatch(saved, utils.checkpoint.run_definition(args))
+    mismatch = guards.definition_mismatch(saved, guards.run_definition(args))
     if mismatch:
         raise ValueError(
             f"--resume_from_checkpoint {args.resume_from_checkpoint} belongs to another run ({mismatch}); "
@@ -579,7 +583,8 @@ def save_checkpoint(run, args: Args, epoch: int, step: int, rng: dict | None = N
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # what defines the run, and every file's size (a resume checks both)
         record = {"epoch": epoch, "run": run.definition}
-        record["files"] = utils.checkpoint.file_sizes(directory)
+        guards = utils.checkpoint.safeguards()
+        record["files"] = guards.file_sizes(directory) if guards else {}
         with open(os.path.join(directory, utils.checkpoint.STATE_FILE), "w") as f:
             json.dump(record, f, indent=1)
         final = os.path.join(checkpoints, f"checkpoint_{epoch}")
@@ -699,7 +704,7 @@ class Run:
     run_dir: str
     stop: Any
     executor: ThreadPoolExecutor | None
-    definition: dict
+    definition: dict | None
     first_epoch: int = 0
     global_step: int = 0
 
@@ -714,7 +719,8 @@ def setup(args: Args) -> Run:
             "a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py) or a hub id."
         )
     # what defines the run, as check_args compared it with a resumed checkpoint's
-    definition = utils.checkpoint.run_definition(args)
+    guards = utils.checkpoint.safeguards()
+    definition = guards.run_definition(args) if guards else None
     from accelerate.utils import broadcast_object_list, set_seed
     from diffusers import DDIMScheduler, StableDiffusionPipeline
     from torch.utils.tensorboard import SummaryWriter

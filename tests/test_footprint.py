@@ -65,6 +65,7 @@ OPTIONAL_MODULES = (
     "utils/lora.py",
     "utils/plots.py",
     "utils/reward_tokenizer.py",
+    "utils/safeguards.py",
     "utils/tools.py",
     "utils/trl_flags.py",
     "utils/vllm.py",
@@ -92,7 +93,7 @@ def core_copy(world, tmp_path_factory):
         "--per_device_train_batch_size", "4", "--total_episodes", "8", "--response_length", "8",
         "--num_sample_generations", "0", "--logging_dir", str(out / "runs"), "--run_name", "run",
     ]  # fmt: skip
-    run_script(["rloo.py", *flags, "--output_dir", str(out / "trained")], cwd=out)
+    run_script(["rloo.py", *flags, "--output_dir", str(out / "trained"), "--save_steps", "1"], cwd=out)
     return out, flags
 
 
@@ -135,3 +136,24 @@ def test_copy_without_cli_parses_with_tyro(core_copy):
     refused = run_script(["rloo.py", *flags, "--kl_coeff", "0.1"], cwd=out, check=False)
     assert refused.returncode != 0 and "kl_coeff" in refused.stdout + refused.stderr
     assert "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_copy_with_its_core_alone_resumes_exactly(core_copy):
+    """The core copy's run saved a checkpoint at each of its 2 updates; resumed from the first into another
+    folder (without utils/safeguards.py: no micro-batch stop, no damage or flag checks), it ends with the same
+    weights bit for bit."""
+    from safetensors.torch import load_file
+
+    out, flags = core_copy
+    assert not (out / "utils" / "safeguards.py").exists()
+    first = out / "trained" / "checkpoint-1"
+    assert first.is_dir() and (out / "trained" / "checkpoint-2").is_dir()
+    resumed = out / "resumed"
+    run_script(
+        ["rloo.py", *flags, "--output_dir", str(resumed), "--resume_from_checkpoint", str(first)], cwd=out
+    )
+    straight, again = (
+        load_file(out / "trained" / "model.safetensors"),
+        load_file(resumed / "model.safetensors"),
+    )
+    assert straight.keys() == again.keys() and all(straight[k].equal(again[k]) for k in straight)

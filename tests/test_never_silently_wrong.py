@@ -103,14 +103,14 @@ def test_latest_skips_a_cut_checkpoint_and_resumes_exactly(world, tmp_path):
 
 def test_ddpo_latest_skips_a_cut_checkpoint(tmp_path):
     import ddpo
-    import utils.checkpoint
+    import utils.safeguards
 
     checkpoints = tmp_path / "out" / "checkpoints"
     for epoch in (0, 1):
         path = checkpoints / f"checkpoint_{epoch}"
         path.mkdir(parents=True)
         torch.save({"trained": {"w": torch.zeros(64)}, "epoch": epoch}, path / "checkpoint.pt")
-        record = {"epoch": epoch, "run": {}, "files": utils.checkpoint.file_sizes(str(path))}
+        record = {"epoch": epoch, "run": {}, "files": utils.safeguards.file_sizes(str(path))}
         (path / "trainer_state.json").write_text(json.dumps(record))
     with open(checkpoints / "checkpoint_1" / "checkpoint.pt", "r+b") as f:
         f.truncate(100)

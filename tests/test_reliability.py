@@ -116,7 +116,7 @@ def test_latest_with_only_a_damaged_checkpoint_starts_fresh_in_the_same_folder(w
 def test_only_damaged_checkpoints_are_set_aside(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from utils.checkpoint import set_aside_damaged
+    from utils.safeguards import set_aside_damaged
 
     alone = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
     (tmp_path / "out" / "checkpoint-4").mkdir(parents=True)
@@ -194,7 +194,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_training(script,
 
 
 def test_check_writable(tmp_path):
-    from utils.checkpoint import check_writable
+    from utils.safeguards import check_writable
 
     check_writable(str(tmp_path / "new" / "deeper"))  # a folder still to be made, under a writable one
     assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())  # the probe left nothing

@@ -26,6 +26,8 @@ Optional, imported only on the path that needs it (a copy without one says which
     utils/vllm.py        the colocated vLLM engine (with --use_vllm)
     utils/lora.py        LoRA adapters, the adapter-off reference, merged saving (with --use_peft)
     utils/plots.py       curves.png of the model card (a copy without it saves the card without curves)
+    utils/safeguards.py  a stop between micro-batches, damaged checkpoints skipped, a resume with other flags
+                         refused (a copy without it stops at the step's end and trusts the flags)
     utils/cli.py         TRL's flags translated or refused, one sentence per bad flag, grouped --help (a copy
                          without it parses with tyro alone)
 

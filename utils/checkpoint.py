@@ -2,31 +2,28 @@
 
 `checkpoint-{step}/` holds `{name}.safetensors` (DeepSpeed: its folder `{name}/`), `{name}_optimizer.pt`,
 `rng-{rank}.json` and `trainer_state.json` (step, run name, defining flags, file sizes, the script's `state`).
-Written to `tmp-checkpoint-{step}`, then renamed; `latest` skips a damaged one. SIGTERM/SIGINT save and stop.
+Written to `tmp-checkpoint-{step}`, then renamed. SIGTERM/SIGINT save at the end of the step and stop. The finer
+guards (a stop between micro-batches, damaged checkpoints, a resume with other flags) are utils/safeguards.py's.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import random
 import re
 import shutil
 import signal
-import struct
 import sys
 import time
-import zipfile
 
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import utils.signals
-from utils.run import TrainingInterrupted, bare, gathering
+from utils.run import TrainingInterrupted, bare
 
 STATE_FILE = "trainer_state.json"
 _LAST_SAVED: list[str] = []
@@ -61,130 +58,6 @@ def leftovers(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     return sorted(n for n in os.listdir(output_dir) if re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n))
-
-
-# Flags that change where a run writes or what it logs, not what it computes.
-NOT_DEFINING = frozenset(
-    """output_dir overwrite_output_dir logging_dir run_name exp_name track wandb_project_name wandb_entity
-    push_to_hub hub_model_id save_steps save_total_limit resume_from_checkpoint logging_steps eval_strategy
-    eval_steps eval_on_start per_device_eval_batch_size num_generations_eval num_sample_generations
-    generate_during_eval num_samples num_logged_images gradient_checkpointing world_size judge_api_key_env
-    vllm_gpu_memory_utilization max_workers async_reward_computation allow_tf32""".split()
-)
-
-
-def run_definition(args) -> dict:
-    """{flag: JSON-safe value} of the flags a resuming command must share with the checkpoint."""
-    names = [f.name for f in dataclasses.fields(args)] if dataclasses.is_dataclass(args) else list(vars(args))
-    definition = {}
-    for name in names:
-        if name in NOT_DEFINING:
-            continue
-        value = getattr(args, name, None)
-        if isinstance(value, tuple | list):
-            value = [v if isinstance(v, str | int | float | bool | type(None)) else str(v) for v in value]
-        elif isinstance(value, str) and os.path.exists(value):
-            value = os.path.abspath(value)
-        elif not isinstance(value, str | int | float | bool | type(None)):
-            value = str(value)
-        definition[name] = value
-    return definition
-
-
-def definition_mismatch(saved: dict | None, current: dict) -> str | None:
-    """The differing flags as a phrase, or None; flags the checkpoint did not record are not compared."""
-    differing = [
-        f"--{name} {saved[name]} there, {value} here"
-        for name, value in current.items()
-        if saved is not None and name in saved and saved[name] != value
-    ]
-    return "; ".join(differing) if differing else None
-
-
-def _safetensors_problem(path: str) -> str | None:
-    """Why a safetensors file is unreadable (cut short, bad header), or None."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return "has no header"
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            return "is cut short"
-        try:
-            header = json.loads(f.read(length))
-            ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "has an unreadable header"
-    return "is cut short" if 8 + length + max(ends, default=0) > size else None
-
-
-def checkpoint_problem(path: str) -> str | None:
-    """Why `path` is not a complete checkpoint (a phrase: bad state, wrong size, cut-short file), or None."""
-    try:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
-    except (OSError, ValueError):
-        return f"its {STATE_FILE} is missing or unreadable"
-    for name, size in (state.get("files") or {}).items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != size:
-            return f"{name} has {os.path.getsize(file)} bytes, {size} were written"
-    for root, _, files in os.walk(path):
-        for name in files:
-            file = os.path.join(root, name)
-            problem = None
-            if name.endswith(".safetensors"):
-                problem = _safetensors_problem(file)
-            elif name.endswith(".pt") and not zipfile.is_zipfile(file):
-                problem = "is cut short"
-            if problem:
-                return f"{os.path.relpath(file, path)} {problem}"
-    return None
-
-
-def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:
-    """(checkpoint folder or None, notes for the log). `latest`: the newest complete one (None: from scratch);
-    a path: that checkpoint, or a ValueError when it is not one or is damaged."""
-    if resume_from == "latest":
-        notes = []
-        for path in reversed(list_checkpoints(output_dir)):
-            problem = checkpoint_problem(path)
-            if problem is None:
-                return path, notes
-            notes.append(f"skipped {path}: {problem}")
-        left = leftovers(output_dir)
-        if left:
-            notes.append(f"ignored the unfinished {', '.join(left)}")
-        notes.append(
-            f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}; starting from scratch"
-        )
-        return None, notes
-    if not os.path.isfile(os.path.join(resume_from, STATE_FILE)):
-        raise ValueError(
-            f"--resume_from_checkpoint {resume_from} is not a checkpoint (no {STATE_FILE}); pass a "
-            "checkpoint-N folder or `latest`."
-        )
-    problem = checkpoint_problem(resume_from)
-    if problem is not None:
-        raise ValueError(
-            f"--resume_from_checkpoint {resume_from} is damaged: {problem}; pass an earlier checkpoint-N or `latest`."
-        )
-    return resume_from, []
-
-
-def file_sizes(path: str) -> dict[str, int]:
-    """{relative path: size} of every file under `path`, but trainer_state.json."""
-    sizes = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            file = os.path.join(root, name)
-            relative = os.path.relpath(file, path)
-            if relative != STATE_FILE:
-                sizes[relative] = os.path.getsize(file)
-    return sizes
 
 
 def move_aside(path: str, what: str, suffix: str = "replaced") -> str | None:
@@ -279,12 +152,32 @@ class StopSignal:
         )
 
 
-# Set by every real optimizer step (accelerate skips the inner step while it accumulates).
-_STEPPED, _HOOKED = [False], []
+def safeguards():
+    """utils/safeguards.py when this copy has it (a stop between micro-batches, damaged checkpoints skipped, a
+    resume with other flags refused, an unwritable --output_dir refused), else None: a copy without it stops
+    at the end of the step, resumes the newest checkpoint and trusts the flags."""
+    try:
+        import utils.safeguards as module
+    except ModuleNotFoundError as error:
+        if error.name != "utils.safeguards":  # the file is there; something it imports is not
+            raise
+        return None
+    return module
 
 
-def _note_optimizer_step(optimizer, args, kwargs) -> None:
-    _STEPPED[0] = True
+def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:
+    """(checkpoint folder or None, notes for the log): `latest`, the newest (None: from scratch); a path, that
+    checkpoint, or a ValueError when it is not one. utils/safeguards.py's also skips a damaged one."""
+    if resume_from == "latest":
+        found = list_checkpoints(output_dir)
+        return (found[-1], []) if found else (None, [f"--resume_from_checkpoint latest: no checkpoint in "
+                                                     f"{output_dir}; starting from scratch"])  # fmt: skip
+    if not os.path.isfile(os.path.join(resume_from, STATE_FILE)):
+        raise ValueError(
+            f"--resume_from_checkpoint {resume_from} is not a checkpoint (no {STATE_FILE}); pass a "
+            "checkpoint-N folder or `latest`."
+        )
+    return resume_from, []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,20 +196,23 @@ class Checkpointer:
         self.limit = getattr(args, "save_total_limit", None)
         if self.save_steps < 0 or (self.limit is not None and self.limit < 1):
             raise ValueError("--save_steps must be >= 0 and --save_total_limit >= 1.")
-        self.definition = run_definition(args)
+        self.guards = guards = safeguards()
+        self.definition = guards.run_definition(args) if guards else None
         self.resume_path, self.started = None, time.time()
-        check_writable(self.output_dir)
+        if guards:
+            guards.check_writable(self.output_dir)
         loading = sys.modules.get("utils.loading")  # the scripts that load models with it (not ddpo.py)
         if loading is not None:  # a model path that cannot load fails now, not after the first model loads
             loading.check_model_paths(args)
         _START_OVER.discard(os.path.normpath(self.output_dir))
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
-            self.resume_path, notes = find_checkpoint(resume_from, args.output_dir)
+            find = guards.find_checkpoint if guards else find_checkpoint
+            self.resume_path, notes = find(resume_from, self.output_dir)
             for note in notes if accelerator.is_main_process else ():
                 print(note, flush=True)
-        if resume_from == "latest" and self.resume_path is None:
-            set_aside_damaged(accelerator, self.output_dir)
+        if guards and resume_from == "latest" and self.resume_path is None:
+            guards.set_aside_damaged(accelerator, self.output_dir)
         if self.resume_path:
             with open(os.path.join(self.resume_path, STATE_FILE)) as f:
                 saved = json.load(f)
@@ -325,7 +221,7 @@ class Checkpointer:
                     f"{self.resume_path} was written by {saved['world_size']} processes; resume it with as many "
                     f"(this run has {accelerator.num_processes})."
                 )
-            mismatch = definition_mismatch(saved.get("run"), self.definition)
+            mismatch = guards and guards.definition_mismatch(saved.get("run"), self.definition)
             if mismatch:
                 raise ValueError(
                     f"--resume_from_checkpoint {self.resume_path} belongs to another run ({mismatch}); resume with "
@@ -340,9 +236,8 @@ class Checkpointer:
                 _START_OVER.add(os.path.normpath(args.output_dir))
         self.stop = StopSignal(accelerator)
         self.finished: dict | None = None  # the last finished step: what boundary() saves of it
-        if not _HOOKED:
-            register_optimizer_step_post_hook(_note_optimizer_step)
-            _HOOKED.append(True)
+        if guards:
+            guards.watch_optimizer_steps()
 
     # -- resume
     def resume(self, models: dict[str, nn.Module], optimizers: dict | None = None,
@@ -351,7 +246,7 @@ class Checkpointer:
         state (with `step`), or None when not resuming. Removes unfinished tmp-checkpoint-N folders."""
         self._clear_the_way()
         self.started = time.time()
-        _STEPPED[0] = False
+        self._finished(None)
         if self.resume_path is None:
             return None
         path, optimizers, generators = self.resume_path, optimizers or {}, generators or {}
@@ -392,7 +287,7 @@ class Checkpointer:
         _RESUMED.clear()
         _RESUMED.update(state)
         self.started = time.time()
-        self.finished = {"step": state["step"], "path": path}
+        self._finished({"step": state["step"], "path": path})
         if self.accelerator.is_main_process:
             print(f"resumed from {path} (step {state['step']})", flush=True)
         return state
@@ -420,26 +315,22 @@ class Checkpointer:
             path = self.save(step, models, optimizers, generators, state)
         if stop:
             raise self.stop.interrupt(path, step)
-        rng = rng_state(generators or {})  # what boundary() restores before saving this step
-        self.finished = dict(step=step, path=path, state=copy.deepcopy(state), rng=rng, models=models,
-                             optimizers=optimizers, generators=generators)  # fmt: skip
-        _STEPPED[0] = False
+        if self.guards:  # what boundary() saves of this step, with the random state it left
+            self._finished(dict(step=step, path=path, state=copy.deepcopy(state), rng=rng_state(generators or {}),
+                                models=models, optimizers=optimizers, generators=generators))  # fmt: skip
         return path
 
+    def _finished(self, record: dict | None) -> None:
+        self.finished = record
+        if self.guards:
+            self.guards.steps_since_finished(reset=True)
+
     def boundary(self) -> None:
-        """Between micro-batches and generation calls: on a signal, while this step has not changed the weights
-        yet, save the last finished step (with the random state it left), drop this one and stop. Later in a
-        step, or in a fresh run's first, the step finishes and maybe_save stops. Every process calls it alike."""
-        if self.finished is None or _STEPPED[0] or gathering() or not self.stop.requested():
-            return
-        last = self.finished
-        path = last["path"]
-        if path is None:  # its end did not save it: as that save would have, with the random state it left
-            set_rng_state(last["rng"], last["generators"] or {})
-            path = self.save(
-                last["step"], last["models"], last["optimizers"], last["generators"], last["state"]
-            )
-        raise self.stop.interrupt(path, last["step"], dropped=True)
+        """Between micro-batches and generation calls: with utils/safeguards.py, a signal stops the run here
+        while this step has not changed the weights yet (utils.safeguards.boundary); without it, the step
+        finishes and maybe_save stops. Every process calls it alike."""
+        if self.guards:
+            self.guards.boundary(self)
 
     def save(self, step: int, models: dict[str, nn.Module], optimizers: dict | None = None,
              generators: dict[str, torch.Generator] | None = None,
@@ -469,7 +360,8 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             meta = {"step": step, "run_name": self.args.run_name, "world_size": accelerator.num_processes,
-                    "run": self.definition, "metrics_lines": metrics_lines(self.args), "files": file_sizes(tmp),
+                    "run": self.definition, "metrics_lines": metrics_lines(self.args),
+                    "files": self.guards.file_sizes(tmp) if self.guards else {},
                     "elapsed_seconds": self.elapsed_seconds()}  # fmt: skip
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump({**(state or {}), **meta}, f, indent=1)
@@ -494,39 +386,6 @@ def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
         raise ValueError(
             f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
         )
-
-
-def check_writable(output_dir: str) -> None:
-    """ValueError, before training, for an --output_dir this user cannot write (probes the nearest folder)."""
-    import tempfile
-
-    where = os.path.abspath(output_dir)
-    while not os.path.exists(where) and os.path.dirname(where) != where:
-        where = os.path.dirname(where)
-    reason = None if os.path.isdir(where) else f"{where} is a file"
-    if reason is None:
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=where)
-            os.close(fd)
-            os.remove(probe)
-        except OSError as error:
-            reason = f"{where}: {error.strerror or error}"
-    if reason is not None:
-        raise ValueError(
-            f"--output_dir {output_dir} cannot be written ({reason}); pass a folder this user can write to."
-        )
-
-
-def set_aside_damaged(accelerator, output_dir: str) -> None:
-    """`latest` found nothing usable: a folder of only damaged checkpoints goes to
-    `{output_dir}.damaged-{time}` so a requeue loop restarts there. Every process must call it."""
-    accelerator.wait_for_everyone()  # all have looked before anything moves
-    names = set(os.listdir(output_dir)) if os.path.isdir(output_dir) else set()
-    damaged = {name for name in names if re.fullmatch(r"checkpoint-\d+", name)}
-    if damaged and names <= damaged | set(leftovers(output_dir)) and accelerator.is_main_process:
-        line = move_aside(output_dir, "--resume_from_checkpoint latest found no usable checkpoint", "damaged")
-        print(line, flush=True)
-    accelerator.wait_for_everyone()
 
 
 def start_over(accelerator, output_dir: str) -> None:
