@@ -32,7 +32,8 @@ def _utils_modules(name: str) -> set[str]:
 def utils_imports(path: Path) -> tuple[set[str], set[str]]:
     """(module-level, in-function) utils modules a file imports, by module name ('utils' is the package's
     __init__). Module level is anything not inside a function (an `if __name__ == "__main__":` block counts);
-    in a function: an import statement there, or a call `optional_module("utils.x", ...)` (utils/run.py's)."""
+    in a function: an import statement there, or a call `optional_module("utils.x", ...)` or
+    `extra_module("utils.x")` (utils/run.py's)."""
     top, inside = set(), set()
 
     def visit(node: ast.AST, in_function: bool) -> None:
@@ -43,7 +44,8 @@ def utils_imports(path: Path) -> tuple[set[str], set[str]]:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif (
             isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "optional_module"
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("optional_module", "extra_module")
             and node.args
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)

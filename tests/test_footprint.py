@@ -62,6 +62,7 @@ def test_vllm_is_optional_for_the_scripts_that_sample_with_it():
 
 OPTIONAL_MODULES = (
     "utils/cli.py",
+    "utils/lm_head.py",
     "utils/lora.py",
     "utils/plots.py",
     "utils/reward_tokenizer.py",

@@ -527,6 +527,17 @@ def utils_imports() -> dict[str, set[str]]:
     return graph
 
 
+def test_no_utils_module_imports_an_optional_one_but_by_name():
+    """Imports point down: a core module reaches an optional one only through utils.run.extra_module or
+    optional_module (looked up by name, absent in a copy without the file), never by an import statement."""
+    from test_footprint import OPTIONAL_MODULES
+
+    optional = {path.removeprefix("utils/").removesuffix(".py") for path in OPTIONAL_MODULES}
+    for name, targets in utils_imports().items():
+        if name not in optional:
+            assert not targets & optional, (name, targets & optional)
+
+
 def test_utils_modules_form_no_import_circle():
     graph = utils_imports()
     assert all(targets <= set(graph) for targets in graph.values()), (

@@ -18,13 +18,16 @@ Plumbing one can skip on a first read:
     utils/saving.py      the final model: weights, tokenizer, model card, hub push
     utils/tracking.py    metrics (TensorBoard, metrics.jsonl, W&B), sample tables, the non-finite guard
     utils/loading.py     models and tokenizers from the hub or a folder
-    utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits
 
-Optional, imported only on the path that needs it (a copy without one says which file to copy):
+Optional, imported only on the path that needs it: behind a flag (a copy without the file says which to copy)
+or, for the last four, whenever the file is there (a copy without it takes the plain path named):
     utils/trl_flags.py   TRL 1.16 command lines of rloo.py (with a TRL 1.16 flag)
     utils/reward_tokenizer.py  reward models that read text: another tokenizer, a chat template
     utils/vllm.py        the colocated vLLM engine (with --use_vllm)
     utils/lora.py        LoRA adapters, the adapter-off reference, merged saving (with --use_peft)
+    utils/tools.py       multi-turn rollouts with tools in grpo.py (with --tools)
+    utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits (a copy without
+                         it computes them from the full logits, as TRL does)
     utils/plots.py       curves.png of the model card (a copy without it saves the card without curves)
     utils/safeguards.py  a stop between micro-batches, damaged checkpoints skipped, a resume with other flags
                          refused (a copy without it stops at the step's end and trusts the flags)

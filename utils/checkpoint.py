@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import utils.signals
-from utils.run import TrainingInterrupted, bare
+from utils.run import TrainingInterrupted, bare, extra_module
 
 STATE_FILE = "trainer_state.json"
 _LAST_SAVED: list[str] = []
@@ -156,13 +156,7 @@ def safeguards():
     """utils/safeguards.py when this copy has it (a stop between micro-batches, damaged checkpoints skipped, a
     resume with other flags refused, an unwritable --output_dir refused), else None: a copy without it stops
     at the end of the step, resumes the newest checkpoint and trusts the flags."""
-    try:
-        import utils.safeguards as module
-    except ModuleNotFoundError as error:
-        if error.name != "utils.safeguards":  # the file is there; something it imports is not
-            raise
-        return None
-    return module
+    return extra_module("utils.safeguards")
 
 
 def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:

@@ -1,4 +1,5 @@
 """Plumbing, skippable on a first read: the LM head on the scored positions only, a tile at a time.
+Optional: utils.logprobs.token_logprobs uses it when the file is there, else the full logits (as TRL does).
 
 `utils.logprobs.token_logprobs` gets log softmax(logits / temperature)[target] here without building the
 [B, T, V] logits; a tile's logits are recomputed in backward, so memory is one tile (docs/memory.md). A plain
@@ -12,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from utils.logprobs import scatter
 from utils.run import inner_model
 
 LOGIT_TILE_ELEMENTS = 2**22
@@ -241,8 +243,3 @@ def swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, 
     if not with_stats:
         return logprobs
     return (logprobs, *(scatter(v, score_mask) for v in scored["stats"]))
-
-
-def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token values [N] into zeros of the mask's shape, at its true entries."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)

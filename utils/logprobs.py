@@ -1,4 +1,4 @@
-"""Forward passes, logprobs of given tokens, entropies (the tiled LM head is in utils/lm_head.py).
+"""Forward passes, logprobs of given tokens, entropies (the tiled LM head: the optional utils/lm_head.py).
 Shapes: B batch, T sequence length, R response length, V vocabulary.
 """
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from utils import lm_head
 from utils.generation import position_ids_from_mask
+from utils.run import extra_module
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -58,26 +58,38 @@ def token_logprobs(
     def run_forward():
         return forward(model, input_ids, attention_mask, position_ids)
 
-    out = lm_head.swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, with_stats)
+    tiled = tiled_head()
+    out = tiled and tiled.swapped_head_logprobs(
+        model, run_forward, score_mask, targets, temperature, with_stats
+    )
     if out is None:
         out = _plain_token_logprobs(run_forward, score_mask, targets, temperature, with_stats)
     return out
+
+
+def tiled_head():
+    """utils/lm_head.py when this copy has it: the LM head tile by tile on the scored positions, without the
+    [B, T, V] logits (docs/memory.md); else None, and the logprobs come from the full logits."""
+    return extra_module("utils.lm_head")
+
+
+def scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values [N] into zeros of the mask's shape, at its true entries."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def _plain_token_logprobs(run_forward, score_mask, targets, temperature, with_stats):
     """token_logprobs through the full logits [N, V]: the reference, and for heads the tiling cannot swap."""
     logits = run_forward().logits[:, :-1][score_mask].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
-    logprobs = lm_head.scatter(
-        logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), score_mask
-    )
+    logprobs = scatter(logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), score_mask)
     if not with_stats:
         return logprobs
     with torch.no_grad():
         return (
             logprobs,
-            lm_head.scatter(entropy_from_logits(logits), score_mask),
-            lm_head.scatter(logits.mean(-1), score_mask),
+            scatter(entropy_from_logits(logits), score_mask),
+            scatter(logits.mean(-1), score_mask),
         )
 
 

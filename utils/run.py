@@ -37,13 +37,8 @@ def parse_args(args_class, argv: list[str] | None = None):
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        import utils.cli as cli
-    except ModuleNotFoundError as error:
-        if error.name != "utils.cli":  # the file is there; something it imports is not
-            raise
-        return tyro.cli(args_class, args=argv, use_underscores=True)
-    return cli.parse_args(args_class, argv)
+    cli = extra_module("utils.cli")
+    return cli.parse_args(args_class, argv) if cli else tyro.cli(args_class, args=argv, use_underscores=True)
 
 
 def exact_div(numerator: int, denominator: int, what: str) -> int:
@@ -93,6 +88,19 @@ def optional_module(name: str, flag: str):
         f"{flag} needs {path}, which this copy lacks: copy it from the repository this script came from "
         f"into {os.path.dirname(path)}/ beside run.py."
     )
+
+
+def extra_module(name: str):
+    """An optional utils module that no flag asks for (`name`, e.g. "utils.safeguards"), or None when this copy
+    lacks its file: the caller then takes its plain path. Looked up by name: the core never imports it."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:  # the file is there; something it imports is not
+            raise
+        return None
 
 
 def run_cli(args_class, main: Callable) -> None:

@@ -8,16 +8,14 @@ import torch.nn as nn
 
 from utils.checkpoint import start_over
 from utils.loading import config_dropout_kept
+from utils.run import extra_module
 
 
 def card_curves(metrics_path: str, output_dir: str) -> bool:
     """Draw `output_dir/curves.png` from a metrics.jsonl for the model card with the optional utils/plots.py;
     False when a copy lacks that file or there is nothing to draw."""
-    try:
-        from utils.plots import plot_curves
-    except ModuleNotFoundError:
-        return False
-    return plot_curves(metrics_path, os.path.join(output_dir, "curves.png")) is not None
+    plots = extra_module("utils.plots")
+    return bool(plots) and plots.plot_curves(metrics_path, os.path.join(output_dir, "curves.png")) is not None
 
 
 def write_model_card(output_dir: str, algorithm: str, base_model: str, dataset: str, metrics: dict,
