@@ -103,6 +103,7 @@ def main() -> None:
         tiny_world.build(tiny_world.Args(output_dir=str(world), num_sft=600, num_preference=600,
                                          num_preference_validation=200, num_validation=64, num_test=64))  # fmt: skip
     if not (lab / "rules.py").exists():
+        lab.mkdir(parents=True, exist_ok=True)
         make_rl_lab(world, lab, num_prompts=64)
     differ = 0
     for script, flags in commands(world, lab).items():

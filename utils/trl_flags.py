@@ -127,3 +127,56 @@ def num_updates(
     """Rollouts in `max_steps` optimizer steps (-1: ceil(num_train_epochs * steps per epoch)), rounded up."""
     steps = max_steps if max_steps > 0 else math.ceil(num_train_epochs * updates_per_epoch * steps_per_update)
     return math.ceil(steps / steps_per_update)
+
+
+def read_rloo_flags(args, newer: list[str], choice: str, two_values: bool, renamed: dict[str, str],
+                    new_only: Iterable[str], defaults: dict[str, tuple], versions: tuple[str, str]):  # fmt: skip
+    """rloo.py's command line that speaks TRL 1.16 (`newer`: its 1.16 flags; `choice`: --trl_defaults): its
+    version's defaults filled in (each that changes said in one line), its sizes read, its contradictions refused."""
+    version = speaks(args, renamed, new_only, choice, versions)
+    read_sizes(args)
+    if args.normalize_advantage and args.normalize_advantages:
+        raise ValueError(
+            "--normalize_advantage (TRL 0.19) and --normalize_advantages (TRL 1.16) normalize the "
+            "advantages two ways (sqrt(var + 1e-8) against std + 1e-4); pass one."
+        )
+    if two_values and args.normalize_reward:
+        raise ValueError(
+            "--reward_clip_range with two values clamps the reward (TRL 1.16); with --normalize_reward "
+            "it takes one, the clip range of the normalized scores."
+        )
+    if args.mask_truncated_completions and args.token_level_kl:
+        raise ValueError(
+            "--mask_truncated_completions (TRL 1.16, a loss per completion) does not go with "
+            "--token_level_kl."
+        )
+    if args.reward_fn is not None and args.reward_funcs not in (None, [args.reward_fn]):
+        raise ValueError(
+            "--reward_fn (TRL 0.19, one function) and --reward_funcs (TRL 1.16) both name reward "
+            "functions; put them all in --reward_funcs."
+        )
+    changed = resolve(args, renamed, defaults, version, versions)
+    if args.reward_fn is not None:
+        args.reward_funcs = [args.reward_fn]
+    if version == "1.16" and args.stop_token is None and args.stop_token_id is None:
+        args.stop_token = "eos"  # TRL 1.16 always stops at EOS
+        changed.append(("stop_token", None, "eos"))
+    if version == "1.16" and args.total_episodes is None:
+        args.max_steps = -1 if args.max_steps is None else args.max_steps
+        if args.num_train_epochs is None and args.max_steps == -1:
+            changed.append(("num_train_epochs", 1, 3.0))  # TRL 0.19's --total_episodes default: one epoch
+        args.num_train_epochs = 3.0 if args.num_train_epochs is None else args.num_train_epochs
+    if args.reward_clip_range is None and (version == "0.19" or args.normalize_reward):
+        args.reward_clip_range = (10.0,)
+    elif version == "1.16" and args.reward_clip_range is None:
+        changed.append(("reward_clip_range", 10.0, None))
+    if version == "1.16":  # a single TRL 1.16 flag changes every default: say which
+        names = " ".join(f"--{name}" for name in newer)
+        reason = f"{names} {'is a TRL 1.16 flag' if len(newer) == 1 else 'are TRL 1.16 flags'}"
+        if args.trl_defaults == "1.16" or not newer:
+            reason = (
+                "--trl_defaults 1.16" if args.trl_defaults == "1.16" else "--reward_clip_range has two values"
+            )
+        say_changed_defaults(changed, reason, renamed, versions)
+    args.dialect = version
+    return args
