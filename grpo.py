@@ -286,6 +286,8 @@ class Args:
     """rounds of tool calls and answers per completion at most (None: until a turn calls none or the length ends)"""
     tool_timeout: float | None = 30.0
     """seconds a tool call may take before it is a failure (not a TRL 1.16 flag; None: no limit)"""
+    environment_factory: list[str] | None = None
+    """path/to/file.py:Class, one per rollout: reset(**row) first, its methods tools (name=...: by row, docs/tools.md)"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -607,6 +609,17 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
     return responses, lengths, response_mask, logprobs, response_mask
 
 
+def rollout_queries(run, prompt_ids, examples, k, held_out=False):
+    """(queries, query_mask, rows, completions per query) to sample k completions of each of `examples`: their
+    prompts [P, Q], k each; with --environment_factory one query per rollout [k * P, Q], completion-major, its
+    environment reset on its row (utils/tools.py), one completion each. rows: each query's dataset row."""
+    device = run.accelerator.device
+    if run.tools is None or run.tools.environments is None:
+        return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
+    rows = list(examples) * k
+    return *utils.generation.left_pad(run.tools.reset(rows, held_out), run.pad_id, device), rows, 1
+
+
 def tool_rollouts(args, run, model, generate, generator, queries, query_mask, responses, lengths, logprobs):
     """sample()'s outputs after the first turn, continued with tools: the completion holds every turn and tool
     answer; the last output, the tool mask, is 1 on sampled tokens only (lengths count those)."""
@@ -645,8 +658,9 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         query_responses, mask = rows_at(idx)
         prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()]
         row_columns = utils.data.columns_of_rows(columns, examples, idx)
-        if run.tools is not None and columns:  # TRL's completions with tools: the turns and tool messages
-            row_columns[utils.scoring.COMPLETION_MESSAGES] = [run.tools.messages[i] for i in idx.tolist()]
+        if run.tools is not None:  # TRL's completions with tools (turns, tool messages), prompts after reset
+            row_columns.update(run.tools.reward_columns(idx.tolist()))
+            prompts = row_columns.get("prompt", prompts)
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -693,19 +707,17 @@ def sample_groups(args, run, step, drawn):
     rounds, keep = [], []
     while True:
         examples = next(run.batches)  # dataset indices
-        queries, query_mask = utils.generation.left_pad(
-            [run.prompt_ids[i] for i in examples], run.pad_id, run.accelerator.device
-        )
+        queries, query_mask, rows, k = rollout_queries(run, run.prompt_ids, examples, G)
         with run.accelerator.autocast():
             responses, _, response_mask, sampled_logprobs, tool_mask = sample(
-                args, run, queries, query_mask, not rounds
+                args, run, queries, query_mask, not rounds, k
             )
             epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
             trainer_state = utils.scoring.TrainerState(
                 global_step=step, max_steps=args.total_steps, epoch=epoch
             )
             rewards_per_func = score(
-                args, run, queries, query_mask, responses, response_mask, examples, trainer_state
+                args, run, queries, query_mask, responses, response_mask, rows, trainer_state
             )
         rounds.append(
             (
@@ -889,7 +901,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     if args.model_name_or_path is None:
         raise ValueError("pass the policy to train with --model_name_or_path.")
     num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
-    if num_rewards == 0:
+    if num_rewards == 0 and not args.environment_factory:  # an environment's get_reward() may be it
         raise ValueError(
             "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
         )
@@ -1032,19 +1044,27 @@ def setup(args: Args) -> Run:
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
     if lora is not None:
         lora.check_args(args, accelerator)
-    if args.tools:  # utils/tools.py is optional: imported only with --tools
-        tools_module = utils.run.optional_module("utils.tools", "--tools")
+    if args.tools or args.environment_factory:  # utils/tools.py is optional: imported only with these flags
+        tools_module = utils.run.optional_module(
+            "utils.tools", "--tools" if args.tools else "--environment_factory"
+        )
         tools_module.check_args(args)
-        tool_fns = tools_module.load_tools(args.tools)
+        tool_fns = tools_module.load_tools(args.tools or [])
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
+    num_given = len(reward_names)  # the reward model and --reward_funcs; the environments' rewards follow
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     eval_dataset = utils.evaluation.load_test_split(args, "grpo.py")
-    reward_fns = [
-        utils.scoring.load_reward_fn(spec, dataset.column_names) for spec in args.reward_funcs or []
-    ]
+    environments, environment_rewards = None, []
+    if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
+        environments = tools_module.load_environments(args, tool_fns, dataset, eval_dataset)
+        environment_rewards = environments.rewards
+    offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
+    reward_fns = [utils.scoring.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
+    reward_fns += environment_rewards
+    reward_names += [fn.__name__ for fn in environment_rewards]
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
 
@@ -1054,9 +1074,9 @@ def setup(args: Args) -> Run:
     )
     pad_id = tokenizer.pad_token_id
     tools = None
-    if args.tools:
+    if args.tools or args.environment_factory:
         timeout, rounds = args.tool_timeout, args.max_tool_calling_iterations
-        tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds)
+        tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds, environments)
     texts = utils.data.prompt_texts if tools is None else tools.prompt_texts  # with tools: their schemas
     prompt_texts = texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     splits = [utils.chat.tokenize_prompts(tokenizer, prompt_texts), None]
@@ -1069,6 +1089,7 @@ def setup(args: Args) -> Run:
         splits, args, "max_completion_length", model, flag
     )
     longest = max(map(len, prompt_ids + (eval_prompt_ids or []))) + args.max_completion_length
+    longest = longest if tools is None else tools.longest(longest)  # a reset lengthens prompts
 
     # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's.
     policy = utils.loading.from_pretrained(
@@ -1108,7 +1129,8 @@ def setup(args: Args) -> Run:
             args.reward_tokenizer_path, args.reward_model_path
         )
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
-    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=accelerator.device)
+    weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])  # TRL's 1
+    weights = torch.tensor(weights, device=accelerator.device)
     # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
     raw_prompts = utils.data.column(dataset, "prompt")  # the text or the messages
@@ -1420,15 +1442,14 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
     """The held-out prompts `indices`: per completion (completion-major), the values whose means are the eval/
     metrics, named as training's."""
     device, k = run.accelerator.device, args.num_generations_eval
-    prompts = [run.eval_prompt_ids[i] for i in indices]
-    queries, query_mask = utils.generation.left_pad(prompts, run.pad_id, device)
+    queries, query_mask, rows, n = rollout_queries(run, run.eval_prompt_ids, indices, k, held_out=True)
     noise = utils.generation.sampling_generator(
         args.seed, utils.evaluation.EVAL_KEY, indices[0], device=device
     )
     with run.accelerator.autocast():
-        responses, lengths, response_mask, _, _ = sample(args, run, queries, query_mask, False, k, noise)
+        responses, lengths, response_mask, _, _ = sample(args, run, queries, query_mask, False, n, noise)
         rewards_per_func = score(
-            args, run, queries, query_mask, responses, response_mask, indices, trainer_state, held_out=True
+            args, run, queries, query_mask, responses, response_mask, rows, trainer_state, held_out=True
         )
     rewards = combine_rewards(rewards_per_func, run.weights)
     # TRL 1.16: a group of one completion has std 0

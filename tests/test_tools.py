@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import shutil
 import time
 import types
 
@@ -315,6 +316,33 @@ def code_reward(completions, answer, **kwargs):
     said = [[m.get("content") or "" for m in c if m["role"] == "assistant"] for c in completions]
     turns = [len(c) for c in completions]
     return [float(code in s[-1].split()) + 0.01 * n for s, code, n in zip(said, answer, turns)]
+
+
+class Book:
+    """lookup as an environment: reset keeps the row's answer (and asks qrst to hurry), lookup counts its calls,
+    get_reward pays 0.1 for a rollout that looked something up."""
+
+    def reset(self, prompt, answer, **kwargs):
+        self.answer, self.calls = answer, 0
+        return " Quick!" if "qrst" in prompt[-1]["content"] else None
+
+    def lookup(self, name: str) -> str:
+        """Look up the code of a name.
+
+        Args:
+            name: the name whose code is wanted
+        """
+        self.calls += 1
+        return globals()["lookup"](name)
+
+    def get_reward(self):
+        return 0.1 * min(self.calls, 1)
+
+
+def book_reward(prompts, completions, environments, **kwargs):
+    said = [[m.get("content") or "" for m in c if m["role"] == "assistant"] for c in completions]
+    hurried = [float("Quick!" in p[-1]["content"]) for p in prompts]
+    return [float(e.answer in s[-1].split()) + 0.01 * h for s, e, h in zip(said, environments, hurried)]
 '''
 
 
@@ -363,17 +391,26 @@ def tool_lab(world, tmp_path_factory):
         for name in names:
             prompt = [{"role": "user", "content": f"What is the code of {name}?"}]
             f.write(json.dumps({"prompt": prompt, "answer": "dog"}) + "\n")
+    (out / "splits").mkdir()
+    for split in ("train", "test"):  # the same rows, held out too
+        shutil.copy(out / "prompts.jsonl", out / "splits" / f"{split}.jsonl")
     (out / "tools.py").write_text(TOOL_FILE)
     return out
 
 
-def tool_run(lab, out, *extra):
+def tool_run(lab, out, *extra, environment=False):
+    """grpo.py on the lab: --tools lookup and code_reward, or with `environment` Book and book_reward."""
     from conftest import ROOT
 
+    tools = ["--tools", f"{lab}/tools.py:lookup", "--reward_funcs", f"{lab}/tools.py:code_reward"]
+    data = ["--dataset_name", str(lab / "prompts.jsonl")]
+    if environment:
+        book = f"{lab}/tools.py"
+        tools = ["--environment_factory", f"{book}:Book", "--reward_funcs", f"{book}:book_reward"]
+        data = ["--dataset_name", str(lab / "splits"), "--dataset_test_split", "test", "--eval_steps", "2"]
     flags = [
-        "grpo.py", "--model_name_or_path", str(lab / "policy"), "--dataset_name", str(lab / "prompts.jsonl"),
-        "--tools", f"{lab}/tools.py:lookup", "--reward_funcs", f"{lab}/tools.py:code_reward",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "100",
+        "grpo.py", "--model_name_or_path", str(lab / "policy"), *data,
+        *tools, "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "100",
         "--temperature", "0.5", "--learning_rate", "1e-4", "--max_steps", "4", "--num_sample_generations", "0",
         "--output_dir", str(out / "model"), "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3",
         "--max_tool_calling_iterations", "2", *extra,
@@ -396,3 +433,370 @@ def test_grpo_with_tools_logs_tool_metrics_and_resumes_exactly(tool_lab, tmp_pat
     tool_run(tool_lab, tmp_path / "again", "--save_steps", "2", "--resume_from_checkpoint", checkpoint)
     whole, resumed = weights(tmp_path / "whole" / "model"), weights(tmp_path / "again" / "model")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+# ------------------------------------------------------------------------------------- environments (TRL's contract)
+class Vault:
+    """An environment of the tests: `serial` counts the instances its factory made (the pool's order shows in the
+    prompt, so that the scripted sampler tells every rollout apart); reset keeps the row's name, lookup answers
+    for that name only and counts its calls; get_reward owns a reward."""
+
+    def __init__(self, serial: int):
+        self.serial, self.name, self.calls = serial, None, 0
+
+    def reset(self, name, **kwargs):
+        self.name, self.calls = name, 0
+        return None if name == "qrst" else f" [vault {self.serial} keeps {name}]"
+
+    def lookup(self, name: str) -> str:
+        """Look up the code of a name.
+
+        Args:
+            name: the name whose code is wanted
+        """
+        self.calls += 1
+        if name != self.name:
+            raise ValueError(f"vault {self.serial} keeps no {name}")
+        return {"abcd": "dog", "wxyz": "cat"}.get(name, "none")
+
+    def get_reward(self) -> float:
+        return 0.5 * self.calls
+
+    @property
+    def broken_property(self):
+        raise RuntimeError("a property is never evaluated")
+
+
+def vault_factory():
+    """Vault(0), Vault(1), ...: each call a new instance, as a pool grows."""
+    vault_factory.made = getattr(vault_factory, "made", -1) + 1
+    return Vault(vault_factory.made)
+
+
+def vault_reward(prompts, completions, environments, **kwargs):
+    """Reads the environment (its name, its calls), the prompt after reset and the last turn."""
+    return [
+        float(e.name in p[-1]["content"]) + float({"abcd": "dog", "wxyz": "cat"}.get(e.name, "none") in str(c[-1]))
+        + 0.25 * e.calls + 0.01 * len(p[-1]["content"])
+        for p, c, e in zip(prompts, completions, environments)
+    ]  # fmt: skip
+
+
+ENV_NAMES = ["abcd", "wxyz", "qrst"]
+# each rollout's turns by its vault's serial (rows 0, 1, 2, then again: serials 0-5, the probe first; qrst's two
+# rollouts, whose reset adds nothing, share a script); {n}: the row's name
+ENV_SCRIPTS = {
+    0: [CALL % ("lookup", '{"name": "{n}"}') + "<E>", "dog<E>"],  # one call, the answer
+    1: ["cat<E>"],  # no call
+    3: [
+        CALL % ("lookup", '{"name": "wxyz"}') + "<E>",
+        CALL % ("lookup", '{"name": "{n}"}') + "<E>",
+        "dog<E>",
+    ],
+    4: [CALL % ("lookup", '{"name": "{n}"}') + CALL % ("lookup", '{"name": "abcd"}') + "<E>", "cat<E>"],
+    "qrst": [CALL % ("lookup", '{"name": "{n}"}') + "<E>"] * 3 + ['<tool_call>{"name": "lookup", "ar<E>'],
+}
+
+
+def env_next_turn(tokenizer):
+    """next_turn(ids): the next scripted turn of the rollout whose ids these are, read from them alone (its
+    vault's serial in the prompt, the turns it holds), so that TRL's loop and ours get the same turns."""
+    import re
+
+    def next_turn(ids):
+        text = tokenizer.decode(ids)
+        found = re.search(r"\[vault (\d+) keeps (\w+)\]", text)
+        script, name = (
+            (ENV_SCRIPTS[int(found.group(1))], found.group(2)) if found else (ENV_SCRIPTS["qrst"], "qrst")
+        )
+        turn = script[min(text.count("<|im_start|>assistant") - 1, len(script) - 1)]
+        return encode(tokenizer, turn.replace("{n}", name).replace("<E>", tokenizer.eos_token))
+
+    return next_turn
+
+
+def env_dataset():
+    from datasets import Dataset
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is the code of {n}?"}], "name": n} for n in ENV_NAMES
+    ]
+    return Dataset.from_list(rows)
+
+
+ENV_ROWS = [0, 1, 2] * 2  # completion-major: two rollouts of each row
+
+
+def positions(world):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(world / "policy_tools").max_position_embeddings
+
+
+def ours_with_environments(world, tokenizer, max_iterations=2, budget=200):
+    """utils.tools with Vault environments on the scripted turns, as grpo.py drives it: (prompt ids, rollout,
+    rewards per function, environments)."""
+    import utils.data
+    import utils.scoring
+
+    vault_factory.made = -1
+    dataset = env_dataset()
+    environments = utils.tools.Environments(
+        {None: ("tests:vault_factory", vault_factory)}, [], utils.data.columns(dataset)
+    )
+    box = utils.tools.Tools(
+        [], tokenizer, timeout=5, max_iterations=max_iterations, environments=environments
+    )
+    prompt_ids = box.reset(ENV_ROWS)
+    next_turn = env_next_turn(tokenizer)
+    first = [next_turn(p) for p in prompt_ids]
+
+    def sample_turn(inputs, max_new_tokens):
+        ids = [next_turn(x)[:max_new_tokens] for x in inputs]
+        return ids, [[-0.5] * len(row) for row in ids]
+
+    logprobs = [[-0.5] * len(ids) for ids in first]
+    rollout = box.continue_rollouts(prompt_ids, first, logprobs, sample_turn, budget, positions(world))
+    columns = utils.data.columns_of_rows(utils.data.columns(dataset), ENV_ROWS, torch.arange(len(ENV_ROWS)))
+    columns.update(box.reward_columns(list(range(len(ENV_ROWS)))))
+    rewards = [
+        utils.scoring.call_reward_fn(fn, None, None, columns) for fn in (vault_reward, *environments.rewards)
+    ]
+    return prompt_ids, rollout, torch.stack(rewards, 1), environments
+
+
+def trl_with_environments(world, tokenizer, tmp_path, max_iterations=2, budget=200):
+    """TRL 1.16's GRPOTrainer(environment_factory=vault_factory) on the same rows and scripted turns, through its
+    own _generate_and_score_completions: (its output, what reached its rewards, its trainer)."""
+    from fixed_completions import trl_without_vllm
+
+    trl_without_vllm()
+    import trl
+
+    vault_factory.made = -1
+    dataset = env_dataset()
+    config = trl.GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=len(ENV_ROWS),
+        num_generations=2, max_completion_length=budget, max_tool_calling_iterations=max_iterations,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=str(world / "policy_tools"), processing_class=tokenizer, reward_funcs=vault_reward, args=config,
+        train_dataset=dataset, environment_factory=vault_factory,
+    )  # fmt: skip
+    next_turn = env_next_turn(tokenizer)
+    trainer._generate_single_turn = lambda ids, *args, **kwargs: ([next_turn(x) for x in ids], None)
+    seen, calculate = {}, trainer._calculate_rewards
+
+    def spy(inputs, prompts, completions, completion_ids):
+        seen.update(prompts=prompts, completions=completions)
+        seen["rewards"] = calculate(inputs, prompts, completions, completion_ids)
+        return seen["rewards"]
+
+    trainer._calculate_rewards = spy
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([dataset[r] for r in ENV_ROWS])
+    return out, seen, trainer
+
+
+@pytest.mark.filterwarnings("ignore:You are using 'environment_factory'")
+@pytest.mark.parametrize("max_iterations,budget", [(2, 200), (None, 200), (None, 90)])
+def test_environments_equal_trls_environment_factory(world, tokenizer, tmp_path, max_iterations, budget):
+    """The prompts after reset and their ids, the completion ids, the tool mask, the messages, the rewards of a
+    function reading the environments and of get_reward, and every environment's state after its rollout equal
+    TRL's GRPOTrainer(environment_factory=...) on the same rows and scripted turns."""
+    prompt_ids, rollout, rewards, environments = ours_with_environments(
+        world, tokenizer, max_iterations, budget
+    )
+    out, seen, trainer = trl_with_environments(world, tokenizer, tmp_path, max_iterations, budget)
+    assert environments.prompts == seen["prompts"]
+    assert prompt_ids == [ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"])]
+    lengths = out["completion_mask"].sum(1).tolist()
+    assert rollout.completion_ids == [ids[:n].tolist() for ids, n in zip(out["completion_ids"], lengths)]
+    assert rollout.tool_mask == [mask[:n].tolist() for mask, n in zip(out["tool_mask"], lengths)]
+    assert rollout.messages == seen["completions"]
+    assert torch.equal(rewards, seen["rewards"])
+    states = lambda envs: [(e.serial, e.name, e.calls) for e in envs]  # noqa: E731
+    assert states(environments.current) == states(trainer.environments)
+    assert [e.serial for e in environments.current] == list(range(len(ENV_ROWS)))  # one instance a rollout
+    metrics = trainer._metrics["train"]
+    assert metrics["tools/call_frequency"] == [pytest.approx(rollout.calls / len(ENV_ROWS))]
+    assert metrics["tools/failure_frequency"] == [pytest.approx(rollout.failures / rollout.calls)]
+    assert rollout.failures >= 2  # another vault's name: the environments are apart
+    assert "[vault 0 keeps abcd]" in environments.prompts[0][-1]["content"]
+    assert environments.prompts[2] == env_dataset()[2]["prompt"]  # reset returned None: the row's prompt
+
+
+def test_grpo_with_an_environment_factory_logs_its_rewards_and_resumes_exactly(tool_lab, tmp_path):
+    """grpo.py --environment_factory: the environment's lookup is the tool, its get_reward a reward of its own
+    (rewards/Book/mean), a reward function reads the environments and the prompt after reset; one environment
+    per rollout, reset on its row, so a resume from a checkpoint is bit-exact with nothing more saved."""
+    from conftest import weights
+
+    tool_run(tool_lab, tmp_path / "whole", "--save_steps", "2", environment=True)
+    metrics = read_metrics(tmp_path / "whole" / "runs" / "r")
+    assert all(
+        {"tools/call_frequency", "rewards/Book/mean", "rewards/book_reward/mean"} <= set(m) for m in metrics
+    )
+    assert max(m["tools/call_frequency"] for m in metrics) > 0.3
+    assert max(m["rewards/Book/mean"] for m in metrics) > 0  # get_reward saw the calls
+    assert max(m["rewards/book_reward/mean"] for m in metrics) > 0.5  # the answer, read from the environment
+    held_out = [
+        m for m in metrics if "eval/reward" in m
+    ]  # the test split's rollouts, environments of their own
+    assert len(held_out) == 2 and all(m["eval/rewards/Book/mean"] > 0 for m in held_out)
+    checkpoint = str(tmp_path / "whole" / "model" / "checkpoint-2")
+    resume = ["--save_steps", "2", "--resume_from_checkpoint", checkpoint]
+    tool_run(tool_lab, tmp_path / "again", *resume, environment=True)
+    whole, resumed = weights(tmp_path / "whole" / "model"), weights(tmp_path / "again" / "model")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+ENVIRONMENT_FILE = """
+class NoReset:
+    def lookup(self, name: str) -> str:
+        '''Look up.
+
+        Args:
+            name: a name
+        '''
+        return name
+
+
+class Raising:
+    def reset(self, **kwargs):
+        raise KeyError("no such row")
+
+
+class Narrow:
+    def reset(self, name):  # refuses the prompt column
+        return None
+
+
+class Undocumented:
+    def reset(self, **kwargs):
+        return None
+
+    def lookup(self, name):
+        return name
+
+
+class Listing:
+    def reset(self, **kwargs):
+        return ["an image"]
+
+
+class Broken:
+    def __init__(self):
+        raise OSError("no sandbox")
+
+
+class Plain:
+    def reset(self, **kwargs):
+        return None
+
+
+class Shelf(Plain):
+    async def lookup(self, name: str) -> str:
+        '''Look up, after a while.
+
+        Args:
+            name: a name
+        '''
+        return name
+"""
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("missing.py:Vault", "file missing.py does not exist"),
+        ("{d}/envs.py:Absent", "defines no function named 'Absent'"),
+        ("{d}/envs.py:NoReset", "NoReset has no reset method"),
+        ("{d}/envs.py:Raising", "reset raised KeyError('no such row') on row 0 of --dataset_name"),
+        ("{d}/envs.py:Narrow", "reset raised TypeError"),
+        ("{d}/envs.py:Undocumented", "method lookup: no JSON schema"),
+        (
+            "{d}/envs.py:Listing",
+            "reset returned list on row 0 of --dataset_name; it must return None or a string",
+        ),
+        ("{d}/envs.py:Broken", "making an instance raised OSError('no sandbox')"),
+        ("{d}/envs.py:Plain", "pass a reward: --reward_funcs"),
+        ("a={d}/envs.py:Plain {d}/envs.py:Plain", "several name=path/to/file.py:Class"),
+        ("a={d}/envs.py:Plain b={d}/envs.py:Plain", "--dataset_name has no environment column"),
+    ],
+)
+def test_bad_environments_are_one_sentence_before_any_model(tmp_path, spec, says):
+    (tmp_path / "envs.py").write_text(ENVIRONMENT_FILE)
+    args = types.SimpleNamespace(
+        environment_factory=spec.format(d=tmp_path).split(), reward_funcs=None, reward_model_path=None,
+        max_prompt_length=None, context_overflow="refuse", max_completion_length=8, model_name_or_path=str(tmp_path),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="^[^\n]*$") as caught:  # one line
+        utils.tools.load_environments(args, [], env_dataset())
+    assert says in str(caught.value)
+
+
+def test_environments_routed_by_row_and_checked_against_the_tools(tmp_path):
+    """TRL's dict of factories: each row's environment column picks one (an unknown name is refused); a method
+    named as a --tools function is refused (a call names its tool); each row's prompt has its own tools."""
+    from datasets import Dataset
+
+    (tmp_path / "envs.py").write_text(ENVIRONMENT_FILE)
+    rows = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "environment": e} for i, e in enumerate("abba")
+    ]
+    args = types.SimpleNamespace(
+        environment_factory=[f"a={tmp_path}/envs.py:Plain", f"b={tmp_path}/envs.py:Shelf"], reward_funcs=["f"],
+        reward_model_path=None, max_prompt_length=None, context_overflow="refuse", max_completion_length=8,
+        model_name_or_path=str(tmp_path),
+    )  # fmt: skip
+    environments = utils.tools.load_environments(args, [], Dataset.from_list(rows))
+    assert [t.__name__ for t in environments.tools["a"]] == [] and [
+        t.__name__ for t in environments.tools["b"]
+    ] == ["lookup"]
+    prompts, names = environments.reset([0, 1, 2, 3, 1])
+    assert names == list("abbab") and [type(e).__name__ for e in environments.current] == [
+        "Plain",
+        "Shelf",
+        "Shelf",
+        "Plain",
+        "Shelf",
+    ]
+    assert len({id(e) for e in environments.current}) == 5  # one instance a rollout, each of its row's class
+    with pytest.raises(ValueError, match="environment='c', which is none of --environment_factory's a, b"):
+        utils.tools.load_environments(args, [], Dataset.from_list(rows + [{**rows[0], "environment": "c"}]))
+    with pytest.raises(ValueError, match="two tools have the same name"):
+        utils.tools.load_environments(args, [lookup], Dataset.from_list(rows))
+
+
+def test_grpo_refuses_a_bad_environment_in_one_line_and_a_copy_without_utils_tools_names_it(world, tmp_path):
+    """grpo.py --environment_factory with a reset that raises exits 2 with one line and no traceback, before
+    any model is loaded; a copy of grpo.py with its core alone says which file to copy."""
+    import readability
+
+    from conftest import ROOT
+
+    (tmp_path / "envs.py").write_text(ENVIRONMENT_FILE)
+    env_dataset().to_json(tmp_path / "rows.jsonl")
+    flags = [
+        "--model_name_or_path", str(world / "policy_tools"), "--dataset_name", str(tmp_path / "rows.jsonl"),
+        "--reward_funcs", f"{ROOT}/benchmark/tiny_tools.py:code_reward", "--output_dir", str(tmp_path / "out"),
+        "--environment_factory", f"{tmp_path}/envs.py:Raising",
+    ]  # fmt: skip
+    proc = run_script(["grpo.py", *flags], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"grpo.py: error: --environment_factory {tmp_path}/envs.py:Raising: reset raised KeyError('no such row') "
+        "on row 0 of --dataset_name."
+    )
+    copy = tmp_path / "copy"
+    (copy / "utils").mkdir(parents=True)
+    for module in ["grpo.py", *readability.footprint(ROOT, ROOT / "grpo.py")]:
+        shutil.copy(ROOT / module, copy / module)
+    proc = run_script(["grpo.py", *flags], cwd=copy, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("grpo.py: error: --environment_factory needs utils/tools.py, which this copy lacks")
+    )

@@ -1,4 +1,5 @@
-"""Multi-turn rollouts with tools (optional: imported only with --tools), TRL 1.16's contract (`GRPOTrainer(tools=...)`).
+"""Multi-turn rollouts with tools (optional: imported only with --tools or --environment_factory), TRL 1.16's contract
+(`GRPOTrainer(tools=..., environment_factory=...)`).
 
 A tool is a plain or `async def` Python function with type hints and a Google-style docstring; the chat template
 renders its JSON schema (transformers' `get_json_schema`) into the prompt. After the first turn is sampled:
@@ -18,6 +19,15 @@ so the ids trained on are the ids sampled, turn by turn.
     tools = utils.tools.Tools(utils.tools.load_tools(["tools.py:lookup"]), tokenizer, timeout=10)
     texts = tools.render_prompts(conversations)                        # with the tools' schemas
     rollout = tools.continue_rollouts(prompt_ids, completion_ids, logprobs, sample_turn, R, positions)
+
+With --environment_factory, every rollout gets its own environment (an instance of the user's class, from a pool,
+as TRL's): `reset(**row)` before sampling may add text to the prompt's last message, the instance's public methods
+are the rollout's tools beside --tools, reward functions read the instances (`environments=`), and a class with
+`get_reward()` is a reward of its own:
+
+    environments = utils.tools.load_environments(args, tool_fns, dataset, eval_dataset)
+    tools = utils.tools.Tools(tool_fns, tokenizer, environments=environments)
+    prompt_ids = tools.reset(rows)                                     # one prompt per rollout, after reset
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -34,9 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.data import column, is_conversation
+from utils.chat import tokenize_prompts
+from utils.data import column, columns, is_conversation
 from utils.generation import left_pad, truncate_response
-from utils.scoring import event_loop, is_async
+from utils.loading import model_positions
+from utils.scoring import COMPLETION_MESSAGES, event_loop, is_async
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,6 +67,11 @@ def check_args(args) -> None:
         raise ValueError(
             "--tools samples each process's later turns on its own, which a tensor-parallel vLLM engine shared by "
             "several processes cannot; use --vllm_tensor_parallel_size 1."
+        )
+    if getattr(args, "environment_factory", None) and getattr(args, "filter_groups", False):
+        raise ValueError(
+            "--filter_groups would keep the groups of several sampling rounds, each round's environments reset "
+            "over the last's; leave it out with --environment_factory."
         )
 
 
@@ -91,23 +109,35 @@ def load_tool(spec: str, flag: str = "--tools") -> Callable:
     return tool
 
 
+def check_schema(tool: Callable, where: str) -> None:
+    """Refuse a tool transformers' get_json_schema cannot describe (the chat template renders its schema)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        get_json_schema(tool)
+    except Exception as error:  # noqa: BLE001 - transformers' reason, in one sentence
+        raise ValueError(
+            f"{where}: no JSON schema for it ({error}); a tool needs type hints and a docstring with an "
+            "Args: section naming every argument."
+        ) from None
+
+
+def check_names(tools: Sequence[Callable], where: str) -> None:
+    """Refuse two tools of one name: a call names its tool."""
+    names = [tool.__name__ for tool in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"{where}: two tools have the same name ({', '.join(names)}); a call names its tool."
+        )
+
+
 def load_tools(specs: Sequence[str], flag: str = "--tools") -> list[Callable]:
     """The tools of `specs`, each with a schema the chat template can render (type hints and a docstring that
     documents every argument); names must differ."""
-    from transformers.utils import get_json_schema
-
     tools = [load_tool(spec, flag) for spec in specs]
     for spec, tool in zip(specs, tools):
-        try:
-            get_json_schema(tool)
-        except Exception as error:  # noqa: BLE001 - transformers' reason, in one sentence
-            raise ValueError(
-                f"{flag} {spec}: no JSON schema for it ({error}); a tool needs type hints and a docstring with an "
-                "Args: section naming every argument."
-            ) from None
-    names = [tool.__name__ for tool in tools]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{flag}: two tools have the same name ({', '.join(names)}); a call names its tool.")
+        check_schema(tool, f"{flag} {spec}")
+    check_names(tools, flag)
     return tools
 
 
@@ -215,27 +245,31 @@ async def run_async(coroutine, name: str, timeout: float | None):
 
 
 def call_tools(
-    calls: list[list[dict]], tools: dict[str, Callable], timeout: float | None
+    calls: list[list[dict]], tools: dict[str, Callable] | list[dict[str, Callable]], timeout: float | None
 ) -> list[list[CallResult]]:
     """The results of every row's tool calls, in call order: plain tools one after another, `async def` ones
-    together on one event loop. A failure (an unknown tool, arguments that are not a dict or that the function
-    refuses, an exception, a timeout) is the result's content `{'error': ...}`."""
+    together on one event loop. `tools`: by name, for every row or one dict per row (an environment's methods are
+    its rollout's). A failure (an unknown tool, arguments that are not a dict or that the function refuses, an
+    exception, a timeout) is the result's content `{'error': ...}`."""
     results: list[list[CallResult | None]] = [[None] * len(row) for row in calls]
     waiting = []  # (row, position, name, coroutine)
-    for r, row in enumerate(calls):
+    per_row = tools if isinstance(tools, list) else [tools] * len(calls)
+    for r, (row, row_tools) in enumerate(zip(calls, per_row)):
         for c, call in enumerate(row):
             function = call.get("function", {}) if call.get("type", "function") == "function" else None
             name = function.get("name", "unknown") if function is not None else call.get("name", "unknown")
             try:
                 if function is None:
                     raise ValueError(f"Unsupported tool call type: {call.get('type')}")
-                if name not in tools:
+                if name not in row_tools:
                     raise ValueError(f"Tool {name} not found.")
                 arguments = function.get("arguments", {})  # bad ones: the call's TypeError, as TRL
-                if is_async(tools[name]):
-                    waiting.append((r, c, name, run_async(tools[name](**arguments), name, timeout)))
+                if is_async(row_tools[name]):
+                    waiting.append((r, c, name, run_async(row_tools[name](**arguments), name, timeout)))
                 else:
-                    results[r][c] = CallResult(name, str(run_sync(tools[name], arguments, timeout)), False)
+                    results[r][c] = CallResult(
+                        name, str(run_sync(row_tools[name], arguments, timeout)), False
+                    )
             except Exception as error:  # noqa: BLE001 - every failure is the model's to see, not a crash
                 results[r][c] = CallResult(name, error_content(error), True)
     if waiting:
@@ -309,7 +343,8 @@ class Rollout:
 
 
 class Tools:
-    """The tools of a run and how they meet the tokenizer: rendering prompts, parsing turns, running calls."""
+    """The tools of a run and how they meet the tokenizer: rendering prompts, parsing turns, running calls; with
+    `environments` (--environment_factory), each rollout's tools are also its environment's methods."""
 
     def __init__(
         self,
@@ -317,30 +352,60 @@ class Tools:
         tokenizer,
         timeout: float | None = None,
         max_iterations: int | None = None,
+        environments: Environments | None = None,
     ):
-        check_tokenizer(tokenizer)
+        check_tokenizer(tokenizer, "--tools" if tools or environments is None else "--environment_factory")
         self.tools, self.tokenizer, self.timeout = list(tools), tokenizer, timeout
         self.by_name = {tool.__name__: tool for tool in self.tools}
+        self.environments = environments
         self.max_iterations = math.inf if max_iterations is None else max_iterations
         self.last = Rollout([], [], [], [], [])
+        # TRL runs no tool loop when there is no tool at all (an environment of reset alone)
+        self.calls_tools = bool(self.tools) or environments is not None and any(environments.tools.values())
+
+    def tools_of(self, environment: str | None) -> list[Callable]:
+        """The tools a prompt is rendered with: --tools, and those of the row's environment."""
+        return self.tools if self.environments is None else self.environments.tools[environment]
+
+    def render(self, conversation: list[dict], tools: list[Callable]) -> str:
+        """A prompt's text with the tools' schemas (TRL: `apply_chat_template(..., tools=tools or None)`)."""
+        return self.tokenizer.apply_chat_template(
+            conversation,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=conversation[-1]["role"] != "assistant",
+        )
 
     def prompt_texts(self, dataset, tokenizer, where: str) -> list[str]:
         """The `prompt` column's conversations rendered with the generation prompt and the tools' schemas (TRL:
-        `apply_chat_template(..., tools=tools)`), as utils.data.prompt_texts renders them without."""
+        `apply_chat_template(..., tools=tools)`), as utils.data.prompt_texts renders them without; with
+        environments, before their reset (what reset adds is rendered at rollout time, `reset`)."""
         prompts = column(dataset, "prompt")
         if prompts and not is_conversation(prompts[0]):
+            flag = "--tools" if self.environments is None else "--environment_factory"
             raise ValueError(
-                f"{where}: --tools needs conversational prompts (lists of messages), as TRL's tools."
+                f"{where}: {flag} needs conversational prompts (lists of messages), as TRL's tools."
             )
-        return [
-            tokenizer.apply_chat_template(
-                p,
-                tools=self.tools or None,
-                tokenize=False,
-                add_generation_prompt=p[-1]["role"] != "assistant",
-            )
-            for p in prompts
-        ]
+        names = [None] * len(prompts)
+        if self.environments is not None:
+            routes = column(dataset, "environment") if "environment" in dataset.column_names else None
+            names = self.environments.route(routes, len(prompts), where)
+        return [self.render(p, self.tools_of(name)) for p, name in zip(prompts, names)]
+
+    def reset(self, rows: list[int], held_out: bool = False) -> list[list[int]]:
+        """The prompt ids of one rollout per entry of `rows` (dataset rows of the training split, or with
+        `held_out` the test split): each rollout's environment reset on its row, what reset returned joined to
+        the prompt's last message (TRL's), rendered with the environment's tools."""
+        prompts, names = self.environments.reset(rows, held_out)
+        texts = [self.render(p, self.tools_of(name)) for p, name in zip(prompts, names)]
+        return self.environments.fit(tokenize_prompts(self.tokenizer, texts))
+
+    def longest(self, longest: int) -> int:
+        """The longest sequence a sampler must take: `longest`, or with environments (whose reset lengthens the
+        prompts) the model's positions."""
+        if self.environments is None or self.environments.positions is None:
+            return longest
+        return max(longest, self.environments.positions)
 
     def continue_rollouts(
         self,
@@ -354,8 +419,12 @@ class Tools:
         """From each row's first sampled turn (ids cut after EOS, their logprobs) on: the tool calls, their
         answers and the next turns, until no call, --max_tool_calling_iterations rounds or the length limits
         (a completion of at most `max_completion_length` tokens; prompt + completion below `max_length`).
-        `sample_turn(inputs, max_new_tokens)` samples one turn after each input: (ids cut after EOS, logprobs)."""
+        `sample_turn(inputs, max_new_tokens)` samples one turn after each input: (ids cut after EOS, logprobs).
+        With environments, row i is the rollout of the last `reset`'s environment i."""
         n = len(completion_ids)
+        schemas, callables = [self.tools] * n, [self.by_name] * n
+        if self.environments is not None:
+            schemas, callables = self.environments.rollout_tools(self.tools)
         out = Rollout(
             completion_ids=[list(ids) for ids in completion_ids],
             tool_mask=[[1] * len(ids) for ids in completion_ids],
@@ -364,14 +433,15 @@ class Tools:
             turns=[1] * n,
         )
         last = [
-            parse_turn(self.tokenizer, out.completion_ids[i], prompt_ids[i], self.tools) for i in range(n)
+            parse_turn(self.tokenizer, out.completion_ids[i], prompt_ids[i], schemas[i]) for i in range(n)
         ]
         for i in range(n):
             out.messages[i].append(last[i])
-        active = [i for i in range(n) if last[i].get("tool_calls")]
+        active = [i for i in range(n) if last[i].get("tool_calls")] if self.calls_tools else []
         iteration = 0
         while active and iteration < self.max_iterations:
-            results = call_tools([last[i]["tool_calls"] for i in active], self.by_name, self.timeout)
+            calls = [last[i]["tool_calls"] for i in active]
+            results = call_tools(calls, [callables[i] for i in active], self.timeout)
             out.calls += sum(map(len, results))
             out.failures += sum(r.failed for row in results for r in row)
             inputs, continuing = [], []
@@ -402,7 +472,7 @@ class Tools:
                 out.tool_mask[i] += [1] * len(ids)
                 out.logprobs[i] += [float(v) for v in lp]
                 out.turns[i] += bool(ids)
-                message = parse_turn(self.tokenizer, ids, x, self.tools) if ids else {}
+                message = parse_turn(self.tokenizer, ids, x, schemas[i]) if ids else {}
                 if message:
                     out.messages[i].append(message)
                 if message.get("tool_calls"):
@@ -417,9 +487,19 @@ class Tools:
         """The last rollout's messages per row: the completions TRL gives reward functions with tools."""
         return self.last.messages
 
+    def reward_columns(self, rows: list[int]) -> dict[str, list]:
+        """What reward functions get of the last rollout's `rows` beside the dataset's columns: the completions
+        (turns and tool messages); with environments, the prompts after reset and the environments (TRL's
+        `environments=`)."""
+        out = {COMPLETION_MESSAGES: [self.last.messages[i] for i in rows]}
+        if self.environments is not None:
+            out["prompt"] = [self.environments.prompts[i] for i in rows]
+            out["environments"] = [self.environments.current[i] for i in rows]
+        return out
+
     def metrics(self, accelerator) -> dict[str, float]:
-        """The last rollout's tools/ metrics over every process (see `metrics`)."""
-        return metrics(self.last, accelerator)
+        """The last rollout's tools/ metrics over every process (see `metrics`); none without a tool (TRL's)."""
+        return metrics(self.last, accelerator) if self.calls_tools else {}
 
     turn_sampler = staticmethod(lambda *args, **kwargs: turn_sampler(*args, **kwargs))
 
@@ -461,3 +541,206 @@ def metrics(rollout: Rollout, accelerator) -> dict[str, float]:
         "tools/failure_frequency": failures / calls if calls else 0.0,
         "tools/turns_mean": turns / max(rows, 1),
     }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Environments (--environment_factory)
+# ----------------------------------------------------------------------------------------------------------------
+def environment_methods(environment) -> list[Callable]:
+    """An environment's tools: its class's public methods but reset and get_reward, bound to it (TRL's; listed on
+    the class, so that no property is evaluated)."""
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def environment_reward(kind: type) -> Callable:
+    """TRL's reward of an environment class with `get_reward()`: each rollout's environment of exactly that class
+    scores itself, the others get None (a plain or async function, as get_reward is)."""
+    if is_async(kind.get_reward):
+
+        async def reward(environments, **kwargs):
+            return [await e.get_reward() if type(e) is kind else None for e in environments]
+
+    else:
+
+        def reward(environments, **kwargs):
+            return [e.get_reward() if type(e) is kind else None for e in environments]
+
+    reward.__name__ = kind.__name__
+    return reward
+
+
+def load_factories(specs: Sequence[str]) -> dict[str | None, tuple[str, Callable]]:
+    """--environment_factory's {name: (spec, factory)}: one `path.py:Class` is TRL's single factory (name None),
+    several `name=path.py:Class` TRL's dict (each row's `environment` column names its factory)."""
+    flag = "--environment_factory"
+    parts = [spec.partition("=") if "=" in spec.split(":")[0] else ("", "", spec) for spec in specs]
+    named = [bool(sep) for _, sep, _ in parts]
+    if len(specs) > 1 and not all(named):
+        raise ValueError(
+            f"{flag} takes one path/to/file.py:Class, or several name=path/to/file.py:Class (each row's "
+            f"environment column picks one); got {' '.join(specs)}."
+        )
+    names = [name if sep else None for name, sep, _ in parts]
+    if any(name == "" for name in names) or len(set(names)) != len(names):
+        raise ValueError(f"{flag}: each environment needs a name of its own (name=path/to/file.py:Class).")
+    return {name: (spec, load_tool(spec, flag)) for name, (_, _, spec) in zip(names, parts)}
+
+
+class Environments:
+    """One environment per rollout, from a pool per factory (TRL's: made once, reset before every rollout; the
+    held-out rollouts draw from a pool of their own, so that evaluating changes nothing of training). `columns`
+    and `eval_columns`: the splits' rows, every column of which reaches reset as a keyword (TRL's)."""
+
+    def __init__(self, factories, tools: list[Callable], columns: dict, eval_columns: dict | None = None):
+        self.factories, self.multi = factories, None not in factories
+        self.columns = {False: columns, True: eval_columns or {}}
+        self.routes = {  # each row's environment name
+            held_out: self.route(split.get("environment"), len(split["prompt"]), split_flag(held_out))
+            if split
+            else []
+            for held_out, split in self.columns.items()
+        }
+        self.pools: dict[bool, dict] = {False: {}, True: {}}
+        self.tools: dict[str | None, list[Callable]] = {}  # per environment: --tools and the probe's methods
+        self.rewards: list[Callable] = []  # of the classes with get_reward, each once
+        for name, (spec, _) in factories.items():
+            probe = self.make(name)
+            self.pools[False][name] = [probe]
+            if not callable(getattr(type(probe), "reset", None)):
+                raise ValueError(
+                    f"--environment_factory {spec}: {type(probe).__name__} has no reset method; an environment "
+                    "needs reset(**row), returning None or a string to join to the prompt's last message."
+                )
+            for method in environment_methods(probe):
+                check_schema(method, f"--environment_factory {spec}: method {method.__name__}")
+            self.tools[name] = list(tools) + environment_methods(probe)
+            check_names(self.tools[name], f"--environment_factory {spec} with --tools")
+            owned = [reward.__name__ for reward in self.rewards]
+            if callable(getattr(type(probe), "get_reward", None)) and type(probe).__name__ not in owned:
+                self.rewards.append(environment_reward(type(probe)))
+        self.current: list = []  # the last reset's environments and prompts, one per rollout
+        self.prompts: list[list[dict]] = []
+        self.max_prompt_length, self.room, self.cut, self.positions = None, None, False, None
+
+    def make(self, name: str | None):
+        """A new instance of environment `name`; a factory that raises is one sentence."""
+        spec, factory = self.factories[name]
+        try:
+            return factory()
+        except Exception as error:  # noqa: BLE001 - the user's class, in one sentence
+            raise ValueError(f"--environment_factory {spec}: making an instance raised {error!r}.") from None
+
+    def route(self, routes: list | None, n: int, where: str) -> list[str | None]:
+        """The environment of each of `n` rows: None with one factory, else the row's `environment` value."""
+        if not self.multi:
+            return [None] * n
+        if routes is None:
+            raise ValueError(
+                f"{where} has no environment column, which several --environment_factory name=... need to pick "
+                "each row's environment (TRL's dict of factories)."
+            )
+        unknown = sorted({str(r) for r in routes} - {str(name) for name in self.factories})
+        if unknown:
+            raise ValueError(
+                f"{where}: a row has environment={unknown[0]!r}, which is none of --environment_factory's "
+                f"{', '.join(map(str, self.factories))}."
+            )
+        return list(routes)
+
+    def limit(self, args, model: str, flag: str = "--model_name_or_path") -> None:
+        """Prompts after reset keep their last --max_prompt_length tokens and leave --max_completion_length of
+        the model's positions (refused, or cut with --context_overflow cut), as the dataset's prompts."""
+        self.max_prompt_length, self.cut = args.max_prompt_length, args.context_overflow == "cut"
+        self.positions, self.model = model_positions(model), f"{flag} {model}"
+        self.room = None if self.positions is None else self.positions - args.max_completion_length
+
+    def fit(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """`prompt_ids` after reset, cut to the limits (`limit`)."""
+        if self.max_prompt_length:
+            prompt_ids = [ids[-self.max_prompt_length :] for ids in prompt_ids]
+        longest = max(map(len, prompt_ids), default=0)
+        if self.room is None or longest <= self.room:
+            return prompt_ids
+        if not self.cut:
+            raise ValueError(
+                f"an environment's reset made a prompt of {longest} tokens, more than the {self.room} that the "
+                f"{self.positions} positions of {self.model} leave beside --max_completion_length; lower "
+                "--max_prompt_length or --max_completion_length, or pass --context_overflow cut."
+            )
+        return [ids[-self.room :] for ids in prompt_ids]
+
+    def reset(self, rows: list[int], held_out: bool = False) -> tuple[list[list[dict]], list[str | None]]:
+        """(prompts, environment names), one per entry of `rows` (dataset rows): the i-th rollout of a name
+        gets its pool's i-th environment (made when the pool is short), reset on its row."""
+        names = [self.routes[held_out][r] for r in rows]
+        pool, taken = self.pools[held_out], dict.fromkeys(self.factories, 0)
+        self.current, self.prompts = [], []
+        for r, name in zip(rows, names):
+            instances = pool.setdefault(name, [])
+            if taken[name] == len(instances):
+                instances.append(self.make(name))
+            self.current.append(instances[taken[name]])
+            taken[name] += 1
+            self.prompts.append(self.reset_one(self.current[-1], r, held_out))
+        return self.prompts, names
+
+    def reset_one(self, environment, r: int, held_out: bool) -> list[dict]:
+        """Row r's prompt after `environment.reset(**row)` (every column; with several factories, all but
+        `environment`), what it returned joined to the last message (TRL's); a reset that raises or returns
+        neither a string nor None is one sentence."""
+        spec, where = self.factories[self.routes[held_out][r]][0], f"row {r} of {split_flag(held_out)}"
+        split = self.columns[held_out]
+        row = {k: v[r] for k, v in split.items() if not (self.multi and k == "environment")}
+        try:
+            observation = environment.reset(**row)
+        except Exception as error:  # noqa: BLE001 - the user's reset, in one sentence
+            raise ValueError(f"--environment_factory {spec}: reset raised {error!r} on {where}.") from None
+        prompt = list(row["prompt"])
+        if observation is None:
+            return prompt
+        if not isinstance(observation, str) or not isinstance(prompt[-1].get("content"), str):
+            raise ValueError(
+                f"--environment_factory {spec}: reset returned {type(observation).__name__} on {where}; it must "
+                "return None or a string (joined to the prompt's last message, whose content must be text)."
+            )
+        return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+
+    def check_reset(self) -> None:
+        """Reset each environment's probe on the first training row it serves, before any model is loaded: a
+        reset that refuses the dataset's columns is one sentence at once."""
+        for name in self.factories:
+            if name in self.routes[False]:
+                self.reset_one(self.pools[False][name][0], self.routes[False].index(name), False)
+
+    def rollout_tools(self, tools: list[Callable]) -> tuple[list[list[Callable]], list[dict[str, Callable]]]:
+        """Per rollout of the last reset: (its tools, for parsing; by name, to call): --tools and the methods of
+        its own environment."""
+        schemas = [list(tools) + environment_methods(e) for e in self.current]
+        return schemas, [{tool.__name__: tool for tool in row} for row in schemas]
+
+
+def split_flag(held_out: bool) -> str:
+    """The flag that names a split's rows, for messages."""
+    return "--dataset_test_split" if held_out else "--dataset_name"
+
+
+def load_environments(args, tools: list[Callable], dataset, eval_dataset=None) -> Environments:
+    """The environments of --environment_factory, checked before any model is loaded: each class makes an
+    instance, has reset, and methods with schemas and names of their own; each row routes to one; the first row
+    resets; and with no --reward_funcs or --reward_model_path, some class owns a reward (get_reward)."""
+    eval_columns = columns(eval_dataset) if eval_dataset is not None else None
+    environments = Environments(
+        load_factories(args.environment_factory), tools, columns(dataset), eval_columns
+    )
+    environments.check_reset()
+    if not (args.reward_funcs or args.reward_model_path or environments.rewards):
+        raise ValueError(
+            "pass a reward: --reward_funcs file.py:function, --reward_model_path, or an --environment_factory "
+            "class with a get_reward() method."
+        )
+    environments.limit(args, args.model_name_or_path)
+    return environments
