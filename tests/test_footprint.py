@@ -158,3 +158,43 @@ def test_copy_with_its_core_alone_resumes_exactly(core_copy):
         load_file(resumed / "model.safetensors"),
     )
     assert straight.keys() == again.keys() and all(straight[k].equal(again[k]) for k in straight)
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "sft",
+        *[pytest.param(s, marks=pytest.mark.slow) for s in ("reward", "dpo", "ppo", "grpo", "online_dpo")],
+    ],
+)
+def test_each_copy_with_its_core_alone_trains_and_resumes_exactly(world, tmp_path, script):
+    """Each script copied with its core alone (benchmark/ab_compare.py's tiny command, a checkpoint every step)
+    trains; resumed from its first checkpoint into another folder it ends with the same weights bit for bit."""
+    import ab_compare
+    from safetensors.torch import load_file
+
+    from conftest import make_rl_lab
+
+    (tmp_path / "lab").mkdir()
+    lab = make_rl_lab(world, tmp_path / "lab", num_prompts=64) if script == "grpo" else tmp_path
+    copy = tmp_path / "copy"
+    (copy / "utils").mkdir(parents=True)
+    shutil.copy(ROOT / f"{script}.py", copy / f"{script}.py")
+    for module in readability.footprint(ROOT, ROOT / f"{script}.py"):
+        shutil.copy(ROOT / module, copy / module)
+    flags = [
+        *ab_compare.commands(world, lab)[script],
+        "--logging_dir",
+        str(tmp_path / "runs"),
+        "--save_steps",
+        "1",
+    ]
+    run_script([f"{script}.py", *flags, "--output_dir", str(tmp_path / "a"), "--run_name", "a"], cwd=copy)
+    first = sorted((tmp_path / "a").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
+    run_script([f"{script}.py", *flags, "--output_dir", str(tmp_path / "b"), "--run_name", "b",
+                "--resume_from_checkpoint", str(first)], cwd=copy)  # fmt: skip
+    straight, resumed = (
+        load_file(tmp_path / "a" / "model.safetensors"),
+        load_file(tmp_path / "b" / "model.safetensors"),
+    )
+    assert straight.keys() == resumed.keys() and all(straight[k].equal(resumed[k]) for k in straight)

@@ -44,7 +44,7 @@ def test_booleans_take_a_value_as_in_trl(argv, expected):
 
 def test_boolean_with_a_bad_value_is_refused():
     with pytest.raises(ValueError, match="--bf16 takes true or false"):
-        cli.normalize_bool_flags(FlagArgs, ["--bf16=maybe"])
+        run.normalize_bool_flags(FlagArgs, ["--bf16=maybe"])
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
-"""The command line, for a researcher arriving with TRL's flags: booleans written TRL's way (`--bf16 True`),
-TRL's harmless flags dropped with a note and the meaningless ones refused in one sentence, an unknown flag or a
-value it cannot take named in one sentence, and a --help grouped as the Args source is.
+"""The command line, for a researcher arriving with TRL's flags: TRL's harmless flags dropped with a note and the
+meaningless ones refused in one sentence, an unknown flag or a value it cannot take named in one sentence, and a
+--help grouped as the Args source is.
 
-Optional: utils/run.py's parse_args uses it when it is there; a copy without it parses with tyro alone."""
+Optional: utils/run.py's parse_args uses it when it is there; a copy without it parses with tyro alone (booleans
+written TRL's way, `--bf16 True`, are read either way)."""
 
 from __future__ import annotations
 
@@ -12,32 +13,7 @@ import sys
 import types
 import typing
 
-TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes"}, {"false", "0", "no"}
-
-
-def _bool_fields(args_class) -> set[str]:
-    hints = typing.get_type_hints(args_class)
-    return {f.name for f in dataclasses.fields(args_class) if hints.get(f.name) is bool}
-
-
-def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
-    """argv with TRL-style booleans (`--bf16 True`, `--bf16=false`) as tyro's `--bf16` / `--no_bf16`."""
-    names, out, i = _bool_fields(args_class), [], 0
-    while i < len(argv):
-        token = argv[i]
-        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        name = name.replace("-", "_")
-        if name in names:
-            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in TRUE_WORDS | FALSE_WORDS:
-                value, i = argv[i + 1], i + 1
-            elif not eq:
-                value = "true"
-            if value.lower() not in TRUE_WORDS | FALSE_WORDS:
-                raise ValueError(f"--{name} takes true or false, got {value!r}.")
-            token = f"--{name}" if value.lower() in TRUE_WORDS else f"--no_{name}"
-        out.append(token)
-        i += 1
-    return out
+from utils.run import normalize_bool_flags
 
 
 def known_flags(args_class) -> set[str]:

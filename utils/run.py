@@ -6,9 +6,11 @@ RLHF_TRACEBACK=1 shows the traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -31,6 +33,34 @@ class TrainingInterrupted(RuntimeError):
 # ----------------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------------
+TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes"}, {"false", "0", "no"}
+
+
+def _bool_fields(args_class) -> set[str]:
+    hints = typing.get_type_hints(args_class)
+    return {f.name for f in dataclasses.fields(args_class) if hints.get(f.name) is bool}
+
+
+def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
+    """argv with TRL-style booleans (`--bf16 True`, `--bf16=false`) as tyro's `--bf16` / `--no_bf16`."""
+    names, out, i = _bool_fields(args_class), [], 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")
+        if name in names:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in TRUE_WORDS | FALSE_WORDS:
+                value, i = argv[i + 1], i + 1
+            elif not eq:
+                value = "true"
+            if value.lower() not in TRUE_WORDS | FALSE_WORDS:
+                raise ValueError(f"--{name} takes true or false, got {value!r}.")
+            token = f"--{name}" if value.lower() in TRUE_WORDS else f"--no_{name}"
+        out.append(token)
+        i += 1
+    return out
+
+
 def parse_args(args_class, argv: list[str] | None = None):
     """The Args dataclass from the command line: with utils/cli.py, TRL's flags translated or refused, one
     sentence for a bad flag or value, a grouped --help; a copy without that file parses with tyro alone."""
@@ -38,7 +68,9 @@ def parse_args(args_class, argv: list[str] | None = None):
 
     argv = sys.argv[1:] if argv is None else argv
     cli = extra_module("utils.cli")
-    return cli.parse_args(args_class, argv) if cli else tyro.cli(args_class, args=argv, use_underscores=True)
+    if cli:
+        return cli.parse_args(args_class, argv)
+    return tyro.cli(args_class, args=normalize_bool_flags(args_class, argv), use_underscores=True)
 
 
 def exact_div(numerator: int, denominator: int, what: str) -> int:
@@ -455,6 +487,7 @@ __all__ = [
     "gathered_for_generation",
     "grad_norm_after_step",
     "make_accelerator",
+    "normalize_bool_flags",
     "parse_args",
     "prepare_frozen",
     "run_cli",
