@@ -7,6 +7,7 @@ RLHF_TRACEBACK=1 shows the traceback."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -122,6 +123,7 @@ def optional_module(name: str, flag: str):
     )
 
 
+@functools.cache  # token_logprobs asks on every call: a copy without the file must not search the disk each time
 def extra_module(name: str):
     """An optional utils module that no flag asks for (`name`, e.g. "utils.safeguards"), or None when this copy
     lacks its file: the caller then takes its plain path. Looked up by name: the core never imports it."""
