@@ -17,7 +17,7 @@ writes, in a few seconds and deterministically for `--seed`:
     tokenizer_tools/, policy_tools/
                    the chat tokenizer with a tool-calling template (tool schemas, <tool_call>{json}</tool_call>,
                    tool turns) and a response_template that parses the calls, and a policy of its vocabulary
-    dataset_tools/ the tool task (prompt_only, train and test): "What is the code of {name}?", answerable only
+    dataset_tools/ the tool task (prompt_only, train and test): 'What is the code of "{name}"?', answerable only
                    through benchmark/tiny_tools.py's lookup tool (the code is a hash of the name)
 
 The task. A post is `--post_words` words of filler with `--num_keys` key words hidden in it (key words come
@@ -108,7 +108,8 @@ TOOL_RESPONSE_TEMPLATE = {
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
-TOOL_QUESTION = "What is the code of {name}?"
+# The name in quotes: its tokens are then those of a call's JSON argument, so a call copies them one by one.
+TOOL_QUESTION = 'What is the code of "{name}"?'
 SYSTEM_PROMPT = "Summarize the post in a few words."
 FOLLOW_UP = "Only the first fact?"
 

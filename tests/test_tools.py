@@ -703,6 +703,9 @@ class Shelf(Plain):
             name: a name
         '''
         return name
+
+    def get_reward(self):
+        return 1.0
 """
 
 
@@ -765,8 +768,13 @@ def test_environments_routed_by_row_and_checked_against_the_tools(tmp_path):
     assert len({id(e) for e in environments.current}) == 5  # one instance a rollout, each of its row's class
     with pytest.raises(ValueError, match="environment='c', which is none of --environment_factory's a, b"):
         utils.tools.load_environments(args, [], Dataset.from_list(rows + [{**rows[0], "environment": "c"}]))
+    assert environments.rewards[0](environments=environments.current) == [None, 1.0, 1.0, None, 1.0]
     with pytest.raises(ValueError, match="two tools have the same name"):
         utils.tools.load_environments(args, [lookup], Dataset.from_list(rows))
+    args.environment_factory.append(f"c={tmp_path}/envs.py:Shelf")  # two names of one class: one reward
+    assert [r.__name__ for r in utils.tools.load_environments(args, [], Dataset.from_list(rows)).rewards] == [
+        "Shelf"
+    ]
 
 
 def test_grpo_refuses_a_bad_environment_in_one_line_and_a_copy_without_utils_tools_names_it(world, tmp_path):
@@ -800,3 +808,43 @@ def test_grpo_refuses_a_bad_environment_in_one_line_and_a_copy_without_utils_too
         .splitlines()[-1]
         .startswith("grpo.py: error: --environment_factory needs utils/tools.py, which this copy lacks")
     )
+
+
+def test_tiny_tools_environment_and_demonstrations_are_what_grpo_samples_from(world, tmp_path):
+    """benchmark/tiny_tools.py: CodeDesk, reset on its row, answers the row's code with a tool of no argument; the
+    benchmark's demonstrations start from the prompts grpo.py renders (lookup's or CodeDesk's schema), a share
+    --call_rate of first turns call, and each skill demonstration continues the conversation a call makes."""
+    import datasets
+    import tiny_tools
+
+    from conftest import ROOT
+
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(world / "tokenizer_tools")
+    every = datasets.load_from_disk(world / "dataset_tools")["train"]
+    args = types.SimpleNamespace(
+        environment_factory=[f"{ROOT}/benchmark/tiny_tools.py:CodeDesk"], reward_funcs=["code_reward"],
+        reward_model_path=None, max_prompt_length=None, context_overflow="refuse", max_completion_length=80,
+        model_name_or_path=str(world / "policy_tools"),
+    )  # fmt: skip
+    desk = utils.tools.Tools([], tokenizer, environments=utils.tools.load_environments(args, [], every))
+    desk_ids = desk.reset([0, 1])
+    assert [e.code() for e in desk.environments.current] == every["answer"][:2]
+    assert "Tools: code()" in tokenizer.decode(desk_ids[0])
+    (tmp_path / "world").symlink_to(world)
+    for tool, rendered in (
+        ("lookup", utils.tools.Tools([tiny_tools.lookup], tokenizer)),
+        ("environment", desk),
+    ):
+        tiny_tools.demonstrations(tiny_tools.Args(work_dir=str(tmp_path), call_rate=0.5, tool=tool))
+        demos = [json.loads(line) for line in open(tmp_path / "demos" / "train.jsonl")]
+        assert [d["prompt"] for d in demos[::3]] == rendered.prompt_texts(every, tokenizer, "train")
+        calls = [d["completion"].startswith("<tool_call>") for d in demos[::3]]
+        assert 0.4 < sum(calls) / len(calls) < 0.6  # --call_rate
+        arguments = {"lookup": '{{"name": "{}"}}', "environment": "{{}}"}[tool]
+        for first, call, answer, name in zip(demos[::3], demos[1::3], demos[2::3], every["name"]):
+            assert call["prompt"] == first["prompt"] + "<tool_call>" and call["completion"].endswith(
+                "<|im_end|>"
+            )
+            assert f'"arguments": {arguments.format(name)}' in call["completion"]
+            assert answer["prompt"].startswith(call["prompt"] + call["completion"])
+            assert answer["completion"] == tiny_tools.lookup(name) + "<|im_end|>"

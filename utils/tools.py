@@ -95,14 +95,17 @@ def load_tool(spec: str, flag: str = "--tools") -> Callable:
         if not os.path.isfile(path):
             raise ValueError(f"{flag} {spec}: file {path} does not exist.")
         module_name = "tools_" + os.path.splitext(os.path.basename(path))[0]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as error:  # noqa: BLE001
-            del sys.modules[module_name]
-            raise ValueError(f"{flag} {spec}: {path} cannot be imported ({error}).") from None
+        module = sys.modules.get(module_name)
+        if module is None or os.path.abspath(getattr(module, "__file__", "")) != os.path.abspath(path):
+            # once per file: its functions and classes share one module's state, as imported ones would
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as error:  # noqa: BLE001
+                del sys.modules[module_name]
+                raise ValueError(f"{flag} {spec}: {path} cannot be imported ({error}).") from None
     tool = getattr(module, name, None)
     if not callable(tool):
         raise ValueError(f"{flag} {spec}: {module_name} defines no function named {name!r}.")
@@ -569,7 +572,7 @@ def environment_reward(kind: type) -> Callable:
         def reward(environments, **kwargs):
             return [e.get_reward() if type(e) is kind else None for e in environments]
 
-    reward.__name__ = kind.__name__
+    reward.__name__, reward.kind = kind.__name__, kind
     return reward
 
 
@@ -619,8 +622,8 @@ class Environments:
                 check_schema(method, f"--environment_factory {spec}: method {method.__name__}")
             self.tools[name] = list(tools) + environment_methods(probe)
             check_names(self.tools[name], f"--environment_factory {spec} with --tools")
-            owned = [reward.__name__ for reward in self.rewards]
-            if callable(getattr(type(probe), "get_reward", None)) and type(probe).__name__ not in owned:
+            owned = [reward.kind for reward in self.rewards]  # two names of one class: one reward
+            if callable(getattr(type(probe), "get_reward", None)) and type(probe) not in owned:
                 self.rewards.append(environment_reward(type(probe)))
         self.current: list = []  # the last reset's environments and prompts, one per rollout
         self.prompts: list[list[dict]] = []
