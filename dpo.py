@@ -546,7 +546,7 @@ def setup(args: Args) -> Run:
     resumed = checkpointer.resume({"model": policy}, {"model": optimizer}) or {"step": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=resumed["step"])
+    tracker = utils.tracking.Tracker(args, checkpointer)
     return Run(
         accelerator,
         tokenizer,
@@ -646,7 +646,7 @@ def main(args: Args) -> dict:
         global_step += 1
         progress.update(1)
         grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
-        utils.tracking.check_finite(global_step, accelerator, loss=loss, grad_norm=grad_norm)
+        run.tracker.check_finite(global_step, loss=loss, grad_norm=grad_norm)
 
         # 4. Metrics: means over the micro-batches since the last log, on all processes.
         if global_step % args.logging_steps == 0 or global_step == args.num_training_steps:

@@ -1153,7 +1153,7 @@ def setup(args: Args) -> Run:
     )  # --filter_groups draws more than one a generation
     for _ in range(drawn):
         next(batches)
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=state["step"])
+    tracker = utils.tracking.Tracker(args, checkpointer)
     return Run(
         accelerator=accelerator,
         tokenizer=tokenizer,
@@ -1356,7 +1356,7 @@ def main(args: Args) -> None:
             step += 1
             progress.update(1)
             grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
-            utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+            run.tracker.check_finite(step, loss=stats[0], grad_norm=grad_norm)
             window.append(stats)
 
             # 5. Metrics: means over processes, then over the steps (and generations) since the last log, as TRL's;
@@ -1411,7 +1411,13 @@ def main(args: Args) -> None:
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
     saving.save_model(
-        accelerator, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, {**metrics, **eval_metrics}
+        run.checkpointer,
+        policy,
+        run.tokenizer,
+        args,
+        "GRPO",
+        args.model_name_or_path,
+        {**metrics, **eval_metrics},
     )
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)

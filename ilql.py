@@ -705,7 +705,7 @@ def setup(args: Args) -> Run:
     start_step = state["step"] if state else 0
     for _ in range(start_step):  # the schedule is a function of the step
         scheduler.step()
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=start_step)
+    tracker = utils.tracking.Tracker(args, checkpointer)
     # the same seeded order on every process; a resumed run skips what it trained on
     batches = utils.data.prompt_batches(
         len(train_rows),
@@ -765,7 +765,7 @@ def main(args: Args) -> dict:
         step += 1
         progress.update(1)
         grad_norm = utils.run.grad_norm_after_step(model, grad_norm)
-        utils.tracking.check_finite(step, accelerator, loss=stats[0], grad_norm=grad_norm)
+        run.tracker.check_finite(step, loss=stats[0], grad_norm=grad_norm)
         if step % args.steps_for_target_q_sync == 0:  # ALGO LOGIC: the same Polyak update on every process
             sync_target_q_heads(model, accelerator, args.alpha)
 

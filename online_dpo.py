@@ -712,7 +712,7 @@ def setup(args: Args) -> Run:
     )
     state = checkpointer.resume(**checkpointed)
     start_step = state["step"] if state else 0
-    tracker = utils.tracking.Tracker(args, accelerator, start_step)
+    tracker = utils.tracking.Tracker(args, checkpointer)
     batches = utils.data.prompt_batches(
         len(prompt_ids), args.local_batch_size, args.world_size, rank, args.seed
     )
@@ -821,7 +821,7 @@ def main(args: Args) -> None:
             scores = torch.cat(scores).float()
             if run.reward_fn is not None:
                 scores = nan_as_zero(scores)
-            utils.tracking.check_finite(update, accelerator, scores=scores)
+            run.tracker.check_finite(update, scores=scores)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~has_eos).float()
             verdicts = verdicts_from_scores(scores)
@@ -913,8 +913,8 @@ def main(args: Args) -> None:
             grad_norm = utils.run.grad_norm_after_step(policy, measured) if num_kept > 0 else None
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
-        utils.tracking.check_finite(
-            update, accelerator, loss=metrics["loss/dpo_avg"], kl=metrics["objective/kl"], grad_norm=grad_norm
+        run.tracker.check_finite(
+            update, loss=metrics["loss/dpo_avg"], kl=metrics["objective/kl"], grad_norm=grad_norm
         )
         window.append(metrics)
 
@@ -939,7 +939,9 @@ def main(args: Args) -> None:
     # 7. Save the policy and a model card (every process takes part, so ZeRO-3 can gather its shards).
     algorithm = f"online DPO (loss_type={args.loss_type}, beta={args.beta})"
     saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
-    saving.save_model(accelerator, policy, run.tokenizer, args, algorithm, args.model_name_or_path, metrics)
+    saving.save_model(
+        run.checkpointer, policy, run.tokenizer, args, algorithm, args.model_name_or_path, metrics
+    )
     run.tracker.close()
     utils.run.end_run(accelerator)
 

@@ -846,7 +846,7 @@ def setup(args: Args) -> Run:
     )
     for _ in range(state.get("prompt_batches", 0)):
         next(batches)
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=state["step"])
+    tracker = utils.tracking.Tracker(args, checkpointer)
     return Run(
         accelerator=accelerator,
         tokenizer=tokenizer,
@@ -914,7 +914,7 @@ def main(args: Args) -> dict:
         with accelerator.autocast():
             data = rollout(args, run, queries, query_mask, update, prompts, trainer_state)
         response_mask, scores = data["response_mask"], data["scores"]
-        utils.tracking.check_finite(update, accelerator, scores=scores)
+        run.tracker.check_finite(update, scores=scores)
 
         # 2. Score: optional score shaping; per-token rewards.
         # ALGO LOGIC: r_t = -kl_coef * KL_t, plus the (shaped) score at the stop token
@@ -985,7 +985,7 @@ def main(args: Args) -> dict:
             measured_norms = [n for n in grad_norms if n is not None]
             grad_norm = sum(measured_norms) / len(measured_norms) if measured_norms else None
             total_loss = pg_loss_avg + args.vf_coef * vf_loss_avg
-            utils.tracking.check_finite(update, accelerator, loss=total_loss, grad_norm=grad_norm)
+            run.tracker.check_finite(update, loss=total_loss, grad_norm=grad_norm)
             all_ratio_sums = accelerator.reduce(ratio_sums, reduction="sum")
             ratio_mean = (all_ratio_sums[0] / all_ratio_sums[2]).item()
             num_eos_tokens = accelerator.reduce(data["contains_eos"].sum(), reduction="sum")
@@ -1047,7 +1047,7 @@ def main(args: Args) -> dict:
 
     # 7. Save the policy alone (no value head), with its tokenizer and a model card.
     saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
-    saving.save_model(accelerator, model, run.tokenizer, args, "PPO", run.policy_path, metrics, "policy")
+    saving.save_model(run.checkpointer, model, run.tokenizer, args, "PPO", run.policy_path, metrics, "policy")
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)
     return metrics

@@ -800,7 +800,7 @@ def setup(args: Args) -> Run:
     )
     for _ in range(state.get("prompt_batches", 0)):
         next(batches)
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=state["step"])
+    tracker = utils.tracking.Tracker(args, checkpointer)
     return Run(
         accelerator=accelerator,
         tokenizer=tokenizer,
@@ -877,7 +877,7 @@ def main(args: Args) -> dict:
         scores = combine_rewards(rewards_per_func, run.weights)
         # TRL 1.16 leaves an unscored completion (NaN) out; under TRL 0.19 a NaN stops the run.
         checked = scores.nan_to_num(0.0) if args.dialect == "1.16" else scores
-        utils.tracking.check_finite(update, accelerator, scores=checked)
+        run.tracker.check_finite(update, scores=checked)
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
@@ -946,7 +946,7 @@ def main(args: Args) -> dict:
             episode = update * args.batch_size
             measured_norms = [n for n in grad_norms if n is not None]
             grad_norm = sum(measured_norms) / len(measured_norms) if measured_norms else None
-            utils.tracking.check_finite(update, accelerator, loss=stats[0], grad_norm=grad_norm)
+            run.tracker.check_finite(update, loss=stats[0], grad_norm=grad_norm)
             metrics = {
                 "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
                 "objective/kl": utils.run.gathered_mean(accelerator, kl.sum(1)),
@@ -990,7 +990,7 @@ def main(args: Args) -> dict:
 
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
-    saving.save_model(accelerator, policy, run.tokenizer, args, "RLOO", run.policy_path, metrics)
+    saving.save_model(run.checkpointer, policy, run.tokenizer, args, "RLOO", run.policy_path, metrics)
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)
     return metrics

@@ -494,7 +494,7 @@ def setup(args: Args) -> Run:
     resumed = checkpointer.resume({"model": policy}, {"model": optimizer}) or {"step": 0, "num_tokens": 0}
     if resumed["step"]:
         scheduler.load_state_dict(resumed["scheduler"])
-    tracker = utils.tracking.Tracker(args, accelerator, start_step=resumed["step"])
+    tracker = utils.tracking.Tracker(args, checkpointer)
     return Run(
         accelerator,
         tokenizer,
@@ -585,7 +585,7 @@ def main(args: Args) -> dict:
                 optimizer.zero_grad()
             window += torch.stack([nll.detach(), batch["attention_mask"].sum()]).double()
         grad_norm = utils.run.grad_norm_after_step(policy, grad_norm)
-        utils.tracking.check_finite(step, accelerator, loss=nll, grad_norm=grad_norm)
+        run.tracker.check_finite(step, loss=nll, grad_norm=grad_norm)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         scheduler.step()

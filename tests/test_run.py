@@ -247,16 +247,20 @@ def test_check_finite_names_step_and_quantity():
     tracking.check_finite(3, loss=torch.tensor(1.0), scores=torch.ones(4))
     with pytest.raises(run.NonFiniteError, match=r"step 7: scores is not finite"):
         tracking.check_finite(7, loss=1.0, scores=torch.tensor([1.0, float("nan")]))
+    with pytest.raises(
+        run.NonFiniteError, match=r"step 2: loss is not finite .*; the last good checkpoint is c-1"
+    ):
+        tracking.check_finite(2, None, "c-1", loss=float("inf"))
 
 
 def test_tracker_resume_drops_later_steps(tmp_path):
     args = SimpleNamespace(logging_dir=str(tmp_path), run_name="r", track=False)
     accel = Accel()
-    tracker = tracking.Tracker(args, accel)
+    tracker = tracking.Tracker(args, SimpleNamespace(accelerator=accel, resumed={}))
     for step in range(1, 6):
         tracker.log({"loss": float(step)}, step)
     tracker.close()
-    tracker = tracking.Tracker(args, accel, start_step=3)
+    tracker = tracking.Tracker(args, SimpleNamespace(accelerator=accel, resumed={"step": 3}))
     tracker.log({"loss": 40.0}, 4)
     tracker.close()
     with open(tmp_path / "r" / "metrics.jsonl") as f:

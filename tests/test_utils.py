@@ -538,6 +538,52 @@ def test_no_utils_module_imports_an_optional_one_but_by_name():
             assert not targets & optional, (name, targets & optional)
 
 
+def module_state(tree) -> set[str]:
+    """Module-level names of a module that hold changing state: bound to a list, dict or set (a literal or a
+    call), or rebound by a `global` statement. Constants (tuples, strings, numbers, frozensets) are not."""
+    import ast
+
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            mutable = isinstance(node.value, ast.List | ast.Dict | ast.Set | ast.ListComp | ast.DictComp)
+            if isinstance(node.value, ast.Call):
+                called = node.value.func
+                mutable = getattr(called, "id", getattr(called, "attr", "")) in {
+                    "list",
+                    "dict",
+                    "set",
+                    "defaultdict",
+                }
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name) and mutable}
+    names |= {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
+    return names
+
+
+def test_no_module_state_is_shared_between_utils_modules():
+    """A run's changing state lives on its objects (the checkpointer, the tracker) or inside the one module
+    that owns it: no utils module reads or writes another's module-level lists, dicts, sets or globals."""
+    import ast
+
+    from conftest import ROOT
+
+    trees = {path.stem: ast.parse(path.read_text()) for path in sorted((ROOT / "utils").glob("*.py"))}
+    state = {name: module_state(tree) for name, tree in trees.items()}
+    assert "_RECEIVED" in state["signals"] and "MODEL_FLAGS" in state["loading"]  # the check sees state
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("utils."):
+                owner = node.module.removeprefix("utils.")
+                shared = {alias.name for alias in node.names} & state.get(owner, set())
+                assert not shared, f"utils/{name}.py imports utils/{owner}.py's state {shared}"
+            if isinstance(node, ast.Attribute) and node.attr in set().union(*state.values()):
+                owners = [o for o, names in state.items() if node.attr in names and o != name]
+                base = node.value
+                base_name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                assert base_name not in owners, f"utils/{name}.py uses {base_name}.{node.attr}"
+
+
 def test_utils_modules_form_no_import_circle():
     graph = utils_imports()
     assert all(targets <= set(graph) for targets in graph.values()), (

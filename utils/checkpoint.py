@@ -26,19 +26,6 @@ import utils.signals
 from utils.run import TrainingInterrupted, bare, extra_module
 
 STATE_FILE = "trainer_state.json"
-_LAST_SAVED: list[str] = []
-_RESUMED: dict = {}  # the Tracker reads metrics_lines in it
-_START_OVER: set[str] = set()  # moved aside at the run's first write there
-
-
-def last_saved() -> str | None:
-    """The checkpoint this process wrote or resumed from most recently (None if none)."""
-    return _LAST_SAVED[-1] if _LAST_SAVED else None
-
-
-def resumed_state() -> dict:
-    """The trainer state of the checkpoint this process resumed from ({} when it started from scratch)."""
-    return _RESUMED
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
@@ -133,7 +120,7 @@ class StopSignal:
 
     def _on_signal(self, signum, frame) -> None:
         self.name = signal.Signals(signum).name
-        utils.signals.RECEIVED.append(self.name)  # run_cli still stops a run that got it after its last check
+        utils.signals.note(self.name)  # run_cli still stops a run that got it after its last check
 
     def requested(self) -> bool:
         """True on every process when any got a signal: they must save together."""
@@ -198,7 +185,9 @@ class Checkpointer:
         loading = sys.modules.get("utils.loading")  # the scripts that load models with it (not ddpo.py)
         if loading is not None:  # a model path that cannot load fails now, not after the first model loads
             loading.check_model_paths(args)
-        _START_OVER.discard(os.path.normpath(self.output_dir))
+        self.last_saved: str | None = None  # the checkpoint written or resumed from most recently
+        self.resumed: dict = {}  # the trainer state resumed from ({} from scratch); the Tracker reads it
+        self.moves_aside = False  # a fresh --overwrite_output_dir run: the old contents go at the first write
         resume_from = getattr(args, "resume_from_checkpoint", None)
         if resume_from:
             find = guards.find_checkpoint if guards else find_checkpoint
@@ -226,8 +215,7 @@ class Checkpointer:
             overwrite = bool(getattr(args, "overwrite_output_dir", False))
             check_output_dir(args.output_dir, overwrite)
             held = set(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else set()
-            if overwrite and held - set(leftovers(args.output_dir)):
-                _START_OVER.add(os.path.normpath(args.output_dir))
+            self.moves_aside = overwrite and bool(held - set(leftovers(args.output_dir)))
         self.stop = StopSignal(accelerator)
         self.finished: dict | None = None  # the last finished step: what boundary() saves of it
         if guards:
@@ -277,18 +265,16 @@ class Checkpointer:
             ) from None
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
-        _LAST_SAVED.append(path)
-        _RESUMED.clear()
-        _RESUMED.update(state)
+        self.last_saved, self.resumed = path, state
         self.started = time.time()
-        self._finished({"step": state["step"], "path": path})
+        self._finished({"step": state["step"], "path": path, "models": models})
         if self.accelerator.is_main_process:
             print(f"resumed from {path} (step {state['step']})", flush=True)
         return state
 
     def elapsed_seconds(self) -> float:
         """Seconds trained over every resume."""
-        return float(_RESUMED.get("elapsed_seconds", 0.0)) + time.time() - self.started
+        return float(self.resumed.get("elapsed_seconds", 0.0)) + time.time() - self.started
 
     def _clear_the_way(self) -> None:
         """Remove unfinished checkpoint writes (main process; all wait)."""
@@ -331,7 +317,7 @@ class Checkpointer:
              state: dict | None = None) -> str:  # fmt: skip
         """Write checkpoint-{step} atomically on every process; keep the newest save_total_limit."""
         accelerator, optimizers, generators = self.accelerator, optimizers or {}, generators or {}
-        start_over(accelerator, self.output_dir)
+        self.start_over()
         final = os.path.join(self.output_dir, f"checkpoint-{step}")
         tmp = os.path.join(self.output_dir, f"tmp-checkpoint-{step}")
         if accelerator.is_main_process:
@@ -365,8 +351,18 @@ class Checkpointer:
                 for old in list_checkpoints(self.output_dir)[: -self.limit]:
                     shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
-        _LAST_SAVED.append(final)
+        self.last_saved = final
         return final
+
+    def start_over(self) -> None:
+        """At a fresh --overwrite_output_dir run's first write (a checkpoint or the final save): the old contents
+        of --output_dir to `{output_dir}.replaced-{time}`. Every process must call it."""
+        if not self.moves_aside:
+            return
+        if self.accelerator.is_main_process:
+            print(move_aside(self.output_dir, "--overwrite_output_dir"), flush=True)
+        self.moves_aside = False
+        self.accelerator.wait_for_everyone()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -380,14 +376,3 @@ def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
         raise ValueError(
             f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
         )
-
-
-def start_over(accelerator, output_dir: str) -> None:
-    """At a fresh --overwrite_output_dir run's first write: old contents to `{output_dir}.replaced-{time}`.
-    Every process must call it."""
-    if os.path.normpath(output_dir) not in _START_OVER:
-        return
-    if accelerator.is_main_process:
-        print(move_aside(output_dir, "--overwrite_output_dir"), flush=True)
-    _START_OVER.discard(os.path.normpath(output_dir))
-    accelerator.wait_for_everyone()

@@ -101,19 +101,20 @@ def save_adapter_and_merge(accelerator, peft_model: nn.Module, output_dir: str) 
     return peft_model.merge_and_unload()
 
 
-def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
+def save_model(checkpointer, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
                submodule: str | None = None) -> None:  # fmt: skip
     """utils.saving.save_model for a LoRA model: the adapter alone to --output_dir/adapter (TRL's layout), then
     the model with the adapter merged in to --output_dir, which vLLM, evaluation and the next stage load."""
     import utils.saving
 
-    utils.saving.start_over(accelerator, args.output_dir)
+    accelerator = checkpointer.accelerator
+    checkpointer.start_over()
     holder = bare(model)
     merged = save_adapter_and_merge(
         accelerator, getattr(holder, submodule) if submodule else holder, args.output_dir
     )
     if submodule:
         setattr(holder, submodule, merged)
-    utils.saving.save_model(accelerator, model if submodule else merged, tokenizer, args,
+    utils.saving.save_model(checkpointer, model if submodule else merged, tokenizer, args,
                             f"{algorithm} (LoRA r={args.lora_r}, alpha={args.lora_alpha})", base_model, metrics,
                             submodule)  # fmt: skip

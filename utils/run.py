@@ -142,7 +142,7 @@ def run_cli(args_class, main: Callable) -> None:
     SIGINT 130; one stderr line each, also for a signal before training or after the last step."""
     import utils.signals as signals
 
-    signals.RECEIVED.clear()
+    signals.received(clear=True)
     signals.stop_before_training(imports=False)  # first thing: a Ctrl-C while the flags parse is one line too
     script = os.path.basename(sys.argv[0])
     show_traceback = os.environ.get("RLHF_TRACEBACK") == "1"
@@ -151,11 +151,12 @@ def run_cli(args_class, main: Callable) -> None:
         check_flag_values(args)
         main(args)
         signals.stop_after_training()
-        if signals.RECEIVED:  # came after the loop's last check: the run is done, but was asked to stop
+        late = signals.received()
+        if late:  # came after the loop's last check: the run is done, but was asked to stop
             end_progress_bars()
-            signals.say(f"interrupted: {signals.RECEIVED[0]} received after the last step; the run finished "
-                        "and its output is saved.")  # fmt: skip
-            raise SystemExit(signals.exit_code(signals.RECEIVED[0]))
+            signals.say(f"interrupted: {late} received after the last step; the run finished and its output "
+                        "is saved.")  # fmt: skip
+            raise SystemExit(signals.exit_code(late))
     except ValueError as error:
         if show_traceback or not raised_here(error, sys.argv[0]):
             raise
@@ -425,20 +426,17 @@ def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module
         context = deepspeed.zero.GatheredParameters(list(model.parameters()))
     else:
         context = unwrap_model_for_generation(model)
-    _GATHERED.append(model)
+    model.gathered_for_generation = getattr(model, "gathered_for_generation", 0) + 1
     try:
         with context:
             yield bare(model)
     finally:
-        _GATHERED.pop()
+        model.gathered_for_generation -= 1
 
 
-_GATHERED: list[nn.Module] = []
-
-
-def gathering() -> bool:
-    """Whether ZeRO-3 shards are gathered for sampling now (no checkpoint can be written then)."""
-    return bool(_GATHERED)
+def gathered(model: nn.Module) -> bool:
+    """Whether `model`'s ZeRO-3 shards are gathered for sampling now (no checkpoint of it can be written)."""
+    return bool(getattr(model, "gathered_for_generation", 0))
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

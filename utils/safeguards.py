@@ -21,7 +21,7 @@ import zipfile
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from utils.checkpoint import STATE_FILE, leftovers, list_checkpoints, move_aside, set_rng_state
-from utils.run import gathering
+from utils.run import gathered
 
 # Flags that change where a run writes or what it logs, not what it computes.
 NOT_DEFINING = frozenset(
@@ -210,7 +210,9 @@ def boundary(checkpointer) -> None:
     random state it left), drop this one and stop. Later in a step, or in a fresh run's first, the step
     finishes and maybe_save stops."""
     last = checkpointer.finished
-    if last is None or steps_since_finished() or gathering() or not checkpointer.stop.requested():
+    if last is None or steps_since_finished() or any(map(gathered, last.get("models", {}).values())):
+        return
+    if not checkpointer.stop.requested():
         return
     path = last["path"]
     if path is None:  # its end did not save it: as that save would have, with the random state it left

@@ -6,7 +6,6 @@ import os
 
 import torch.nn as nn
 
-from utils.checkpoint import start_over
 from utils.loading import config_dropout_kept
 from utils.run import extra_module
 
@@ -82,12 +81,14 @@ def push_to_hub(args) -> None:
     )
 
 
-def save_model(accelerator, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
+def save_model(checkpointer, model: nn.Module, tokenizer, args, algorithm: str, base_model: str, metrics: dict,
                submodule: str | None = None) -> None:  # fmt: skip
-    """Save `model` (or its attribute `submodule`) with tokenizer and card to --output_dir; push with
-    --push_to_hub. Every process must call it: under ZeRO-3 the state dict gathers the shards."""
+    """Save `model` (or its attribute `submodule`) with tokenizer and card to --output_dir (the run's
+    `checkpointer` moves a replaced run's files aside first); push with --push_to_hub. Every process must call
+    it: under ZeRO-3 the state dict gathers the shards."""
+    accelerator = checkpointer.accelerator
     accelerator.wait_for_everyone()
-    start_over(accelerator, args.output_dir)
+    checkpointer.start_over()
     state_dict = accelerator.get_state_dict(model)
     module = accelerator.unwrap_model(model)
     if submodule is not None:

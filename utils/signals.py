@@ -9,7 +9,20 @@ import signal
 import sys
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
-RECEIVED: list[str] = []  # every stop signal this process got, by name, in any phase
+_RECEIVED: list[str] = []  # every stop signal this process got, by name, in any phase: note(), received()
+
+
+def note(name: str) -> None:
+    """Remember that this process got the stop signal `name` (run_cli asks after the last step)."""
+    _RECEIVED.append(name)
+
+
+def received(clear: bool = False) -> str | None:
+    """The first stop signal this process got, by name (None: none); `clear` forgets them (a run's start)."""
+    first = _RECEIVED[0] if _RECEIVED else None
+    if clear:
+        _RECEIVED.clear()
+    return first
 
 
 def exit_code(name: str) -> int:
@@ -51,8 +64,8 @@ def exit_now(name: str) -> None:
 
 def _say_and_exit(signum: int, what: str) -> None:
     name = signal.Signals(signum).name
-    RECEIVED.append(name)
-    if len(RECEIVED) > 1:
+    note(name)
+    if len(_RECEIVED) > 1:
         exit_now(name)
     say(f"interrupted {what}")
     raise SystemExit(exit_code(name))  # passes through `except Exception`, exits without a traceback

@@ -28,10 +28,13 @@ def print_samples(columns: dict[str, list], title: str = "samples", max_rows: in
 class Tracker:
     """The main process's metrics: TensorBoard and metrics.jsonl in {logging_dir}/{run_name}; W&B, --track.
 
-    A resume at `start_step` drops what was logged after that checkpoint, so no step appears twice; a fresh
+    A resume (the checkpointer's) drops what was logged after its checkpoint, so no step appears twice; a fresh
     run moves an earlier run's logs of the same name aside."""
 
-    def __init__(self, args, accelerator, start_step: int = 0):
+    def __init__(self, args, checkpointer):
+        accelerator, resumed = checkpointer.accelerator, checkpointer.resumed
+        self.accelerator, self.checkpointer = accelerator, checkpointer
+        start_step = resumed.get("step", 0)
         self.active = accelerator.is_main_process
         self.run_dir = os.path.join(args.logging_dir, args.run_name)
         self.path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -49,7 +52,6 @@ class Tracker:
         kept = []
         if start_step and os.path.exists(self.path):
             # Keep the lines the checkpoint saw (an older checkpoint: those up to its step).
-            resumed = checkpoint.resumed_state()
             same = resumed.get("step") == start_step and resumed.get("run_name") == args.run_name
             count = resumed.get("metrics_lines") if same else None
             kept = logged_until(self.path, start_step, count)
@@ -70,6 +72,10 @@ class Tracker:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
                        id=args.run_name.replace("/", "_"), resume="allow", config=config,
                        sync_tensorboard=True)  # fmt: skip
+
+    def check_finite(self, step: int, **values) -> None:
+        """Stop the run (NonFiniteError on every process) when one of `values` is NaN or inf (check_finite)."""
+        check_finite(step, self.accelerator, self.checkpointer.last_saved, **values)
 
     def log(self, metrics: dict, step: int) -> None:
         """Write one step's metrics (plain numbers) everywhere."""
@@ -169,9 +175,9 @@ def mean_by_key(window: list[dict[str, float]], skip_nan: bool = False) -> dict[
     return means
 
 
-def check_finite(step: int, accelerator=None, **values) -> None:
-    """NonFiniteError naming the step and the quantity when one of `values` is NaN or inf. With `accelerator`,
-    all processes raise together, else the others hang in the next collective."""
+def check_finite(step: int, accelerator=None, last_checkpoint: str | None = None, **values) -> None:
+    """NonFiniteError naming the step, the quantity and `last_checkpoint` when one of `values` is NaN or inf.
+    With `accelerator`, all processes raise together, else the others hang in the next collective."""
     bad = []
     for name, value in values.items():
         if value is None:
@@ -184,6 +190,9 @@ def check_finite(step: int, accelerator=None, **values) -> None:
         if accelerator.reduce(flag, reduction="sum").item() > 0 and not bad:
             bad = ["a value on another process"]
     if bad:
-        last = checkpoint.last_saved()
-        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        kept = (
+            f"the last good checkpoint is {last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was written"
+        )
         raise NonFiniteError(f"step {step}: {', '.join(bad)} is not finite (NaN or inf); {kept}.")
