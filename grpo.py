@@ -1062,7 +1062,10 @@ def setup(args: Args) -> Run:
         environments = tools_module.load_environments(args, tool_fns, dataset, eval_dataset)
         environment_rewards = environments.rewards
     offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
-    reward_fns = [utils.scoring.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
+    reward_funcs = (
+        utils.run.optional_module("utils.reward_funcs", "--reward_funcs") if args.reward_funcs else None
+    )
+    reward_fns = [reward_funcs.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
     reward_fns += environment_rewards
     reward_names += [fn.__name__ for fn in environment_rewards]
     fill_sizes(args, accelerator.num_processes, len(dataset))

@@ -636,7 +636,8 @@ def setup(args: Args) -> Run:
     if args.resume_from_checkpoint is None:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path
-    reward_fn = utils.scoring.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_funcs = utils.run.optional_module("utils.reward_funcs", "--reward_fn") if args.reward_fn else None
+    reward_fn = reward_funcs.load_reward_fn(args.reward_fn) if reward_funcs else None
     judge = None
     if args.judge == "openai":
         judge = openai_judge(args, args.seed + accelerator.process_index)
@@ -644,7 +645,8 @@ def setup(args: Args) -> Run:
         judge = load_function(args.judge, "--judge")
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
-    utils.scoring.check_reward_fn(reward_fn, args.reward_fn, dataset.column_names)
+    if reward_funcs:
+        reward_funcs.check_reward_fn(reward_fn, args.reward_fn, dataset.column_names)
     # The reward function gets its rows' columns (those it names, or all with **kwargs) and the dataset's prompts.
     columns = utils.data.columns(dataset) if reward_fn else {}
     raw_prompts = utils.data.column(dataset, "prompt")

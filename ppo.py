@@ -731,7 +731,8 @@ def setup(args: Args) -> Run:
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
     if lora is not None:
         lora.check_args(args, accelerator)
-    reward_fn = utils.scoring.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_funcs = utils.run.optional_module("utils.reward_funcs", "--reward_fn") if args.reward_fn else None
+    reward_fn = reward_funcs.load_reward_fn(args.reward_fn) if reward_funcs else None
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("models", args.run_name)
     overwrite = args.overwrite_output_dir or bool(args.resume_from_checkpoint)
@@ -753,7 +754,8 @@ def setup(args: Args) -> Run:
     where = f"--dataset_name {args.dataset_name} split {args.dataset_train_split}"
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], where)
-    utils.scoring.check_reward_fn(reward_fn, args.reward_fn, ["prompt"])  # the only column ppo passes
+    if reward_funcs:
+        reward_funcs.check_reward_fn(reward_fn, args.reward_fn, ["prompt"])  # the only column ppo passes
     fill_sizes(args, accelerator.num_processes, len(dataset))
     eval_dataset = utils.evaluation.load_test_split(args, "ppo.py")
     held_out = eval_dataset is not None

@@ -65,6 +65,7 @@ OPTIONAL_MODULES = (
     "utils/lm_head.py",
     "utils/lora.py",
     "utils/plots.py",
+    "utils/reward_funcs.py",
     "utils/reward_tokenizer.py",
     "utils/safeguards.py",
     "utils/tools.py",
@@ -104,6 +105,7 @@ def core_copy(world, tmp_path_factory):
         ("utils/trl_flags.py", ["--num_generations", "2"], "--num_generations (a TRL 1.16 flag) needs"),
         ("utils/reward_tokenizer.py", ["--reward_tokenizer_path", "OTHER"], "a reward model with another"),
         ("utils/lora.py", ["--use_peft"], "--use_peft needs"),
+        ("utils/reward_funcs.py", ["--reward_funcs", "rewards.py:length"], "--reward_funcs needs"),
     ],
 )
 def test_copy_without_an_optional_module_names_it_when_asked(core_copy, world, module, asked, says):

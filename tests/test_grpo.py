@@ -14,6 +14,7 @@ import torch
 import grpo
 import utils.generation
 import utils.loading
+import utils.reward_funcs
 import utils.run
 import utils.scoring
 from conftest import (
@@ -226,7 +227,7 @@ def test_verifiable_benchmark_reward_is_an_exact_match():
     completions = [" dog vet rent", " dog vet", " dog vet rent tbh", " vet dog rent", "dog  vet rent"]
     assert verifiable.facts_in_order([prompt] * 5, completions) == [1.0, 0.0, 0.0, 0.0, 1.0]
     # loadable the way grpo.py and rloo.py load a reward function
-    fn = utils.scoring.load_reward_fn(str(Path(verifiable.__file__)) + ":facts_in_order")
+    fn = utils.reward_funcs.load_reward_fn(str(Path(verifiable.__file__)) + ":facts_in_order")
     assert fn([prompt], [" dog vet rent"]) == [1.0]
 
 

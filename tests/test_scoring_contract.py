@@ -20,6 +20,7 @@ from test_reward_tokenizer import keyless_prompts, word_classifier, word_tokeniz
 
 import utils.chat
 import utils.generation
+import utils.reward_funcs as reward_funcs
 import utils.scoring as scoring
 
 JUNK = 7  # a sampled token after the EOS, which truncation turns into padding
@@ -198,16 +199,16 @@ def test_conversational_completion_is_one_assistant_message(policy_tok):
 
 
 def test_none_is_nan_and_a_wrong_length_is_an_error():
-    assert utils.scoring.call_reward_fn(
+    assert utils.reward_funcs.call_reward_fn(
         lambda prompts, completions: [1.0, None], ["p", "q"], ["a", "b"]
     ).isnan().tolist() == [
         False,
         True,
     ]
-    trl_style = utils.scoring.call_reward_fn(lambda completions, **k: [None, 2], ["p", "q"], ["a", "b"])
+    trl_style = utils.reward_funcs.call_reward_fn(lambda completions, **k: [None, 2], ["p", "q"], ["a", "b"])
     assert trl_style.isnan()[0] and trl_style[1] == 2.0 and trl_style.dtype == torch.float32
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
-        utils.scoring.call_reward_fn(lambda completions, **k: [None], ["p", "q"], ["a", "b"])
+        utils.reward_funcs.call_reward_fn(lambda completions, **k: [None], ["p", "q"], ["a", "b"])
 
 
 # ------------------------------------------------------------------ bound by name, async, as TRL's own method
@@ -278,13 +279,13 @@ def test_a_function_without_kwargs_gets_what_it_names(policy_tok):
     def needs_solution(completions, solution, scale=1.0):
         return [0.0] * len(completions)
 
-    assert scoring.check_reward_fn(correct, "f.py:correct", ["prompt", "answer"]) is correct
+    assert reward_funcs.check_reward_fn(correct, "f.py:correct", ["prompt", "answer"]) is correct
     with pytest.raises(ValueError, match=r"parameter 'solution' is none of .*here: prompt, answer\)\.$"):
-        scoring.check_reward_fn(needs_solution, "f.py:needs_solution", ["prompt", "answer"])
+        reward_funcs.check_reward_fn(needs_solution, "f.py:needs_solution", ["prompt", "answer"])
     with pytest.raises(ValueError, match="positional-only"):
-        scoring.check_reward_fn(lambda completions, /: [], "f.py:g", ["prompt"])
+        reward_funcs.check_reward_fn(lambda completions, /: [], "f.py:g", ["prompt"])
     with pytest.raises(ValueError, match="parameter 'solution' is none of"):  # at call time too (no columns)
-        scoring.call_reward_fn(needs_solution, ["p"], ["c"])
+        reward_funcs.call_reward_fn(needs_solution, ["p"], ["c"])
 
 
 def test_an_async_function_runs_on_one_loop_kept_between_calls(policy_tok):
@@ -300,7 +301,7 @@ def test_an_async_function_runs_on_one_loop_kept_between_calls(policy_tok):
     prompts = keyless_prompts(2, seed=7)
     rows, mask, context, _ = sampled_rows(policy_tok, prompts, [" dog", " cat vet"])
     scorers = [scoring.RewardScorer(None, None, policy_tok, reward_fn=judge) for _ in range(3)]
-    assert scoring.is_async(judge) and not scoring.is_async(by_answer)
+    assert reward_funcs.is_async(judge) and not reward_funcs.is_async(by_answer)
     start = __import__("time").perf_counter()
     scores = scoring.score_rows(scorers, rows, mask, context, 2, prompts=prompts)
     assert __import__("time").perf_counter() - start < 0.5  # 3 x 0.2 s one after the other would be 0.6 s
@@ -401,5 +402,5 @@ def test_a_reward_file_that_fails_to_import_is_one_sentence(tmp_path, monkeypatc
         ("broken_body.score", body),
     ]:
         with pytest.raises(ValueError) as error:
-            utils.scoring.load_reward_fn(spec)
+            utils.reward_funcs.load_reward_fn(spec)
         assert str(error.value) == f"--reward_fn {spec}: {sentence}"

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import utils.reward_funcs
 import utils.tools
 from conftest import read_metrics, run_script
 
@@ -560,7 +561,8 @@ def ours_with_environments(world, tokenizer, max_iterations=2, budget=200):
     columns = utils.data.columns_of_rows(utils.data.columns(dataset), ENV_ROWS, torch.arange(len(ENV_ROWS)))
     columns.update(box.reward_columns(list(range(len(ENV_ROWS)))))
     rewards = [
-        utils.scoring.call_reward_fn(fn, None, None, columns) for fn in (vault_reward, *environments.rewards)
+        utils.reward_funcs.call_reward_fn(fn, None, None, columns)
+        for fn in (vault_reward, *environments.rewards)
     ]
     return prompt_ids, rollout, torch.stack(rewards, 1), environments
 

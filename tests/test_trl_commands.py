@@ -316,15 +316,15 @@ def test_a_refused_trl_flag_is_one_line(tmp_path):
 
 
 def test_trl_reward_names_and_dotted_paths(tmp_path, monkeypatch):
+    import utils.reward_funcs
     import utils.run
-    import utils.scoring
 
     (tmp_path / "my_rewards.py").write_text(
         "def short(prompts, completions):\n    return [0.0] * len(completions)\n"
     )
     monkeypatch.chdir(tmp_path)
-    assert utils.scoring.load_reward_fn("my_rewards.short")(["p"], ["c"]) == [0.0]
+    assert utils.reward_funcs.load_reward_fn("my_rewards.short")(["p"], ["c"]) == [0.0]
     with pytest.raises(ValueError, match="one of TRL's built-in rewards"):
-        utils.scoring.load_reward_fn("accuracy_reward")
+        utils.reward_funcs.load_reward_fn("accuracy_reward")
     with pytest.raises(ValueError, match="defines no function named 'long'"):
-        utils.scoring.load_reward_fn("my_rewards.long")
+        utils.reward_funcs.load_reward_fn("my_rewards.long")

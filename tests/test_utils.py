@@ -14,6 +14,7 @@ import utils.examples
 import utils.generation
 import utils.loading
 import utils.logprobs
+import utils.reward_funcs
 import utils.reward_model
 import utils.run
 import utils.saving
@@ -429,20 +430,22 @@ def test_reward_fn_loading_and_checks(tmp_path):
         "def short(prompts, completions):\n    return [1.0]\n"
         "def nan(prompts, completions):\n    return [float('nan')] * len(completions)\n"
     )
-    fn = utils.scoring.load_reward_fn(f"{path}:length")
-    assert utils.scoring.call_reward_fn(fn, ["p", "q"], ["ab", "c"]).tolist() == [2.0, 1.0]
+    fn = utils.reward_funcs.load_reward_fn(f"{path}:length")
+    assert utils.reward_funcs.call_reward_fn(fn, ["p", "q"], ["ab", "c"]).tolist() == [2.0, 1.0]
     with pytest.raises(ValueError, match="returned 1 values for 2"):
-        utils.scoring.call_reward_fn(utils.scoring.load_reward_fn(f"{path}:short"), ["p", "q"], ["a", "b"])
-    nan = utils.scoring.call_reward_fn(
-        utils.scoring.load_reward_fn(f"{path}:nan"), ["p"], ["a"]
+        utils.reward_funcs.call_reward_fn(
+            utils.reward_funcs.load_reward_fn(f"{path}:short"), ["p", "q"], ["a", "b"]
+        )
+    nan = utils.reward_funcs.call_reward_fn(
+        utils.reward_funcs.load_reward_fn(f"{path}:nan"), ["p"], ["a"]
     )  # the scripts' guard stops
     assert nan.isnan().all()
     with pytest.raises(ValueError, match="does not exist"):
-        utils.scoring.load_reward_fn(f"{tmp_path}/missing.py:f")
+        utils.reward_funcs.load_reward_fn(f"{tmp_path}/missing.py:f")
     with pytest.raises(ValueError, match="no function named 'g'"):
-        utils.scoring.load_reward_fn(f"{path}:g")
+        utils.reward_funcs.load_reward_fn(f"{path}:g")
     with pytest.raises(ValueError, match="must look like"):
-        utils.scoring.load_reward_fn("no_colon")
+        utils.reward_funcs.load_reward_fn("no_colon")
 
 
 def test_compute_scores_with_a_reward_fn_sees_the_truncated_completion(tiny_models, tmp_path):
@@ -451,7 +454,7 @@ def test_compute_scores_with_a_reward_fn_sees_the_truncated_completion(tiny_mode
     path.write_text(
         "def count_dog(prompts, completions):\n    return [c.split().count('dog') for c in completions]\n"
     )
-    fn = utils.scoring.load_reward_fn(f"{path}:count_dog")
+    fn = utils.reward_funcs.load_reward_fn(f"{path}:count_dog")
     queries, qmask = left_padded_queries(tok, ["POST: dog\n\nTL;DR:", "TL;DR:"])
     dog, eos = tok(" dog")["input_ids"][0], tok.eos_token_id
     responses = torch.tensor([[dog, dog, eos, dog], [dog, eos, dog, dog]])

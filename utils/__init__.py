@@ -9,7 +9,7 @@ What a reader meets while following an algorithm:
     utils/logprobs.py    forward passes and token log-probabilities
     utils/stats.py       masked statistics
     utils/reward_model.py  a reward model's score: per token, at the last token, in chunks
-    utils/scoring.py     reward models and functions (TRL's contract) on query + response rows
+    utils/scoring.py     reward models and functions on query + response rows
     utils/chat.py        chat templates, rendering conversations
 
 Plumbing one can skip on a first read:
@@ -21,11 +21,12 @@ Plumbing one can skip on a first read:
 
 Optional, imported only on the path that needs it: behind a flag (a copy without the file says which to copy)
 or, for the last four, whenever the file is there (a copy without it takes the plain path named):
+    utils/reward_funcs.py  reward functions, TRL's contract (with --reward_funcs / --reward_fn)
     utils/trl_flags.py   TRL 1.16 command lines of rloo.py (with a TRL 1.16 flag)
     utils/reward_tokenizer.py  reward models that read text: another tokenizer, a chat template
     utils/vllm.py        the colocated vLLM engine (with --use_vllm)
     utils/lora.py        LoRA adapters, the adapter-off reference, merged saving (with --use_peft)
-    utils/tools.py       multi-turn rollouts with tools in grpo.py (with --tools)
+    utils/tools.py       multi-turn rollouts with tools in grpo.py (with --tools; it uses reward_funcs.py)
     utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits (a copy without
                          it computes them from the full logits, as TRL does)
     utils/plots.py       curves.png of the model card (a copy without it saves the card without curves)

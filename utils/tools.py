@@ -49,7 +49,7 @@ from utils.chat import tokenize_prompts
 from utils.data import column, columns, is_conversation
 from utils.generation import left_pad, truncate_response
 from utils.loading import model_positions
-from utils.scoring import COMPLETION_MESSAGES, event_loop, is_async
+from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async
 
 
 # ----------------------------------------------------------------------------------------------------------------
