@@ -692,6 +692,7 @@ def main(args: Args) -> dict:
             tmp_dir, is_main_process=is_main, save_function=accelerator.save, state_dict=state_dict
         )
     accelerator.wait_for_everyone()  # every process is done with tmp_dir before it is moved in
+    run.checkpointer.start_over()  # a replaced run's files go aside before the new ones move in
     if is_main:
         run.tokenizer.save_pretrained(tmp_dir)
         algorithm, data = f"DPO (loss_type={args.loss_type}, beta={args.beta})", args.dataset_name

@@ -636,6 +636,7 @@ def save(run: Run, args: Args, final: dict) -> None:
             save_function=accelerator.save,
             state_dict=backbone_state,
         )
+    run.checkpointer.start_over()  # a replaced run's files go aside before the new ones move in
     if accelerator.is_main_process:
         heads_state = {k[len("heads.") :]: v for k, v in state_dict.items() if k.startswith("heads.")}
         bare.save_heads(tmp_dir, heads_state, beta=args.beta, top_k=args.top_k, temperature=args.temperature)

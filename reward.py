@@ -621,6 +621,7 @@ def main(args: Args) -> None:
 
     # 7. Save: every process takes part (ZeRO-3 gathers the weights), then the score is normalised.
     accelerator.wait_for_everyone()
+    run.checkpointer.start_over()  # a replaced run's files go aside first
     state_dict = accelerator.get_state_dict(model)
     classifier = accelerator.unwrap_model(model).model
     if args.use_peft:  # the adapter to --output_dir/adapter, the merged classifier to --output_dir

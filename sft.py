@@ -613,6 +613,7 @@ def main(args: Args) -> dict:
 
     # 7. Save: every process takes part (ZeRO-3 gathers the weights).
     accelerator.wait_for_everyone()
+    run.checkpointer.start_over()  # a replaced run's files go aside first
     unwrapped = accelerator.unwrap_model(policy)
     saved = unwrapped.merge_and_unload() if args.use_peft else unwrapped  # LoRA: merged into the weights
     state_dict = saved.state_dict() if args.use_peft else accelerator.get_state_dict(policy)

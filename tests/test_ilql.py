@@ -375,3 +375,20 @@ def test_two_processes(world, tmp_path):
     data = ilql_dataset(world, tmp_path)
     run_torchrun(ilql_flags(world, data, tmp_path / "two", tmp_path)[0:] + ["--max_steps", "2"])
     assert (tmp_path / "two" / ilql.HEADS_FILE).exists()
+
+
+def test_overwrite_moves_the_old_output_aside_before_the_saved_model_moves_in(world, tmp_path):
+    """--overwrite_output_dir without checkpoints: the final save moves a stale checkpoint aside, not mixed in."""
+    data, out = ilql_dataset(world, tmp_path, rows=16), tmp_path / "ilql"
+    (out / "checkpoint-9").mkdir(parents=True)
+    flags = ilql_flags(world, data, out, tmp_path) + [
+        "--max_steps",
+        "1",
+        "--run_name",
+        "o",
+        "--overwrite_output_dir",
+    ]
+    proc = run_script(flags)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ilql.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "checkpoint-9").is_dir() and not (out / "checkpoint-9").exists()
+    assert (out / "config.json").exists() and "moved the previous contents of" in proc.stdout

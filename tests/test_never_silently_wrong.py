@@ -51,6 +51,25 @@ def test_overwrite_starts_over_and_resume_refuses_another_runs_checkpoint(world,
     assert "--output_dir" not in last.split("(")[1].split(")")[0]  # where it writes does not define a run
 
 
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+def test_overwrite_without_checkpoints_moves_the_old_output_aside_at_the_final_save(world, tmp_path, script):
+    """--overwrite_output_dir with --save_steps 0: the final save is the run's first write there, so it moves
+    the old contents (a stale checkpoint a later `latest` would pick) aside rather than mixing them in."""
+    from test_resume import SCRIPTS
+
+    out = tmp_path / "out"
+    (out / "checkpoint-9").mkdir(parents=True)
+    (out / "checkpoint-9" / "trainer_state.json").write_text("{}")
+    proc = run_script(
+        [script, *SCRIPTS[script](world, out, "over", steps=2, save_steps=0), "--overwrite_output_dir"]
+    )
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "checkpoint-9").is_dir(), sorted(
+        p.name for p in tmp_path.iterdir()
+    )
+    assert not (out / "checkpoint-9").exists() and f"moved the previous contents of {out} (" in proc.stdout
+
+
 # ---- 2. leftover temporary folders never block a run; `latest` with nothing starts from scratch -------------------
 def test_a_leftover_tmp_checkpoint_blocks_nothing(world, tmp_path):
     out = tmp_path / "out"
