@@ -416,18 +416,9 @@ def sync_target_q_heads(model: nn.Module, accelerator, alpha: float) -> None:
             heads.sync_target_q_heads(alpha)
 
 
-METRICS = [
-    "loss",
-    "loss/q",
-    "loss/v",
-    "loss/cql",
-    "loss/awac",
-    "values/v",
-    "values/q",
-    "values/target_q",
-    "values/advantage",
-    "values/awac_weight",
-]
+# ilql_losses' stats, in order
+METRICS = ["loss", "loss/q", "loss/v", "loss/cql", "loss/awac", "values/v", "values/q", "values/target_q"]
+METRICS += ["values/advantage", "values/awac_weight"]
 
 
 def ilql_losses(model, batch: dict, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -708,13 +699,8 @@ def setup(args: Args) -> Run:
         scheduler.step()
     tracker = utils.tracking.Tracker(args, checkpointer)
     # the same seeded order on every process; a resumed run skips what it trained on
-    batches = utils.data.prompt_batches(
-        len(train_rows),
-        args.per_device_train_batch_size,
-        args.world_size,
-        accelerator.process_index,
-        args.seed,
-    )
+    rank, size = accelerator.process_index, args.per_device_train_batch_size
+    batches = utils.data.prompt_batches(len(train_rows), size, args.world_size, rank, args.seed)
     for _ in range(start_step * args.gradient_accumulation_steps):
         next(batches)
     return Run(
