@@ -288,6 +288,8 @@ class Args:
     """seconds a tool call may take before it is a failure (not a TRL 1.16 flag; None: no limit)"""
     environment_factory: list[str] | None = None
     """path/to/file.py:Class, one per rollout: reset(**row) first, its methods tools (name=...: by row, docs/tools.md)"""
+    rollout_func: str | None = None
+    """path/to/file.py:function or module.function: your own sampler, as TRL's rollout_func (docs/tools.md)"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -574,6 +576,8 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     G = num_completions or args.num_generations
     R, T = args.max_completion_length, args.temperature
+    if run.rollout_func is not None:  # sampled in rollout_queries (utils/rollout_func.py)
+        return run.rollout_func.tensors(R, run.pad_id, queries.device)
     responses, logprobs = [], []
     run.policy.eval()  # keeps the KV cache on under gradient checkpointing
     if run.engine is not None and sync_weights:  # outside the gathering below
@@ -609,11 +613,14 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
     return responses, lengths, response_mask, logprobs, response_mask
 
 
-def rollout_queries(run, prompt_ids, examples, k, held_out=False):
+def rollout_queries(run, prompt_ids, examples, k, held_out=False, state=None):
     """(queries, query_mask, rows, completions per query) to sample k completions of each of `examples`: their
     prompts [P, Q], k each; with --environment_factory one query per rollout [k * P, Q], completion-major, its
-    environment reset on its row (utils/tools.py), one completion each. rows: each query's dataset row."""
+    environment reset on its row (utils/tools.py), one completion each; with --rollout_func the function's
+    prompts, one per rollout, its completions kept for sample(). rows: each query's dataset row."""
     device = run.accelerator.device
+    if run.rollout_func is not None:
+        return *run.rollout_func.queries(run, examples, k, held_out, state), list(examples) * k, 1
     if run.tools is None or run.tools.environments is None:
         return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
     rows = list(examples) * k
@@ -661,6 +668,8 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         if run.tools is not None:  # TRL's completions with tools (turns, tool messages), prompts after reset
             row_columns.update(run.tools.reward_columns(idx.tolist()))
             prompts = row_columns.get("prompt", prompts)
+        if run.rollout_func is not None:  # the keys it returned beside the ids (TRL's extra fields)
+            row_columns.update(run.rollout_func.reward_columns(idx.tolist()))
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -707,14 +716,12 @@ def sample_groups(args, run, step, drawn):
     rounds, keep = [], []
     while True:
         examples = next(run.batches)  # dataset indices
-        queries, query_mask, rows, k = rollout_queries(run, run.prompt_ids, examples, G)
+        epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
+        trainer_state = utils.scoring.TrainerState(global_step=step, max_steps=args.total_steps, epoch=epoch)
+        queries, query_mask, rows, k = rollout_queries(run, run.prompt_ids, examples, G, state=trainer_state)
         with run.accelerator.autocast():
             responses, _, response_mask, sampled_logprobs, tool_mask = sample(
                 args, run, queries, query_mask, not rounds, k
-            )
-            epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
-            trainer_state = utils.scoring.TrainerState(
-                global_step=step, max_steps=args.total_steps, epoch=epoch
             )
             rewards_per_func = score(
                 args, run, queries, query_mask, responses, response_mask, rows, trainer_state
@@ -1001,6 +1008,7 @@ class Run:
     weights: torch.Tensor
     engine: object
     tools: object  # utils.tools.Tools with --tools, else None
+    rollout_func: object  # utils.rollout_func.RolloutFunc with --rollout_func, else None
     pad_id: int
     eos_ids: torch.Tensor
     prompt_ids: list
@@ -1050,6 +1058,9 @@ def setup(args: Args) -> Run:
         )
         tools_module.check_args(args)
         tool_fns = tools_module.load_tools(args.tools or [])
+    rollout_func = None  # utils/rollout_func.py is optional too: imported only with --rollout_func
+    if args.rollout_func:
+        rollout_func = utils.run.optional_module("utils.rollout_func", "--rollout_func").RolloutFunc(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
@@ -1062,6 +1073,7 @@ def setup(args: Args) -> Run:
         environments = tools_module.load_environments(args, tool_fns, dataset, eval_dataset)
         environment_rewards = environments.rewards
     offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
+    offered = None if rollout_func else offered  # its extra keys are known once it has run
     reward_funcs = (
         utils.run.optional_module("utils.reward_funcs", "--reward_funcs") if args.reward_funcs else None
     )
@@ -1168,6 +1180,7 @@ def setup(args: Args) -> Run:
         weights=weights,
         engine=engine,
         tools=tools,
+        rollout_func=rollout_func,
         pad_id=pad_id,
         eos_ids=eos_ids,
         prompt_ids=prompt_ids,
@@ -1306,8 +1319,9 @@ def main(args: Args) -> None:
                     vllm_weights = importance_weights[idx] if importance_weights is not None else None
                     vespo = args.loss_type == "vespo"  # vLLM's weights enter its sequence weight instead
                     mb_weights = 1.0 if vllm_weights is None or vespo else vllm_weights
-                    if args.off_policy_mask_threshold is not None:  # against vLLM's logprobs if it sampled
-                        sampled = sampled_logprobs[idx] if args.use_vllm else raw_old_logprobs
+                    if args.off_policy_mask_threshold is not None:  # against the sampler's logprobs
+                        ours = not (args.use_vllm or args.rollout_func)  # vLLM's or the rollout_func's
+                        sampled = raw_old_logprobs if ours else sampled_logprobs[idx]
                         threshold = args.off_policy_mask_threshold
                         mb_weights = mb_weights * off_policy_mask(
                             advantages[idx], logprobs, sampled, mb_mask, threshold
@@ -1451,7 +1465,7 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
     """The held-out prompts `indices`: per completion (completion-major), the values whose means are the eval/
     metrics, named as training's."""
     device, k = run.accelerator.device, args.num_generations_eval
-    queries, query_mask, rows, n = rollout_queries(run, run.eval_prompt_ids, indices, k, held_out=True)
+    queries, query_mask, rows, n = rollout_queries(run, run.eval_prompt_ids, indices, k, True, trainer_state)
     noise = utils.generation.sampling_generator(
         args.seed, utils.evaluation.EVAL_KEY, indices[0], device=device
     )

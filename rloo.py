@@ -704,9 +704,8 @@ def setup(args: Args) -> Run:
         lora.check_args(args, accelerator)
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
-    reward_funcs = (
-        utils.run.optional_module("utils.reward_funcs", "--reward_funcs") if args.reward_funcs else None
-    )
+    asked = "--reward_fn" if args.reward_fn else "--reward_funcs"
+    reward_funcs = utils.run.optional_module("utils.reward_funcs", asked) if args.reward_funcs else None
     reward_fns = [reward_funcs.load_reward_fn(spec, dataset.column_names) for spec in args.reward_funcs or []]
     # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}

@@ -67,6 +67,7 @@ OPTIONAL_MODULES = (
     "utils/plots.py",
     "utils/reward_funcs.py",
     "utils/reward_tokenizer.py",
+    "utils/rollout_func.py",
     "utils/safeguards.py",
     "utils/tools.py",
     "utils/trl_flags.py",
@@ -105,7 +106,7 @@ def core_copy(world, tmp_path_factory):
         ("utils/trl_flags.py", ["--num_generations", "2"], "--num_generations (a TRL 1.16 flag) needs"),
         ("utils/reward_tokenizer.py", ["--reward_tokenizer_path", "OTHER"], "a reward model with another"),
         ("utils/lora.py", ["--use_peft"], "--use_peft needs"),
-        ("utils/reward_funcs.py", ["--reward_funcs", "rewards.py:length"], "--reward_funcs needs"),
+        ("utils/reward_funcs.py", ["--reward_fn", "rewards.py:length"], "--reward_fn needs"),
     ],
 )
 def test_copy_without_an_optional_module_names_it_when_asked(core_copy, world, module, asked, says):
@@ -121,6 +122,9 @@ def test_copy_without_an_optional_module_names_it_when_asked(core_copy, world, m
         other.eos_token = "<|pad|>"
         other.save_pretrained(out / "other_tokenizer")
         asked = [str(out / "other_tokenizer") if a == "OTHER" else a for a in asked]
+    if "--reward_fn" in asked:  # TRL 0.19's rloo takes one reward: the function instead of the model
+        at = flags.index("--reward_model_path")
+        flags = flags[:at] + flags[at + 2 :]
     proc = run_script(["rloo.py", *flags, *asked, "--output_dir", str(out / "asked")], cwd=out, check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr

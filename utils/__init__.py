@@ -27,6 +27,8 @@ or, for the last four, whenever the file is there (a copy without it takes the p
     utils/vllm.py        the colocated vLLM engine (with --use_vllm)
     utils/lora.py        LoRA adapters, the adapter-off reference, merged saving (with --use_peft)
     utils/tools.py       multi-turn rollouts with tools in grpo.py (with --tools; it uses reward_funcs.py)
+    utils/rollout_func.py  TRL's rollout_func: grpo.py trains on your own loop's rollouts (with --rollout_func;
+                         it uses reward_funcs.py)
     utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits (a copy without
                          it computes them from the full logits, as TRL does)
     utils/plots.py       curves.png of the model card (a copy without it saves the card without curves)
