@@ -60,6 +60,18 @@ def test_world_files_and_formats(world):
     assert not held_out & set(dd["sft"]["prompt"]) and not held_out & set(dd["preference"]["prompt"])
 
 
+def test_tool_task_is_answerable_only_through_the_tool(world):
+    """The tool task's prompts never name the code and its test names are not in train."""
+    import datasets
+
+    dd = datasets.load_from_disk(str(world / "dataset_tools"))
+    assert not set(dd["test"]["name"]) & set(dd["train"]["name"])
+    for split in ("train", "test"):
+        for row in dd[split]:
+            assert row["answer"] == tiny_world.tool_code(row["name"]), row
+            assert not set(row["prompt"][0]["content"].split()) & set(tiny_world.KEY_WORDS), row
+
+
 def test_world_is_deterministic(tmp_path):
     small = dict(num_sft=50, num_preference=50, num_preference_validation=20, num_validation=10, num_test=10)
     for name in ("a", "b"):
