@@ -633,3 +633,30 @@ def test_mean_by_key_averages_the_window_as_trls_loggers():
                                                       "c": pytest.approx(math.nan, nan_ok=True)}  # fmt: skip
     skipped = utils.tracking.mean_by_key(window, skip_nan=True)
     assert skipped["a"] == 2.0 and skipped["b"] == 2.0 and math.isnan(skipped["c"])
+
+
+def test_an_optional_module_missing_the_optional_file_it_builds_on_names_that_file(tmp_path):
+    """A copy with utils/tools.py but without utils/reward_funcs.py, which tools.py imports: asked for --tools,
+    one sentence names reward_funcs.py; a missing library is still the library's own ImportError."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text("")
+    (tmp_path / "utils" / "run.py").write_text((ROOT / "utils" / "run.py").read_text())
+    (tmp_path / "utils" / "tools.py").write_text("import utils.reward_funcs\n")
+    (tmp_path / "utils" / "vllm.py").write_text("import a_library_not_installed\n")
+    code = (
+        "import utils.run\n"
+        "for name, flag in [('utils.tools', '--tools'), ('utils.vllm', '--use_vllm')]:\n"
+        "    try:\n"
+        "        utils.run.optional_module(name, flag)\n"
+        "    except Exception as error:\n"
+        "        print(type(error).__name__, error)\n"
+    )
+    lines = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                           check=True).stdout.splitlines()  # fmt: skip
+    assert lines[0].startswith("ValueError --tools needs utils/reward_funcs.py, which this copy lacks"), lines
+    assert lines[1] == "ModuleNotFoundError No module named 'a_library_not_installed'", lines

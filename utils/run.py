@@ -114,8 +114,9 @@ def optional_module(name: str, flag: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
-        if error.name != name:  # the module is there; something it imports is not
+        if error.name != name and not (error.name or "").startswith("utils."):  # a library is missing
             raise
+        name = error.name  # this file, or another utils file it builds on
     path = name.replace(".", "/") + ".py"
     raise ValueError(
         f"{flag} needs {path}, which this copy lacks: copy it from the repository this script came from "
