@@ -1427,14 +1427,9 @@ def main(args: Args) -> None:
 
     # 7. Save the policy and a model card (all processes: ZeRO-3 gathers shards).
     saving = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else utils.saving
+    card_metrics = {**metrics, **eval_metrics}
     saving.save_model(
-        run.checkpointer,
-        policy,
-        run.tokenizer,
-        args,
-        "GRPO",
-        args.model_name_or_path,
-        {**metrics, **eval_metrics},
+        run.checkpointer, policy, run.tokenizer, args, "GRPO", args.model_name_or_path, card_metrics
     )
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)
