@@ -21,15 +21,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> torch.Tensor:
-    """Token lists as a LongTensor [B, max_len], padded on `side`."""
+def pad(
+    sequences: Sequence[Sequence], pad_value, side: str = "right", width: int | None = None, dtype=torch.long
+) -> torch.Tensor:
+    """Lists as a tensor [B, width] (None: the longest list's length) of `dtype`, padded on `side`."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
-    width = max((len(s) for s in sequences), default=0)
-    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
+    width = max((len(s) for s in sequences), default=0) if width is None else width
+    out = torch.full((len(sequences), width), pad_value, dtype=dtype)
     for i, seq in enumerate(sequences):
         if len(seq):
-            row = torch.as_tensor(seq, dtype=torch.long)
+            row = torch.as_tensor(seq, dtype=dtype)
             if side == "right":
                 out[i, : len(seq)] = row
             else:

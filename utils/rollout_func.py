@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from utils.evaluation import EVAL_KEY
-from utils.generation import left_pad, sampling_generator
+from utils.generation import left_pad, pad, sampling_generator
 from utils.reward_funcs import NOT_PASSED_COLUMNS, load_reward_fn
 from utils.run import bare
 from utils.scoring import TrainerState
@@ -159,19 +159,15 @@ class RolloutFunc:
         """The last call's (responses, lengths, response_mask, logprobs, tool_mask) [B, width], as sample()
         returns them: tool_mask is env_mask (all 1 without it); lengths count its 1s (TRL's with env_mask)."""
         completions = self.last["completion_ids"]
-        B = len(completions)
-        responses = torch.full((B, width), pad_id, dtype=torch.long)
-        response_mask = torch.zeros(B, width, dtype=torch.bool)
-        tool_mask = torch.zeros(B, width, dtype=torch.bool)
-        logprobs = torch.zeros(B, width)  # TRL pads with 0; None (unknown) is NaN
-        for i, ids in enumerate(completions):
-            n = len(ids)
-            responses[i, :n] = torch.tensor(ids, dtype=torch.long)
-            response_mask[i, :n] = True
-            tool_mask[i, :n] = (
-                torch.tensor(self.last[MASK][i], dtype=torch.bool) if MASK in self.last else True
-            )
-            logprobs[i, :n] = torch.tensor([math.nan if x is None else x for x in self.last["logprobs"][i]])
+        responses = pad(completions, pad_id, width=width)
+        response_mask = pad([[True] * len(ids) for ids in completions], False, width=width, dtype=torch.bool)
+        tool_mask = (
+            pad(self.last[MASK], False, width=width, dtype=torch.bool)
+            if MASK in self.last
+            else response_mask.clone()
+        )
+        sampled = [[math.nan if x is None else x for x in row] for row in self.last["logprobs"]]
+        logprobs = pad(sampled, 0.0, width=width, dtype=torch.float)  # TRL pads with 0; None (unknown) is NaN
         out = responses, tool_mask.sum(1), response_mask, logprobs, tool_mask
         return tuple(t.to(device) for t in out)
 

@@ -47,7 +47,7 @@ import torch
 
 from utils.chat import tokenize_prompts
 from utils.data import column, columns, is_conversation
-from utils.generation import left_pad, truncate_response
+from utils.generation import left_pad, pad, truncate_response
 from utils.loading import model_positions
 from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async
 
@@ -333,15 +333,10 @@ class Rollout:
         lengths = [len(ids) for ids in self.completion_ids]
         if max(lengths, default=0) > width:
             raise ValueError(f"a completion of {max(lengths)} tokens is longer than {width}.")
-        responses = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-        response_mask = torch.zeros(len(lengths), width, dtype=torch.bool)
-        tool_mask = torch.zeros(len(lengths), width, dtype=torch.bool)
-        logprobs = torch.full((len(lengths), width), math.nan)
-        for i, n in enumerate(lengths):
-            responses[i, :n] = torch.tensor(self.completion_ids[i], dtype=torch.long)
-            response_mask[i, :n] = True
-            tool_mask[i, :n] = torch.tensor(self.tool_mask[i], dtype=torch.bool)
-            logprobs[i, :n] = torch.tensor(self.logprobs[i], dtype=torch.float)
+        responses = pad(self.completion_ids, pad_id, width=width)
+        response_mask = pad([[True] * n for n in lengths], False, width=width, dtype=torch.bool)
+        tool_mask = pad(self.tool_mask, False, width=width, dtype=torch.bool)
+        logprobs = pad(self.logprobs, math.nan, width=width, dtype=torch.float)
         return tuple(t.to(device) for t in (responses, response_mask, tool_mask, logprobs))
 
 
