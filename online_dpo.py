@@ -27,7 +27,6 @@ if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load
 
 import concurrent.futures
 import functools
-import importlib.util
 import math
 import os
 import random
@@ -465,21 +464,6 @@ def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, floa
     return {name: sum(one[name] for one in every if name in one) / counts[name] for name in names}
 
 
-def load_function(spec: str, flag: str) -> Callable:
-    """The function named by `path/to/file.py:function`; a one-sentence ValueError otherwise."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise ValueError(f"{flag} must look like path/to/file.py:function (or 'openai'), got {spec!r}.")
-    if not os.path.isfile(path):
-        raise ValueError(f"{flag} file {path} does not exist.")
-    module_spec = importlib.util.spec_from_file_location("online_dpo_judge_module", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
-        raise ValueError(f"{flag} file {path} defines no function named {name!r}.")
-    return getattr(module, name)
-
-
 def call_judge(judge: Callable, prompts: list[str], pairs: list[tuple[str, str]]) -> torch.Tensor:
     """Ask a pairwise judge and check its answer: one verdict in {0, 1, -1} per pair. Returns [P] long."""
     verdicts = [int(v) for v in judge(prompts, pairs)]
@@ -641,8 +625,10 @@ def setup(args: Args) -> Run:
     judge = None
     if args.judge == "openai":
         judge = openai_judge(args, args.seed + accelerator.process_index)
-    elif args.judge is not None:
-        judge = load_function(args.judge, "--judge")
+    elif args.judge is not None:  # loaded as reward functions are (utils/reward_funcs.py)
+        judge = utils.run.optional_module("utils.reward_funcs", "--judge").load_function(
+            args.judge, "--judge"
+        )
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     if reward_funcs:

@@ -184,7 +184,7 @@ def test_flags_it_cannot_take_are_refused_and_a_copy_without_the_module_names_it
         with pytest.raises(ValueError, match=f"leave out --{flag} "):
             utils.rollout_func.check_args(types.SimpleNamespace(**{**base, flag: value}))
     with pytest.raises(ValueError, match="^--rollout_func file nowhere.py does not exist"):
-        utils.rollout_func.load("nowhere.py:f")
+        utils.rollout_func.RolloutFunc(types.SimpleNamespace(**{**base, "rollout_func": "nowhere.py:f"}))
     assert "utils/rollout_func.py" not in readability.footprint(ROOT, ROOT / "grpo.py")
     assert "utils/rollout_func.py" in readability.optional(ROOT, ROOT / "grpo.py")
     copy = tmp_path / "copy"

@@ -404,3 +404,62 @@ def test_a_reward_file_that_fails_to_import_is_one_sentence(tmp_path, monkeypatc
         with pytest.raises(ValueError) as error:
             utils.reward_funcs.load_reward_fn(spec)
         assert str(error.value) == f"--reward_fn {spec}: {sentence}"
+
+
+def test_a_file_runs_once_whichever_flags_name_it(tmp_path):
+    """Reward functions, a judge, a rollout_func and a tool of one file share its module (a tally kept in a dataclass
+    under `from __future__ import annotations`, which a module missing from sys.modules cannot define), and
+    the file runs once; an edited file at another path is another module."""
+    import utils.rollout_func
+    import utils.tools
+
+    code = """from __future__ import annotations
+from dataclasses import dataclass
+
+@dataclass
+class Tally:
+    runs: int = 0
+    calls: int = 0
+
+TALLY = Tally(runs=1)
+
+def first(completions, **kwargs):
+    TALLY.calls += 1
+    return [float(TALLY.calls)] * len(completions)
+
+def second(completions, **kwargs):
+    return [float(TALLY.calls + 10 * TALLY.runs)] * len(completions)
+
+def judge(prompts, pairs):
+    TALLY.calls += 1
+    return [0] * len(pairs)
+
+def rollout(prompts, trainer):
+    TALLY.calls += 1
+    return {}
+
+def lookup(name: str) -> str:
+    '''Look a name up.
+
+    Args:
+        name: the name
+    '''
+    TALLY.calls += 1
+    return name
+"""
+    path = tmp_path / "shared.py"
+    path.write_text(code)
+    first = reward_funcs.load_reward_fn(f"{path}:first")
+    second = reward_funcs.load_reward_fn(f"{path}:second")
+    judge = reward_funcs.load_function(f"{path}:judge", "--judge")
+    args = type("Args", (), dict(rollout_func=f"{path}:rollout", tools=None, environment_factory=None,
+                                 use_vllm=False, filter_groups=False))()  # fmt: skip
+    rollout = utils.rollout_func.RolloutFunc(args).fn
+    (lookup,) = utils.tools.load_tools([f"{path}:lookup"])
+    assert first(completions=["a"]) == [1.0] and judge([], [(1, 2)]) == [0] and rollout([], None) == {}
+    assert lookup("x") == "x"
+    assert second(completions=["a"]) == [14.0]  # four calls seen, the file run once
+    other = tmp_path / "elsewhere" / "shared.py"
+    other.parent.mkdir()
+    other.write_text(code.replace("runs=1", "runs=2"))
+    assert reward_funcs.load_reward_fn(f"{other}:second")(completions=["a"]) == [20.0]

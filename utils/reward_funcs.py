@@ -32,10 +32,10 @@ TRL_BUILTIN_REWARDS = (
 )
 
 
-def import_failure(spec: str, error: BaseException) -> str | None:
-    """A sentence naming the file, line and error of a failed reward-function import, or None."""
+def import_failure(spec: str, error: BaseException, flag: str = "--reward_fn") -> str | None:
+    """A sentence naming the file, line and error of a failed import of the user's code, or None."""
     if isinstance(error, SyntaxError):
-        return f"--reward_fn {spec}: {error.filename} line {error.lineno} has a SyntaxError ({error.msg})."
+        return f"{flag} {spec}: {error.filename} line {error.lineno} has a SyntaxError ({error.msg})."
     internal = (os.path.dirname(importlib.__file__), os.path.abspath(__file__))
     frames = [
         frame
@@ -46,55 +46,62 @@ def import_failure(spec: str, error: BaseException) -> str | None:
         return None
     message = (str(error).strip().splitlines() or [""])[0]
     detail = f"{type(error).__name__} ({message})" if message else type(error).__name__
-    return f"--reward_fn {spec}: {frames[0].filename} line {frames[0].lineno} raised {detail} while being imported."
+    return (
+        f"{flag} {spec}: {frames[0].filename} line {frames[0].lineno} raised {detail} while being imported."
+    )
 
 
-def load_reward_fn(spec: str, columns: Sequence[str] | None = None) -> Callable:
-    """A reward function from `path/to/file.py:function` or `module.function` (from the working directory);
-    with the dataset's `columns`, one whose required parameters are not all passed is refused."""
+def load_function(spec: str, flag: str = "--reward_fn") -> Callable:
+    """The callable of `path/to/file.py:name` or `module.name` (from the working directory). A file runs once per
+    process, whichever flags name it: its reward functions, tools and rollout_func share one module's state."""
     path, sep, name = spec.rpartition(":")
-    if not sep and spec in TRL_BUILTIN_REWARDS:
-        raise ValueError(
-            f"--reward_fn {spec} is one of TRL's built-in rewards, which are not shipped here; pass your own "
-            "as path/to/file.py:function or module.function."
-        )
     if not sep and "." in spec.strip(".") and "/" not in spec and not spec.endswith(".py"):
         module_name, _, name = spec.rpartition(".")
         sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except Exception as error:  # noqa: BLE001 - any failure of the user's module becomes one sentence
-            sentence = import_failure(spec, error)
+            sentence = import_failure(spec, error, flag)
             raise ValueError(
-                sentence or f"--reward_fn {spec}: module {module_name!r} cannot be imported ({error})."
+                sentence or f"{flag} {spec}: module {module_name!r} cannot be imported ({error})."
             ) from None
         finally:
             sys.path.pop(0)
         if not callable(getattr(module, name, None)):
-            raise ValueError(
-                f"--reward_fn {spec}: module {module_name!r} defines no function named {name!r}."
-            )
-        return check_reward_fn(getattr(module, name), spec, columns)
+            raise ValueError(f"{flag} {spec}: module {module_name!r} defines no function named {name!r}.")
+        return getattr(module, name)
     if not sep or not path or not name:
-        raise ValueError(
-            f"--reward_fn must look like path/to/file.py:function or module.function, got {spec!r}."
-        )
+        raise ValueError(f"{flag} must look like path/to/file.py:function or module.function, got {spec!r}.")
     if not os.path.isfile(path):
-        raise ValueError(f"--reward_fn file {path} does not exist.")
-
-    module_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look it up there
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 - any failure of the user's file becomes one sentence
-        del sys.modules[module_name]
-        sentence = import_failure(spec, error) or f"--reward_fn {spec}: {path} cannot be imported ({error})."
-        raise ValueError(sentence) from None
+        raise ValueError(f"{flag} file {path} does not exist.")
+    module_name = "user_" + os.path.splitext(os.path.basename(path))[0]
+    module = sys.modules.get(module_name)
+    if module is None or os.path.abspath(getattr(module, "__file__", "")) != os.path.abspath(path):
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look it up there
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 - any failure of the user's file becomes one sentence
+            del sys.modules[module_name]
+            sentence = (
+                import_failure(spec, error, flag) or f"{flag} {spec}: {path} cannot be imported ({error})."
+            )
+            raise ValueError(sentence) from None
     if not callable(getattr(module, name, None)):
-        raise ValueError(f"--reward_fn file {path} defines no function named {name!r}.")
-    return check_reward_fn(getattr(module, name), spec, columns)
+        raise ValueError(f"{flag} file {path} defines no function named {name!r}.")
+    return getattr(module, name)
+
+
+def load_reward_fn(spec: str, columns: Sequence[str] | None = None) -> Callable:
+    """A reward function from `path/to/file.py:function` or `module.function` (load_function); with the dataset's
+    `columns`, one whose required parameters are not all passed is refused."""
+    if ":" not in spec and spec in TRL_BUILTIN_REWARDS:
+        raise ValueError(
+            f"--reward_fn {spec} is one of TRL's built-in rewards, which are not shipped here; pass your own "
+            "as path/to/file.py:function or module.function."
+        )
+    return check_reward_fn(load_function(spec), spec, columns)
 
 
 def discard(*_args) -> None:

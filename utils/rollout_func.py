@@ -28,7 +28,7 @@ import contextlib
 import copy
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,7 @@ import torch
 
 from utils.evaluation import EVAL_KEY
 from utils.generation import left_pad, pad, sampling_generator
-from utils.reward_funcs import NOT_PASSED_COLUMNS, load_reward_fn
+from utils.reward_funcs import NOT_PASSED_COLUMNS, load_function
 from utils.run import bare
 from utils.scoring import TrainerState
 
@@ -71,21 +71,14 @@ def check_args(args) -> None:
         )
 
 
-def load(spec: str) -> Callable:
-    """The function of `path/to/file.py:function` or `module.function`, loaded as --reward_funcs' are."""
-    try:
-        return load_reward_fn(spec)
-    except ValueError as error:
-        raise ValueError(str(error).replace("--reward_fn", "--rollout_func")) from None
-
-
 class RolloutFunc:
     """grpo.py's hook: `queries` calls the function on a batch and keeps its rollouts, `tensors` gives them as
     sample() does, `reward_columns` the extra keys of the rows the reward functions score."""
 
     def __init__(self, args):
         check_args(args)
-        self.args, self.spec, self.fn = args, args.rollout_func, load(args.rollout_func)
+        self.args, self.spec = args, args.rollout_func
+        self.fn = load_function(args.rollout_func, "--rollout_func")
         self.last: dict = {}
 
     def queries(self, run, examples, k: int, held_out: bool, state: TrainerState | None):

@@ -33,12 +33,8 @@ are the rollout's tools beside --tools, reward functions read the instances (`en
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +45,7 @@ from utils.chat import tokenize_prompts
 from utils.data import column, columns, is_conversation
 from utils.generation import left_pad, pad, truncate_response
 from utils.loading import model_positions
-from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async
+from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async, load_function
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,40 +72,9 @@ def check_args(args) -> None:
 
 
 def load_tool(spec: str, flag: str = "--tools") -> Callable:
-    """The function of `path/to/file.py:function` or `module.function` (from the working directory)."""
-    path, sep, name = spec.rpartition(":")
-    if not sep:
-        module_name, dot, name = spec.rpartition(".")
-        if not dot or "/" in spec or spec.endswith(".py"):
-            raise ValueError(
-                f"{flag} must look like path/to/file.py:function or module.function, got {spec!r}."
-            )
-        sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as error:  # noqa: BLE001 - any failure of the user's module becomes one sentence
-            raise ValueError(f"{flag} {spec}: module {module_name!r} cannot be imported ({error}).") from None
-        finally:
-            sys.path.pop(0)
-    else:
-        if not os.path.isfile(path):
-            raise ValueError(f"{flag} {spec}: file {path} does not exist.")
-        module_name = "tools_" + os.path.splitext(os.path.basename(path))[0]
-        module = sys.modules.get(module_name)
-        if module is None or os.path.abspath(getattr(module, "__file__", "")) != os.path.abspath(path):
-            # once per file: its functions and classes share one module's state, as imported ones would
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            try:
-                module_spec.loader.exec_module(module)
-            except Exception as error:  # noqa: BLE001
-                del sys.modules[module_name]
-                raise ValueError(f"{flag} {spec}: {path} cannot be imported ({error}).") from None
-    tool = getattr(module, name, None)
-    if not callable(tool):
-        raise ValueError(f"{flag} {spec}: {module_name} defines no function named {name!r}.")
-    return tool
+    """The function of `path/to/file.py:function` or `module.function`, loaded as reward functions are: a file
+    named by --tools, --environment_factory and --reward_funcs runs once, so they share its module's state."""
+    return load_function(spec, flag)
 
 
 def check_schema(tool: Callable, where: str) -> None:
