@@ -1320,8 +1320,9 @@ def main(args: Args) -> None:
                     vespo = args.loss_type == "vespo"  # vLLM's weights enter its sequence weight instead
                     mb_weights = 1.0 if vllm_weights is None or vespo else vllm_weights
                     if args.off_policy_mask_threshold is not None:  # against the sampler's logprobs
-                        ours = not (args.use_vllm or args.rollout_func)  # vLLM's or the rollout_func's
-                        sampled = raw_old_logprobs if ours else sampled_logprobs[idx]
+                        theirs = args.use_vllm or args.rollout_func  # vLLM's or the rollout_func's
+                        given = theirs and sampled_logprobs is not None  # a rollout_func's may be None
+                        sampled = sampled_logprobs[idx] if given else raw_old_logprobs
                         threshold = args.off_policy_mask_threshold
                         mb_weights = mb_weights * off_policy_mask(
                             advantages[idx], logprobs, sampled, mb_mask, threshold

@@ -99,6 +99,11 @@ def no_logprobs(prompts, trainer):
     return out
 
 
+def unknown_logprobs(prompts, trainer):
+    """fixed's rollouts with `logprobs: None` as a whole (TRL's contract allows it)."""
+    return {**fixed(prompts, trainer), "logprobs": None}
+
+
 def one_short(prompts, trainer):
     out = fixed(prompts, trainer)
     out["completion_ids"] = out["completion_ids"][:-1]

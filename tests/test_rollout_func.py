@@ -27,7 +27,13 @@ CASES = {
         loss_type="dr_grpo", beta=0.05, per_device_train_batch_size=8, num_iterations=2,
         mask_truncated_completions=True,
     ),
+    # logprobs None: the off-policy mask reads the old logprobs (the second pass is off-policy)
+    "unknown_logprobs": dict(
+        loss_type="grpo", beta=0.0, per_device_train_batch_size=8, num_iterations=2,
+        off_policy_mask_threshold=1e-4,
+    ),
 }  # fmt: skip
+FUNC = {"unknown_logprobs": "unknown_logprobs"}  # the case's rollout_func (else fixed)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +44,10 @@ def lab(world, tmp_path_factory):
     return out
 
 
-def ours(lab, out, flags: dict, steps: int):
-    """grpo.py's main() with --rollout_func fixed -> (weights after each step, logged metrics)."""
+def ours(lab, out, flags: dict, steps: int, func: str = "fixed"):
+    """grpo.py's main() with --rollout_func func -> (weights after each step, logged metrics)."""
     argv = ["tests/fixed_run.py", "grpo.py", "--model_name_or_path", str(lab / "policy"),
-            "--dataset_name", str(lab / "prompts.jsonl"), "--rollout_func", f"{FUNCS}:fixed",
+            "--dataset_name", str(lab / "prompts.jsonl"), "--rollout_func", f"{FUNCS}:{func}",
             "--reward_funcs", f"{FUNCS}:shape", f"{FUNCS}:with_bonus",
             "--num_generations", str(G), "--max_completion_length", str(R), "--temperature", str(T),
             "--max_steps", str(steps), "--output_dir", str(out / "model"), "--learning_rate", str(LR),
@@ -54,7 +60,7 @@ def ours(lab, out, flags: dict, steps: int):
 
 
 def build_trainer(spec: dict):
-    """TRL 1.16's GRPOTrainer(rollout_func=fixed) on the same model, prompts, rewards and flags."""
+    """TRL 1.16's GRPOTrainer(rollout_func=spec's func) on the same model, prompts, rewards and flags."""
     fixed_completions.trl_without_vllm()
     import rollout_funcs
     import trl
@@ -72,7 +78,7 @@ def build_trainer(spec: dict):
         reward_funcs=[rollout_funcs.shape, rollout_funcs.with_bonus],
         args=config,
         train_dataset=load_dataset("json", data_files=f"{lab}/prompts.jsonl", split="train"),
-        rollout_func=rollout_funcs.fixed,
+        rollout_func=getattr(rollout_funcs, spec["func"]),
     )
 
 
@@ -81,9 +87,9 @@ def build_trainer(spec: dict):
 def test_the_same_rollout_func_trains_as_trls(lab, tmp_path, case):
     """TRL's GRPOTrainer(rollout_func=fixed) and grpo.py --rollout_func fixed: the same parameters after each
     step and the same loss, grad norm, rewards (one reads the extra field `bonus`), lengths (env_mask's 1s)..."""
-    flags, steps = CASES[case], 2
-    our_steps, our_log = ours(lab, tmp_path / "ours", flags, steps)
-    spec = dict(lab=str(lab), out=str(tmp_path), flags={**SHARED, **flags}, steps=steps)
+    flags, steps, func = CASES[case], 2, FUNC.get(case, "fixed")
+    our_steps, our_log = ours(lab, tmp_path / "ours", flags, steps, func)
+    spec = dict(lab=str(lab), out=str(tmp_path), flags={**SHARED, **flags}, steps=steps, func=func)
     trl_steps, trl_log = fixed_completions.trl_train(build_trainer, "test_rollout_func:build_trainer", spec)
     assert_same_metrics(our_log, trl_log, flags.get("gradient_accumulation_steps", 1) == 1)
     assert all(line["rewards/with_bonus/mean"] > 0.3 for line in our_log)  # the bonus reached the reward

@@ -102,7 +102,7 @@ class RolloutFunc:
             model.train(training)
         output = self.check(output, len(prompts))
         order = [p * k + g for g in range(k) for p in range(P)]  # grpo.py's row g * P + p
-        self.last = {name: [values[i] for i in order] for name, values in output.items()}
+        self.last = {name: values and [values[i] for i in order] for name, values in output.items()}
         return left_pad(self.last["prompt_ids"], run.pad_id, run.accelerator.device)
 
     def check(self, output, n: int) -> dict[str, list]:
@@ -120,7 +120,9 @@ class RolloutFunc:
             )
         out = {}
         for name, values in output.items():
-            if name in REQUIRED or name == MASK or isinstance(values, list):
+            if name == "logprobs" and values is None:  # TRL's: unknown, the old logprobs stand in
+                out[name] = None
+            elif name in REQUIRED or name == MASK or isinstance(values, list):
                 if not isinstance(values, (list, tuple)) or len(values) != n:
                     size = (
                         f"{len(values)} entries"
@@ -141,7 +143,7 @@ class RolloutFunc:
                     f"{self.args.max_completion_length}."
                 )
             for name in ("logprobs", MASK):
-                if name in out and len(out[name][i]) != len(ids):
+                if out.get(name) is not None and len(out[name][i]) != len(ids):
                     raise ValueError(
                         f"{where}: {name}[{i}] has {len(out[name][i])} values for the {len(ids)} ids of "
                         f"completion_ids[{i}]."
@@ -150,7 +152,8 @@ class RolloutFunc:
 
     def tensors(self, width: int, pad_id: int, device):
         """The last call's (responses, lengths, response_mask, logprobs, tool_mask) [B, width], as sample()
-        returns them: tool_mask is env_mask (all 1 without it); lengths count its 1s (TRL's with env_mask)."""
+        returns them: tool_mask is env_mask (all 1 without it); lengths count its 1s (TRL's with env_mask);
+        logprobs None where the function returned None."""
         completions = self.last["completion_ids"]
         responses = pad(completions, pad_id, width=width)
         response_mask = pad([[True] * len(ids) for ids in completions], False, width=width, dtype=torch.bool)
@@ -159,10 +162,12 @@ class RolloutFunc:
             if MASK in self.last
             else response_mask.clone()
         )
-        sampled = [[math.nan if x is None else x for x in row] for row in self.last["logprobs"]]
-        logprobs = pad(sampled, 0.0, width=width, dtype=torch.float)  # TRL pads with 0; None (unknown) is NaN
+        logprobs = None
+        if self.last["logprobs"] is not None:
+            sampled = [[math.nan if x is None else x for x in row] for row in self.last["logprobs"]]
+            logprobs = pad(sampled, 0.0, width=width, dtype=torch.float)  # TRL pads with 0; None is NaN
         out = responses, tool_mask.sum(1), response_mask, logprobs, tool_mask
-        return tuple(t.to(device) for t in out)
+        return tuple(t if t is None else t.to(device) for t in out)
 
     def reward_columns(self, rows: list[int]) -> dict[str, list]:
         """The extra keys of the last call at `rows`, by name, for the reward functions (TRL's extra fields)."""
