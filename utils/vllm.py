@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.generation import pad
 from utils.loading import load_kwargs
 from utils.logprobs import batched_response_logprobs
 from utils.run import gathered_for_generation
@@ -66,6 +67,7 @@ class Engine:
             )
         # in this process, not a subprocess: the weight sync hands over tensors
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.max_model_len = max_model_len
         if accelerator.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         from vllm import LLM
@@ -121,7 +123,8 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`utils.generation.generate` with vLLM -> (query_responses [B, Q+R], logprobs [B, R]); the logprobs
         are `model`'s forward's, or with `engine_logprobs` vLLM's own; `knobs` (top_k, top_p, min_p,
-        repetition_penalty) go to vLLM's sampler, whose repetition penalty sees no padding."""
+        repetition_penalty) go to vLLM's sampler, whose repetition penalty sees no padding. A row too long for
+        R more tokens in the engine (a later turn of --tools, whose caller keeps fewer) gets what fits, padded."""
         from vllm import SamplingParams
 
         prompts = [row[mask].tolist() for row, mask in zip(queries, query_mask.bool())]
@@ -140,28 +143,32 @@ class Engine:
                 [p for share in shares for p in share[0]],
                 [s for share in shares for s in share[1]],
             )
+        room = [min(response_length, self.max_model_len - len(p)) for p in prompts]
         params = [
             # ignore_eos, not min_tokens: min_tokens would forbid EOS, which generate samples then cuts at
             SamplingParams(
                 n=1,
                 temperature=temperature,
-                max_tokens=response_length,
+                max_tokens=tokens,
                 ignore_eos=True,
                 logprobs=0,
                 seed=seed,
                 detokenize=False,
                 **{**knobs, "min_p": knobs.get("min_p") or 0.0},
             )  # fmt: skip
-            for seed in seeds
+            for seed, tokens in zip(seeds, room)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[mine]
         completions = [output.outputs[0] for output in outputs]
-        if any(len(c.token_ids) != response_length for c in completions):
+        if any(len(c.token_ids) != tokens for c, tokens in zip(completions, room[mine])):
             raise RuntimeError(f"vLLM returned completions shorter than {response_length} tokens.")
-        responses = torch.tensor([list(c.token_ids) for c in completions], dtype=torch.long)
-        self.last_engine_logprobs = torch.tensor(
-            [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)] for c in completions]
-        ).view(len(completions), response_length)
+        responses = pad([list(c.token_ids) for c in completions], 0, width=response_length)
+        self.last_engine_logprobs = pad(
+            [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)] for c in completions],
+            0.0,
+            width=response_length,
+            dtype=torch.float,
+        )
         query_responses = torch.cat([queries, responses.to(queries.device)], 1)
         if engine_logprobs:
             return query_responses, self.last_engine_logprobs.to(queries.device)
