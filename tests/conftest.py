@@ -70,13 +70,13 @@ def free_port() -> int:
 
 
 def run_torchrun(
-    script_args: list[str], nproc: int = 2, timeout: int = 400, cwd: Path | None = None, check=True
+    script_args: list[str], nproc: int = 2, timeout: int = 400, cwd: Path | None = None, check=True, env=None
 ):
     """Run a script on `nproc` CPU processes (gloo) with torchrun, as `accelerate launch` would."""
     return run_script(
         ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
          *script_args],
-        cwd=cwd, timeout=timeout, env={"ACCELERATE_USE_CPU": "true"}, check=check,
+        cwd=cwd, timeout=timeout, env={"ACCELERATE_USE_CPU": "true", **(env or {})}, check=check,
     )  # fmt: skip
 
 

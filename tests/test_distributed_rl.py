@@ -1,4 +1,5 @@
-"""ppo.py and rloo.py on the scale path, run on CPU: DDP, DeepSpeed ZeRO-2 and ZeRO-3 on 2 processes, and bf16.
+"""ppo.py and rloo.py on the scale path, run on CPU: DDP, DeepSpeed ZeRO-2 and ZeRO-3 on 2 processes, and bf16;
+grpo.py's environments under DDP.
 
 One run per (script, launch) serves several tests: ZeRO runs save a model that `from_pretrained` reloads, the
 ZeRO-3 run logs the share of the weights each process holds while it trains (sharded: about 1/2), and the four
@@ -26,6 +27,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_tools import tool_lab  # noqa: F401 - the fixture: a policy taught to call lookup
 
 from conftest import run_deepspeed, run_script, run_torchrun
 
@@ -163,3 +165,31 @@ def test_bf16_ratio_is_one_and_kl_zero_at_the_start(script, launch, runs):
         assert abs(m["objective/kl"]) < 1e-4, m
         assert m["val/ratio"] == pytest.approx(1.0, abs=1e-4) and m["val/ratio_var"] < 1e-8, m
         assert m["policy/clipfrac_avg"] == 0.0 and m["policy/approxkl_avg"] < 1e-8, m
+
+
+def test_grpo_environments_on_two_processes_train_and_resume_exactly(tool_lab, tmp_path):  # noqa: F811
+    """grpo.py --environment_factory under DDP on 2 processes: each process resets environments of its own for its
+    rollouts, the tools/ and environment reward metrics are over both, and a resume from a checkpoint is bit-exact
+    (the environments are reset on their rows, so a checkpoint carries nothing of them)."""
+    from conftest import ROOT, read_metrics, weights
+
+    def run(out, *extra):
+        flags = [
+            "grpo.py", "--model_name_or_path", str(tool_lab / "policy"), "--dataset_name", str(tool_lab / "prompts.jsonl"),
+            "--environment_factory", f"{tool_lab}/tools.py:Book", "--reward_funcs", f"{tool_lab}/tools.py:book_reward",
+            "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "100",
+            "--temperature", "0.5", "--learning_rate", "1e-4", "--max_steps", "4", "--num_sample_generations", "0",
+            "--max_tool_calling_iterations", "2", "--save_steps", "2", "--output_dir", str(out / "model"),
+            "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3", *extra,
+        ]  # fmt: skip
+        run_torchrun(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")})
+
+    run(tmp_path / "whole")
+    metrics = read_metrics(tmp_path / "whole" / "runs" / "r")
+    assert len(metrics) == 4 and max(m["tools/call_frequency"] for m in metrics) > 0.3
+    assert max(m["rewards/Book/mean"] for m in metrics) > 0
+    run(tmp_path / "again", "--resume_from_checkpoint", str(tmp_path / "whole" / "model" / "checkpoint-2"))
+    whole, resumed = weights(tmp_path / "whole" / "model"), weights(tmp_path / "again" / "model")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    start = weights(tool_lab / "policy")
+    assert any(not torch.equal(whole[k], start[k]) for k in whole)
