@@ -270,6 +270,16 @@ class Args:
     num_generations_eval: int | None = None
     """completions sampled per held-out prompt; None: --rloo_k (TRL 1.16)"""
 
+    # Tools (multi-turn rollouts, TRL 1.16 flags: utils/tools.py, docs/tools.md)
+    tools: list[str] | None = None
+    """path/to/file.py:function or module.function: Python functions (type hints, docstring) the policy may call"""
+    max_tool_calling_iterations: int | None = None
+    """rounds of tool calls and answers per completion at most (None: until a turn calls none or the length ends)"""
+    tool_timeout: float | None = 30.0
+    """seconds a tool call may take before it is a failure (not a TRL 1.16 flag; None: no limit)"""
+    environment_factory: list[str] | None = None
+    """path/to/file.py:Class, one per rollout: reset(**row) first, its methods tools (name=...: by row, docs/tools.md)"""
+
     # Filled in at runtime
     dialect: str = ""
     """TRL version of the flags and defaults: 0.19 or 1.16"""
@@ -420,9 +430,10 @@ def batch_advantages(args, scores, kl, mask, lengths, gather=lambda values: valu
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sample(args, run, queries, query_mask, num_completions, key, first_prompt, engine=None):
-    """(responses, lengths, response_mask [n * P, R], sampling logprobs): n = num_completions per prompt
-    [P, Q], completion-major, cut after the stop token. A call from prompt p uses noise (seed, *key,
-    first_prompt + p)."""
+    """(responses, lengths, response_mask [n * P, R], sampling logprobs, tool_mask): n = num_completions per
+    prompt [P, Q], completion-major, cut after the stop token; tool_mask: the sampled tokens (with --tools, not
+    the tool answers between turns). A call from prompt p uses noise (seed, *key, first_prompt + p), the later
+    turns (seed, *key, first_prompt, 1)."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     prompts_per_call = max(1, chunk // num_completions)
     responses, logprobs = [], []
@@ -450,10 +461,57 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
             )
             responses.append(query_responses[:, queries.size(1) :].unflatten(0, (num_completions, -1)))
             logprobs.append(call_logprobs.unflatten(0, (num_completions, -1)))
-    responses = torch.cat(responses, 1).flatten(0, 1)
-    logprobs = torch.cat(logprobs, 1).flatten(0, 1)
-    responses, lengths = utils.generation.truncate_response(responses, run.stop_token_ids, run.pad_id)
-    return responses, lengths, utils.generation.lengths_to_mask(lengths, args.response_length), logprobs
+        responses = torch.cat(responses, 1).flatten(0, 1)
+        logprobs = torch.cat(logprobs, 1).flatten(0, 1)
+        responses, lengths = utils.generation.truncate_response(responses, run.stop_token_ids, run.pad_id)
+        if run.tools is not None:  # the tool calls, their answers and the next turns (utils/tools.py)
+            noise = utils.generation.sampling_generator(
+                args.seed, *key, first_prompt, 1, device=queries.device
+            )
+            rows = (queries, query_mask, responses, lengths, logprobs)
+            return tool_rollouts(args, run, model, generate, noise, *rows)
+    response_mask = utils.generation.lengths_to_mask(lengths, args.response_length)
+    return responses, lengths, response_mask, logprobs, response_mask
+
+
+def rollout_queries(run, prompt_ids, examples, k, held_out=False):
+    """(queries, query_mask, rows, completions per query) to sample k completions of each of `examples`: their
+    prompts [P, Q], k each; with --environment_factory one query per rollout [k * P, Q], completion-major, its
+    environment reset on its row (utils/tools.py), one completion each. rows: each query's dataset row."""
+    device = run.accelerator.device
+    if run.tools is None or run.tools.environments is None:
+        return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
+    rows = list(examples) * k
+    return *utils.generation.left_pad(run.tools.reset(rows, held_out), run.pad_id, device), rows, 1
+
+
+def tool_rollouts(args, run, model, generate, generator, queries, query_mask, responses, lengths, logprobs):
+    """sample()'s outputs after the first turn, continued with tools: the completion holds every turn and tool
+    answer; the last output, the tool mask, is 1 on sampled tokens only (lengths count those)."""
+    P, R, chunk = queries.size(0), args.response_length, args.local_rollout_forward_batch_size
+    prompts = [queries[i % P][query_mask[i % P]].tolist() for i in range(responses.size(0))]
+    sample_turn = run.tools.turn_sampler(
+        generate, model, run.eos_ids, run.pad_id, args.temperature, chunk, generator,
+        **utils.generation.sampling_knobs(args),
+    )  # fmt: skip
+    rollout = run.tools.continue_rollouts(
+        prompts,
+        [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())],
+        [row[:n] for row, n in zip(logprobs.float().tolist(), lengths.tolist())],
+        sample_turn,
+        R,
+        utils.loading.config_positions(getattr(utils.run.inner_model(model), "config", None)),
+    )
+    responses, response_mask, tool_mask, logprobs = rollout.tensors(R, run.pad_id, queries.device)
+    return responses, tool_mask.sum(1), response_mask, logprobs, tool_mask
+
+
+def ended_at_eos(run, responses, response_mask) -> torch.Tensor:
+    """[B] bool: the completion holds an EOS (with tools, its last turn ends with one: TRL's not-truncated)."""
+    if run.tools is None:
+        return (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+    last = responses.gather(1, (response_mask.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0]
+    return torch.isin(last, run.eos_ids) & response_mask.any(1)
 
 
 @torch.no_grad()
@@ -476,6 +534,9 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             recomputed_logprobs.append(recomputed)
         columns = utils.data.columns_of_rows(run.columns or {}, examples, idx)
         prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()] if len(run.raw_prompts) else None
+        if run.tools is not None:  # TRL's completions with tools (turns, tool messages), prompts after reset
+            columns.update(run.tools.reward_columns(idx.tolist()))
+            prompts = columns.get("prompt", prompts)
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -515,9 +576,10 @@ TRL_RENAMED = {
     "response_length": "max_completion_length",
     "reward_model_path": "reward_model_name_or_path",
 }
-# TRL 1.16-only flags: one of them (or a 1.16 name above) makes the command line TRL 1.16's
+# TRL 1.16-only flags: one of them (or a 1.16 name above) makes the command line TRL 1.16's (tools: GRPOTrainer's)
 TRL1_ONLY = """reward_funcs reward_weights epsilon_high normalize_advantages mask_truncated_completions
-num_train_epochs max_steps steps_per_generation generation_batch_size""".split()
+num_train_epochs max_steps steps_per_generation generation_batch_size tools environment_factory
+max_tool_calling_iterations""".split()
 # flag: (TRL 0.19's default, TRL 1.16's)
 TRL_DEFAULTS = {
     "rloo_k": (2, 2),
@@ -600,8 +662,13 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
     if args.dialect == "0.19" and num_rewards != 1:
         raise ValueError("pass exactly one of --reward_model_path and --reward_fn.")
-    if num_rewards == 0:
+    if num_rewards == 0 and not args.environment_factory:  # an environment's get_reward() may be it
         raise ValueError("pass a reward: --reward_model_name_or_path and/or --reward_funcs.")
+    if (args.tools or args.environment_factory) and (args.dialect == "0.19" or args.token_level_kl):
+        raise ValueError(
+            "--tools and --environment_factory take TRL 1.16's flags, with neither --trl_defaults 0.19 nor "
+            "--token_level_kl (which puts the score on the last token, maybe a tool's)."
+        )
     if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
         raise ValueError(
             f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the reward "
@@ -667,6 +734,7 @@ class Run:
     reward_names: list[str]
     weights: torch.Tensor
     engine: object
+    tools: object  # utils.tools.Tools with --tools or --environment_factory, else None
     pad_id: int
     eos_ids: torch.Tensor
     stop_token_ids: torch.Tensor | None
@@ -702,16 +770,35 @@ def setup(args: Args) -> Run:
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
     if lora is not None:
         lora.check_args(args, accelerator)
+    tools_asked = bool(args.tools or args.environment_factory)
+    if tools_asked:  # utils/tools.py is optional: imported only with these flags
+        tools_module = utils.run.optional_module(
+            "utils.tools", "--tools" if args.tools else "--environment_factory"
+        )
+        tools_module.check_args(args)
+        tool_fns = tools_module.load_tools(args.tools or [])
+    if args.sft_model_path:
+        policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
+    else:
+        policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
+    utils.evaluation.check_args(args)
+    eval_dataset = utils.evaluation.load_test_split(args, "rloo.py")
+    environments, environment_rewards = None, []
+    if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
+        environments = tools_module.load_environments(
+            args, tool_fns, dataset, eval_dataset, policy_path, policy_flag
+        )
+        environment_rewards = environments.rewards
+    offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
     asked = "--reward_fn" if args.reward_fn else "--reward_funcs"
     reward_funcs = utils.run.optional_module("utils.reward_funcs", asked) if args.reward_funcs else None
-    reward_fns = [reward_funcs.load_reward_fn(spec, dataset.column_names) for spec in args.reward_funcs or []]
+    reward_fns = [reward_funcs.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
+    reward_fns += environment_rewards
     # Reward functions get every dataset column of their rows, e.g. a `solution`.
     columns = utils.data.columns(dataset) if reward_fns else {}
     raw_prompts = list(dataset["prompt"])  # the text or the messages
-    utils.evaluation.check_args(args)
-    eval_dataset = utils.evaluation.load_test_split(args, "rloo.py")
     eval_columns = utils.data.columns(eval_dataset) if reward_fns and eval_dataset is not None else {}
     eval_raw_prompts = list(eval_dataset["prompt"]) if eval_dataset is not None else None
     fill_sizes(args, accelerator.num_processes, len(dataset))
@@ -727,21 +814,22 @@ def setup(args: Args) -> Run:
     set_seed(args.seed)
 
     # Tokenizer and prompts
-    if args.sft_model_path:
-        policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
-    else:
-        policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
     if args.model_name_or_path:
         tokenizer_path, tokenizer_flag = args.model_name_or_path, "--model_name_or_path"
     else:
         tokenizer_path, tokenizer_flag = policy_path, policy_flag
     tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
-    prompt_texts = utils.data.prompt_texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
+    tools = None
+    if tools_asked:
+        timeout, rounds = args.tool_timeout, args.max_tool_calling_iterations
+        tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds, environments)
+    texts = utils.data.prompt_texts if tools is None else tools.prompt_texts  # with tools: their schemas
+    prompt_texts = texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id = tokenizer.pad_token_id
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts)
     eval_prompt_ids = None
     if eval_dataset is not None:
-        eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "--dataset_test_split")
+        eval_texts = texts(eval_dataset, tokenizer, "--dataset_test_split")
         eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts)
     prompt_ids, eval_prompt_ids = utils.loading.cut_prompts(
         [prompt_ids, eval_prompt_ids], args.max_prompt_length
@@ -773,6 +861,8 @@ def setup(args: Args) -> Run:
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = lora.AdapterOff(policy) if lora else utils.run.prepare_frozen(ref_policy, accelerator)
     max_model_len = max(map(len, prompt_ids)) + args.response_length
+    if tools is not None:  # a reset lengthens prompts
+        max_model_len = tools.longest(max_model_len)
     engine = None
     if args.use_vllm:
         vllm_module = utils.run.optional_module("utils.vllm", "--use_vllm")
@@ -784,7 +874,8 @@ def setup(args: Args) -> Run:
     if reward_model is not None:  # TRL's order: the reward model first
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
         reward_names.insert(0, os.path.basename(os.path.normpath(args.reward_model_path)))
-    weights = torch.tensor(args.reward_weights or [1.0] * len(scorers), device=accelerator.device)
+    given = args.reward_weights or [1.0] * (len(scorers) - len(environment_rewards))
+    weights = torch.tensor(given + [1.0] * len(environment_rewards), device=accelerator.device)  # as TRL
     for scorer in scorers:
         accelerator.print(scorer.describe())
 
@@ -811,6 +902,7 @@ def setup(args: Args) -> Run:
         reward_names=reward_names,
         weights=weights,
         engine=engine,
+        tools=tools,
         pad_id=pad_id,
         eos_ids=eos_ids,
         stop_token_ids=stop_token_ids,
@@ -854,13 +946,11 @@ def main(args: Args) -> dict:
     for update in progress:
         # 1. Sample: k completions of each of P prompts, completion-major (row i <- prompt i % P).
         examples = next(run.batches)  # dataset indices
-        queries, query_mask = utils.generation.left_pad(
-            [run.prompt_ids[i] for i in examples], run.pad_id, device
-        )
+        queries, query_mask, rows, k = rollout_queries(run, run.prompt_ids, examples, args.rloo_k)
         context_length = queries.size(1)
         with accelerator.autocast():
-            responses, lengths, response_mask, sampled_logprobs = sample(
-                args, run, queries, query_mask, args.rloo_k, (update,), rank * P, run.engine
+            responses, lengths, response_mask, sampled_logprobs, tool_mask = sample(
+                args, run, queries, query_mask, k, (update,), rank * queries.size(0), run.engine
             )
 
         # 2. Score: rewards, reference logprobs and the KL.
@@ -871,8 +961,10 @@ def main(args: Args) -> dict:
         )
         with accelerator.autocast():
             recomputed_logprobs, ref_logprobs, rewards_per_func = score(
-                args, run, queries, query_mask, responses, response_mask, examples, trainer_state
+                args, run, queries, query_mask, responses, response_mask, rows, trainer_state
             )
+        # A tool's answer has no sampling logprob (NaN): 0 there, outside every mask below.
+        sampled_logprobs = sampled_logprobs.nan_to_num(0.0) if run.tools is not None else sampled_logprobs
         old_logprobs = sampled_logprobs if recomputed_logprobs is None else recomputed_logprobs
         scores = combine_rewards(rewards_per_func, run.weights)
         # TRL 1.16 leaves an unscored completion (NaN) out; under TRL 0.19 a NaN stops the run.
@@ -881,12 +973,13 @@ def main(args: Args) -> dict:
         rows_at = functools.partial(
             utils.generation.query_response_rows, queries, query_mask, responses, response_mask
         )
-        has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+        has_eos = ended_at_eos(run, responses, response_mask)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
-        loss_mask = response_mask
+        # ALGO LOGIC: the loss and the KL see the sampled tokens only, never a tool's answer
+        loss_mask = tool_mask
         if args.mask_truncated_completions:
-            loss_mask = response_mask & finished(responses, lengths, finished_ids)[:, None]
+            loss_mask = tool_mask & finished(responses, response_mask.sum(1), finished_ids)[:, None]
         kl = (old_logprobs - ref_logprobs) * loss_mask  # k1 estimator per token
 
         # 3. Advantages
@@ -932,7 +1025,7 @@ def main(args: Args) -> dict:
                         grad_norms.append(utils.run.grad_norm_after_step(policy, measured))
                         lrs.append(lr)
                 with torch.no_grad():
-                    entropy_mean = utils.stats.masked_mean(entropy, response_mask[idx])
+                    entropy_mean = utils.stats.masked_mean(entropy, tool_mask[idx])
                     stats += torch.stack([loss.detach(), approxkl, clipfrac, entropy_mean])
                     shift = ratio - 1
                     ratio_sums += torch.stack([shift.sum(), (shift**2).sum(), shift.new_tensor(len(shift))])
@@ -950,9 +1043,7 @@ def main(args: Args) -> dict:
             metrics = {
                 "eps": int((episode - start * args.batch_size) / (time.time() - start_time)),
                 "objective/kl": utils.run.gathered_mean(accelerator, kl.sum(1)),
-                "objective/entropy": utils.run.gathered_mean(
-                    accelerator, (-old_logprobs * response_mask).sum(1)
-                ),
+                "objective/entropy": utils.run.gathered_mean(accelerator, (-old_logprobs * tool_mask).sum(1)),
                 "objective/non_score_reward": utils.run.gathered_mean(accelerator, non_score_reward),
                 "objective/rlhf_reward": utils.run.gathered_mean(accelerator, rlhf_reward),
                 "objective/scores": utils.run.gathered_mean(accelerator, scores),
@@ -978,6 +1069,7 @@ def main(args: Args) -> dict:
                 for f, name in enumerate(run.reward_names):
                     metrics[f"rewards/{name}/mean"] = all_rewards_per_func[:, f].nanmean().item()
             metrics.update(logged_means(accelerator, run.scorers))
+            metrics.update(run.tools.metrics(accelerator) if run.tools is not None else {})
 
         # 6. Held-out evaluation and samples (the rollout's without a test split); checkpoint
         if utils.evaluation.due(update, args.num_total_batches, args):
@@ -1037,31 +1129,36 @@ def held_out_table(args, run, update, rollout, steps_per_update) -> dict:
 def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, tuple]:
     """--num_generations_eval completions of the held-out prompts `indices`, sampled as in training but with the
     evaluation's noise, scored as in training -> (per completion: eval/ values, the sample table's tensors)."""
-    device, k = run.accelerator.device, args.num_generations_eval
-    queries, query_mask = utils.generation.left_pad(
-        [run.eval_prompt_ids[i] for i in indices], run.pad_id, device
+    device = run.accelerator.device
+    queries, query_mask, examples, k = rollout_queries(
+        run, run.eval_prompt_ids, indices, args.num_generations_eval, held_out=True
     )
     with run.accelerator.autocast():
-        key = (utils.evaluation.EVAL_KEY,)
-        responses, lengths, response_mask, _ = sample(
-            args, run, queries, query_mask, k, key, indices[0], run.engine
+        key, first = (utils.evaluation.EVAL_KEY,), indices[0] * queries.size(0) // len(indices)
+        responses, lengths, response_mask, _, _ = sample(
+            args, run, queries, query_mask, k, key, first, run.engine
         )
         rows = torch.arange(responses.size(0), device=device)
         query_responses, mask = utils.generation.query_response_rows(
             queries, query_mask, responses, response_mask, rows
         )
+        prompts = [run.eval_raw_prompts[examples[r % len(examples)]] for r in rows.tolist()]
+        columns = utils.data.columns_of_rows(run.eval_columns, examples, rows)
+        if run.tools is not None:  # as in score(): the turns and tool messages, prompts after reset
+            columns.update(run.tools.reward_columns(rows.tolist()))
+            prompts = columns.get("prompt", prompts)
         rewards_per_func = utils.scoring.score_rows(
             run.scorers,
             query_responses,
             mask,
             queries.size(1),
             args.local_rollout_forward_batch_size,
-            prompts=[run.eval_raw_prompts[indices[r % len(indices)]] for r in rows.tolist()],
-            columns=utils.data.columns_of_rows(run.eval_columns, indices, rows),
+            prompts=prompts,
+            columns=columns,
             trainer_state=trainer_state,
         ).float()
     scores = combine_rewards(rewards_per_func, run.weights)
-    has_eos = (torch.isin(responses, run.eos_ids) & response_mask).any(1)
+    has_eos = ended_at_eos(run, responses, response_mask)
     if args.missing_eos_penalty is not None:  # as training's objective/scores
         scores = scores - args.missing_eos_penalty * (~has_eos).float()
     values = {"objective/scores": scores, "completions/mean_length": lengths.float()}
@@ -1070,7 +1167,7 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         values.update(
             {f"rewards/{name}/mean": rewards_per_func[:, f] for f, name in enumerate(run.reward_names)}
         )
-    return values, (queries[rows % len(indices)], responses, response_mask, scores)
+    return values, (queries[rows % queries.size(0)], responses, response_mask, scores)
 
 
 if __name__ == "__main__":

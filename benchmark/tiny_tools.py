@@ -11,9 +11,9 @@ the code is a hash of the name, which only the tool knows), and, for every quest
 the choice to make one (the call after its opening, the answer after the tool's); sft.py on them, so that the start
 policy knows how to use the tool but seldom does and is rarely right; grpo.py from there, evaluated on the held-out
 names (no test name is in train) before the first step and every `--eval_steps`. `--tool environment` (the default)
-trains with CodeDesk, `--tool lookup` with lookup(name), whose calls must copy the name. Writes
-benchmark/results/grpo_tools.json: the commands, each stage's wall and CPU seconds, the held-out and training
-rewards and call frequencies over the steps.
+trains with CodeDesk, `--tool lookup` with lookup(name), whose calls must copy the name; `--trainer rloo` trains
+with rloo.py instead (TRL 1.16's flags, the same sizes). Writes benchmark/results/{grpo,rloo}_tools.json: the
+commands, each stage's wall and CPU seconds, the held-out and training rewards and call frequencies over the steps.
 """
 
 import functools
@@ -86,8 +86,10 @@ class Args:
     """share of the questions whose first turn calls the tool; the others guess a key word at once"""
     sft_steps: int = 2000
     """SFT optimizer steps of batch 32 (at 1000 the policy copied the tool's code about half the time)"""
+    trainer: Literal["grpo", "rloo"] = "grpo"
+    """the RL script trained from the SFT policy (rloo.py with TRL 1.16's flags: --num_generations, --beta...)"""
     grpo_steps: int = 100
-    """GRPO optimizer steps, one generation each"""
+    """RL optimizer steps, one generation (an RLOO update) each"""
     prompts_per_step: int = 8
     """prompts per generation"""
     group_size: int = 8
@@ -104,8 +106,8 @@ class Args:
     """OMP threads per stage (1: a stage sharing its cores slows less)"""
     tool: Literal["environment", "lookup"] = "environment"
     """environment: --environment_factory CodeDesk (code(), no argument); lookup: --tools lookup(name)"""
-    results: str = "benchmark/results/grpo_tools"
-    """prefix of the .json written"""
+    results: str | None = None
+    """prefix of the .json written; None: benchmark/results/{trainer}_tools"""
 
 
 def demonstrations(args: Args) -> None:
@@ -160,7 +162,7 @@ def commands(args: Args) -> dict[str, list[str]]:
                 "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine", "--warmup_ratio", "0.05",
                 "--per_device_train_batch_size", "32", "--total_steps", str(args.sft_steps), "--eval_steps",
                 str(args.sft_steps), "--seed", str(args.seed), "--run_name", "sft", "--overwrite_output_dir", *logs],
-        "grpo": ["grpo.py", "--model_name_or_path", f"{w}/sft", "--dataset_name", f"{w}/world/dataset_tools",
+        args.trainer: [f"{args.trainer}.py", "--model_name_or_path", f"{w}/sft", "--dataset_name", f"{w}/world/dataset_tools",
                  "--dataset_test_split", "test", *tool, "--reward_funcs", "benchmark/tiny_tools.py:code_reward",
                  "--max_tool_calling_iterations", "1", "--num_generations", str(args.group_size),
                  "--per_device_train_batch_size", str(args.group_size * args.prompts_per_step),
@@ -168,7 +170,7 @@ def commands(args: Args) -> dict[str, list[str]]:
                  "--learning_rate", str(args.learning_rate), "--lr_scheduler_type", "constant", "--max_steps",
                  str(args.grpo_steps), "--eval_on_start", "--eval_steps", str(args.eval_steps),
                  "--num_generations_eval", "1", "--per_device_eval_batch_size", "100", "--num_sample_generations",
-                 "0", "--seed", str(args.seed), "--output_dir", f"{w}/grpo", "--run_name", "grpo",
+                 "0", "--seed", str(args.seed), "--output_dir", f"{w}/{args.trainer}", "--run_name", args.trainer,
                  "--overwrite_output_dir", *logs],
     }  # fmt: skip
 
@@ -209,20 +211,21 @@ def main(args: Args) -> None:
     start = time.time()
     demonstrations(args)
     records["demonstrations"] = {"seconds": round(time.time() - start, 1)}
-    for name in ("sft", "grpo"):  # run again every time: the demonstrations are not in the command
+    for name in ("sft", args.trainer):  # run again every time: the demonstrations are not in the command
         records[name] = run(name, stages[name], args)
         print(name, records[name], flush=True)
-    with open(os.path.join(args.work_dir, "runs", "grpo", "metrics.jsonl")) as f:
+    with open(os.path.join(args.work_dir, "runs", args.trainer, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
+    reward = "reward" if args.trainer == "grpo" else "objective/scores"  # rloo.py logs TRL 0.19's names
     held_out = [
-        {"step": m["step"], "reward": m["eval/reward"], "length": m["eval/completions/mean_length"]}
+        {"step": m["step"], "reward": m[f"eval/{reward}"], "length": m["eval/completions/mean_length"]}
         for m in metrics
-        if "eval/reward" in m
+        if f"eval/{reward}" in m
     ]
     training = [
-        {"step": m["step"], "reward": m["reward"], "call_frequency": m["tools/call_frequency"]}
+        {"step": m["step"], "reward": m[reward], "call_frequency": m["tools/call_frequency"]}
         for m in metrics
-        if "reward" in m
+        if reward in m
     ]
     result = {
         "args": vars(args),
@@ -234,8 +237,9 @@ def main(args: Args) -> None:
         "training": training,
         "machine": f"{os.cpu_count()} CPU cores, OMP_NUM_THREADS={args.threads}",
     }
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    with open(args.results + ".json", "w") as f:
+    results = args.results or f"benchmark/results/{args.trainer}_tools"
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    with open(results + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: result[k] for k in ("cpu_seconds", "held_out_reward_start", "held_out_reward_end")}))
 

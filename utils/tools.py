@@ -691,7 +691,9 @@ def split_flag(held_out: bool) -> str:
     return "--dataset_test_split" if held_out else "--dataset_name"
 
 
-def load_environments(args, tools: list[Callable], dataset, eval_dataset=None) -> Environments:
+def load_environments(
+    args, tools: list[Callable], dataset, eval_dataset=None, model=None, flag="--model_name_or_path"
+) -> Environments:
     """The environments of --environment_factory, checked before any model is loaded: each class makes an
     instance, has reset, and methods with schemas and names of their own; each row routes to one; the first row
     resets; and with no --reward_funcs or --reward_model_path, some class owns a reward (get_reward)."""
@@ -705,5 +707,5 @@ def load_environments(args, tools: list[Callable], dataset, eval_dataset=None) -
             "pass a reward: --reward_funcs file.py:function, --reward_model_path, or an --environment_factory "
             "class with a get_reward() method."
         )
-    environments.limit(args, args.model_name_or_path)
+    environments.limit(args, model or args.model_name_or_path, flag)  # the policy's positions
     return environments
