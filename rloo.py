@@ -465,11 +465,14 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
         logprobs = torch.cat(logprobs, 1).flatten(0, 1)
         responses, lengths = utils.generation.truncate_response(responses, run.stop_token_ids, run.pad_id)
         if run.tools is not None:  # the tool calls, their answers and the next turns (utils/tools.py)
+            first_turn = (queries, query_mask, responses, lengths, logprobs)
             noise = utils.generation.sampling_generator(
                 args.seed, *key, first_prompt, 1, device=queries.device
             )
-            rows = (queries, query_mask, responses, lengths, logprobs)
-            return tool_rollouts(args, run, model, generate, noise, *rows)
+            R, T, knobs = args.response_length, args.temperature, utils.generation.sampling_knobs(args)
+            return run.tools.continue_batch(
+                generate, model, first_turn, R, T, chunk, noise, run.eos_ids, **knobs
+            )
     response_mask = utils.generation.lengths_to_mask(lengths, args.response_length)
     return responses, lengths, response_mask, logprobs, response_mask
 
@@ -483,27 +486,6 @@ def rollout_queries(run, prompt_ids, examples, k, held_out=False):
         return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
     rows = list(examples) * k
     return *utils.generation.left_pad(run.tools.reset(rows, held_out), run.pad_id, device), rows, 1
-
-
-def tool_rollouts(args, run, model, generate, generator, queries, query_mask, responses, lengths, logprobs):
-    """sample()'s outputs after the first turn, continued with tools: the completion holds every turn and tool
-    answer; the last output, the tool mask, is 1 on sampled tokens only (lengths count those)."""
-    P, R, chunk = queries.size(0), args.response_length, args.local_rollout_forward_batch_size
-    prompts = [queries[i % P][query_mask[i % P]].tolist() for i in range(responses.size(0))]
-    sample_turn = run.tools.turn_sampler(
-        generate, model, run.eos_ids, run.pad_id, args.temperature, chunk, generator,
-        **utils.generation.sampling_knobs(args),
-    )  # fmt: skip
-    rollout = run.tools.continue_rollouts(
-        prompts,
-        [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())],
-        [row[:n] for row, n in zip(logprobs.float().tolist(), lengths.tolist())],
-        sample_turn,
-        R,
-        utils.loading.config_positions(getattr(utils.run.inner_model(model), "config", None)),
-    )
-    responses, response_mask, tool_mask, logprobs = rollout.tensors(R, run.pad_id, queries.device)
-    return responses, tool_mask.sum(1), response_mask, logprobs, tool_mask
 
 
 def ended_at_eos(run, responses, response_mask) -> torch.Tensor:

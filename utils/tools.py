@@ -44,8 +44,9 @@ import torch
 from utils.chat import tokenize_prompts
 from utils.data import column, columns, is_conversation
 from utils.generation import left_pad, pad, truncate_response
-from utils.loading import model_positions
+from utils.loading import config_positions, model_positions
 from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async, load_function
+from utils.run import inner_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,7 +465,27 @@ class Tools:
         """The last rollout's tools/ metrics over every process (see `metrics`); none without a tool (TRL's)."""
         return metrics(self.last, accelerator) if self.calls_tools else {}
 
-    turn_sampler = staticmethod(lambda *args, **kwargs: turn_sampler(*args, **kwargs))
+    def continue_batch(
+        self, generate, model, first_turn, width, temperature, chunk, generator, eos_ids, **knobs
+    ):
+        """A script's first turns, `first_turn` = (queries [P, Q] left-padded, query_mask, responses, lengths,
+        logprobs [B, R]; row i of prompt i % P), continued with `generate` (utils.generation.generate's signature)
+        on `model` -> (responses, lengths, response_mask, logprobs, tool_mask) [B, width] as the scripts' sample()
+        returns them: the completion holds every turn and tool answer, lengths count its sampled tokens."""
+        queries, query_mask, responses, lengths, logprobs = first_turn
+        P, pad_id = queries.size(0), self.tokenizer.pad_token_id
+        prompts = [queries[i % P][query_mask[i % P]].tolist() for i in range(responses.size(0))]
+        sample_turn = turn_sampler(generate, model, eos_ids, pad_id, temperature, chunk, generator, **knobs)
+        rollout = self.continue_rollouts(
+            prompts,
+            [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())],
+            [row[:n] for row, n in zip(logprobs.float().tolist(), lengths.tolist())],
+            sample_turn,
+            width,
+            config_positions(getattr(inner_model(model), "config", None)),
+        )
+        responses, response_mask, tool_mask, logprobs = rollout.tensors(width, pad_id, queries.device)
+        return responses, tool_mask.sum(1), response_mask, logprobs, tool_mask
 
 
 def turn_sampler(
