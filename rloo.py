@@ -279,6 +279,8 @@ class Args:
     """seconds a tool call may take before it is a failure (not a TRL 1.16 flag; None: no limit)"""
     environment_factory: list[str] | None = None
     """path/to/file.py:Class, one per rollout: reset(**row) first, its methods tools (name=...: by row, docs/tools.md)"""
+    rollout_func: str | None = None
+    """path/to/file.py:function or module.function: your own sampler, as TRL's rollout_func (docs/tools.md)"""
 
     # Filled in at runtime
     dialect: str = ""
@@ -435,6 +437,8 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
     the tool answers between turns). A call from prompt p uses noise (seed, *key, first_prompt + p), the later
     turns (seed, *key, first_prompt, 1)."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
+    if run.rollout_func is not None:  # sampled in rollout_queries (utils/rollout_func.py)
+        return run.rollout_func.tensors(args.response_length, run.pad_id, queries.device)
     prompts_per_call = max(1, chunk // num_completions)
     responses, logprobs = [], []
     if engine is not None:  # outside the gathering below
@@ -477,11 +481,14 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
     return responses, lengths, response_mask, logprobs, response_mask
 
 
-def rollout_queries(run, prompt_ids, examples, k, held_out=False):
+def rollout_queries(run, prompt_ids, examples, k, held_out=False, state=None):
     """(queries, query_mask, rows, completions per query) to sample k completions of each of `examples`: their
     prompts [P, Q], k each; with --environment_factory one query per rollout [k * P, Q], completion-major, its
-    environment reset on its row (utils/tools.py), one completion each. rows: each query's dataset row."""
+    environment reset on its row (utils/tools.py), one completion each; with --rollout_func the function's
+    prompts, one per rollout, its completions kept for sample(). rows: each query's dataset row."""
     device = run.accelerator.device
+    if run.rollout_func is not None:
+        return *run.rollout_func.queries(run, examples, k, held_out, state), list(examples) * k, 1
     if run.tools is None or run.tools.environments is None:
         return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
     rows = list(examples) * k
@@ -489,8 +496,8 @@ def rollout_queries(run, prompt_ids, examples, k, held_out=False):
 
 
 def ended_at_eos(run, responses, response_mask) -> torch.Tensor:
-    """[B] bool: the completion holds an EOS (with tools, its last turn ends with one: TRL's not-truncated)."""
-    if run.tools is None:
+    """[B] bool: the completion holds an EOS (with tools or a rollout_func, it ends with one: TRL's not-truncated)."""
+    if run.tools is None and run.rollout_func is None:
         return (torch.isin(responses, run.eos_ids) & response_mask).any(1)
     last = responses.gather(1, (response_mask.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0]
     return torch.isin(last, run.eos_ids) & response_mask.any(1)
@@ -519,6 +526,8 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         if run.tools is not None:  # TRL's completions with tools (turns, tool messages), prompts after reset
             columns.update(run.tools.reward_columns(idx.tolist()))
             prompts = columns.get("prompt", prompts)
+        if run.rollout_func is not None:  # the keys it returned beside the ids (TRL's extra fields)
+            columns.update(run.rollout_func.reward_columns(idx.tolist()))
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -561,7 +570,7 @@ TRL_RENAMED = {
 # TRL 1.16-only flags: one of them (or a 1.16 name above) makes the command line TRL 1.16's (tools: GRPOTrainer's)
 TRL1_ONLY = """reward_funcs reward_weights epsilon_high normalize_advantages mask_truncated_completions
 num_train_epochs max_steps steps_per_generation generation_batch_size tools environment_factory
-max_tool_calling_iterations""".split()
+max_tool_calling_iterations rollout_func""".split()
 # flag: (TRL 0.19's default, TRL 1.16's)
 TRL_DEFAULTS = {
     "rloo_k": (2, 2),
@@ -646,10 +655,12 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError("pass exactly one of --reward_model_path and --reward_fn.")
     if num_rewards == 0 and not args.environment_factory:  # an environment's get_reward() may be it
         raise ValueError("pass a reward: --reward_model_name_or_path and/or --reward_funcs.")
-    if (args.tools or args.environment_factory) and (args.dialect == "0.19" or args.token_level_kl):
+    if (args.tools or args.environment_factory or args.rollout_func) and (
+        args.dialect == "0.19" or args.token_level_kl
+    ):
         raise ValueError(
-            "--tools and --environment_factory take TRL 1.16's flags, with neither --trl_defaults 0.19 nor "
-            "--token_level_kl (which puts the score on the last token, maybe a tool's)."
+            "--tools, --environment_factory and --rollout_func take TRL 1.16's flags, with neither --trl_defaults "
+            "0.19 nor --token_level_kl (which puts the score on the last token, maybe an inserted one)."
         )
     if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
         raise ValueError(
@@ -717,6 +728,7 @@ class Run:
     weights: torch.Tensor
     engine: object
     tools: object  # utils.tools.Tools with --tools or --environment_factory, else None
+    rollout_func: object  # utils.rollout_func.RolloutFunc with --rollout_func, else None
     pad_id: int
     eos_ids: torch.Tensor
     stop_token_ids: torch.Tensor | None
@@ -759,6 +771,9 @@ def setup(args: Args) -> Run:
         )
         tools_module.check_args(args)
         tool_fns = tools_module.load_tools(args.tools or [])
+    rollout_func = None  # utils/rollout_func.py is optional too: imported only with --rollout_func
+    if args.rollout_func:
+        rollout_func = utils.run.optional_module("utils.rollout_func", "--rollout_func").RolloutFunc(args)
     if args.sft_model_path:
         policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
     else:
@@ -774,6 +789,7 @@ def setup(args: Args) -> Run:
         )
         environment_rewards = environments.rewards
     offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
+    offered = None if rollout_func else offered  # its extra keys are known once it has run
     asked = "--reward_fn" if args.reward_fn else "--reward_funcs"
     reward_funcs = utils.run.optional_module("utils.reward_funcs", asked) if args.reward_funcs else None
     reward_fns = [reward_funcs.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
@@ -790,9 +806,9 @@ def setup(args: Args) -> Run:
     utils.checkpoint.check_output_dir(args.output_dir, overwrite)
     # The checkpointer takes the resumed run's name.
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
-    recompute_old_logprobs = args.recompute_old_logprobs == "true" or (
-        args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
-    )
+    # a rollout_func's logprobs are its sampler's, never the ratio's old ones (TRL's contract)
+    recompute_old_logprobs = args.recompute_old_logprobs == "true" or bool(args.rollout_func)
+    recompute_old_logprobs |= args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
     set_seed(args.seed)
 
     # Tokenizer and prompts
@@ -885,6 +901,7 @@ def setup(args: Args) -> Run:
         weights=weights,
         engine=engine,
         tools=tools,
+        rollout_func=rollout_func,
         pad_id=pad_id,
         eos_ids=eos_ids,
         stop_token_ids=stop_token_ids,
@@ -928,7 +945,14 @@ def main(args: Args) -> dict:
     for update in progress:
         # 1. Sample: k completions of each of P prompts, completion-major (row i <- prompt i % P).
         examples = next(run.batches)  # dataset indices
-        queries, query_mask, rows, k = rollout_queries(run, run.prompt_ids, examples, args.rloo_k)
+        trainer_state = utils.scoring.TrainerState(
+            global_step=(update - 1) * steps_per_update,
+            max_steps=args.num_total_batches * steps_per_update,
+            epoch=(update - 1) * P * args.world_size / len(run.prompt_ids),
+        )
+        queries, query_mask, rows, k = rollout_queries(
+            run, run.prompt_ids, examples, args.rloo_k, False, trainer_state
+        )
         context_length = queries.size(1)
         with accelerator.autocast():
             responses, lengths, response_mask, sampled_logprobs, tool_mask = sample(
@@ -936,11 +960,6 @@ def main(args: Args) -> dict:
             )
 
         # 2. Score: rewards, reference logprobs and the KL.
-        trainer_state = utils.scoring.TrainerState(
-            global_step=(update - 1) * steps_per_update,
-            max_steps=args.num_total_batches * steps_per_update,
-            epoch=(update - 1) * P * args.world_size / len(run.prompt_ids),
-        )
         with accelerator.autocast():
             recomputed_logprobs, ref_logprobs, rewards_per_func = score(
                 args, run, queries, query_mask, responses, response_mask, rows, trainer_state
@@ -1113,7 +1132,7 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
     evaluation's noise, scored as in training -> (per completion: eval/ values, the sample table's tensors)."""
     device = run.accelerator.device
     queries, query_mask, examples, k = rollout_queries(
-        run, run.eval_prompt_ids, indices, args.num_generations_eval, held_out=True
+        run, run.eval_prompt_ids, indices, args.num_generations_eval, True, trainer_state
     )
     with run.accelerator.autocast():
         key, first = (utils.evaluation.EVAL_KEY,), indices[0] * queries.size(0) // len(indices)
@@ -1129,6 +1148,8 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         if run.tools is not None:  # as in score(): the turns and tool messages, prompts after reset
             columns.update(run.tools.reward_columns(rows.tolist()))
             prompts = columns.get("prompt", prompts)
+        if run.rollout_func is not None:
+            columns.update(run.rollout_func.reward_columns(rows.tolist()))
         rewards_per_func = utils.scoring.score_rows(
             run.scorers,
             query_responses,

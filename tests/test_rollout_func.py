@@ -116,10 +116,10 @@ def chat_lab(world, tmp_path_factory):
     return out
 
 
-def chat_run(world, lab, out, *extra, held_out=True):
+def chat_run(world, lab, out, *extra, held_out=True, script="grpo.py"):
     evaluation = ["--dataset_test_split", "test", "--eval_steps", "2", "--num_generations_eval", "2"]
     flags = [
-        "grpo.py", "--model_name_or_path", str(world / "policy_tools"), "--dataset_name", str(lab / "splits"),
+        script, "--model_name_or_path", str(world / "policy_tools"), "--dataset_name", str(lab / "splits"),
         *(evaluation if held_out else []),
         "--rollout_func", f"{FUNCS}:two_turns", "--reward_funcs", f"{FUNCS}:said_again",
         "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "24",
@@ -151,6 +151,26 @@ def test_a_loop_of_ones_own_trains_evaluates_and_resumes_exactly(world, chat_lab
     chat_run(world, chat_lab, tmp_path / "no_eval", held_out=False)
     no_eval = weights(tmp_path / "no_eval" / "model")
     assert all(torch.equal(whole[k], no_eval[k]) for k in whole)
+
+
+def test_rloo_trains_on_a_loop_of_ones_own_and_resumes_exactly(world, chat_lab, tmp_path):
+    """rloo.py --rollout_func two_turns (TRL 1.16 flags, as grpo.py's): the extra field reaches the reward, the
+    held-out split is evaluated through the function, the old logprobs are the policy's (the ratio of the first
+    update's pass is 1 whatever logprobs the function returned), and a resume is bit-exact."""
+    chat_run(world, chat_lab, tmp_path / "whole", "--save_steps", "2", script="rloo.py")
+    metrics = read_metrics(tmp_path / "whole" / "runs" / "r")
+    training = [m for m in metrics if "objective/scores" in m]
+    assert len(training) == 4 and all(m["objective/scores"] >= 0.5 for m in training)  # turns reached it
+    assert all(m["val/ratio"] == pytest.approx(1.0, abs=1e-4) for m in training)
+    held_out = [m for m in metrics if "eval/objective/scores" in m]
+    assert len(held_out) == 2 and all(m["eval/objective/scores"] >= 0.5 for m in held_out)
+    checkpoint = str(tmp_path / "whole" / "model" / "checkpoint-2")
+    resume = ["--save_steps", "2", "--resume_from_checkpoint", checkpoint]
+    chat_run(world, chat_lab, tmp_path / "again", *resume, script="rloo.py")
+    whole, resumed = weights(tmp_path / "whole" / "model"), weights(tmp_path / "again" / "model")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    start = weights(world / "policy_tools")
+    assert any(not torch.equal(whole[k], start[k]) for k in whole)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

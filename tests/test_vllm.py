@@ -440,6 +440,25 @@ def test_grpo_tools_with_vllm(tool_lab, tmp_path):  # noqa: F811 - the fixture i
     assert metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
 
 
+@needs_vllm
+def test_rloo_tools_with_vllm(tool_lab, tmp_path):  # noqa: F811 - the fixture imported above
+    """rloo.py --tools --use_vllm, learning rate 0: vLLM samples every turn of the policy taught to call, and the
+    sampled tokens' logprobs (the training forward's, as without tools) give a ratio of 1 and a KL of 0."""
+    flags = [
+        "rloo.py", "--use_vllm", "--model_name_or_path", str(tool_lab / "policy"),
+        "--dataset_name", str(tool_lab / "prompts.jsonl"), "--tools", f"{tool_lab}/tools.py:lookup",
+        "--reward_funcs", f"{tool_lab}/tools.py:code_reward", "--max_tool_calling_iterations", "2",
+        "--num_generations", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "100",
+        "--temperature", "0.5", "--learning_rate", "0", "--max_steps", "1", "--num_sample_generations", "0",
+        "--output_dir", str(tmp_path / "model"), "--logging_dir", str(tmp_path / "runs"), "--run_name", "tools",
+        "--seed", "3",
+    ]  # fmt: skip
+    run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600)
+    (metrics,) = read_metrics(tmp_path, "tools")
+    assert metrics["tools/call_frequency"] > 0.3 and metrics["tools/turns_mean"] > 1
+    assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-4) and abs(metrics["objective/kl"]) < 1e-3
+
+
 LEARN = {
     "rloo.py": [
         "--rloo_k",

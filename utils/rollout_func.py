@@ -62,7 +62,9 @@ class RolloutContext:
 def check_args(args) -> None:
     """Refuse the flags --rollout_func cannot take, in one sentence, before any model is loaded."""
     clash = [
-        flag for flag in ("tools", "environment_factory", "use_vllm", "filter_groups") if getattr(args, flag)
+        flag
+        for flag in ("tools", "environment_factory", "use_vllm", "filter_groups")
+        if getattr(args, flag, None)
     ]
     if clash:
         raise ValueError(
