@@ -98,10 +98,8 @@ def test_rloo_tools_refusals_are_one_line_and_a_copy_without_utils_tools_names_i
     with its core and the TRL 1.16 flags' module (utils/trl_flags.py) but not utils/tools.py names that file."""
     import readability
 
-    for extra, says in (
-        (["--trl_defaults", "0.19"], "--tools and --environment_factory take TRL 1.16's flags"),
-        (["--token_level_kl"], "--tools and --environment_factory take TRL 1.16's flags"),
-    ):
+    says = "--tools, --environment_factory and --rollout_func take TRL 1.16's flags"
+    for extra in (["--trl_defaults", "0.19"], ["--token_level_kl"]):
         proc = rloo_run(tool_lab, tmp_path / "refused", *extra, check=False)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith(f"rloo.py: error: {says}"), proc.stderr
