@@ -506,7 +506,7 @@ def ended_at_eos(run, responses, response_mask) -> torch.Tensor:
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
     """(recomputed old logprobs or None, reference logprobs [B, R], rewards [B, F]) of the sampled rows."""
-    chunk, Q, T, P = args.local_rollout_forward_batch_size, queries.size(1), args.temperature, queries.size(0)
+    chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
     )
@@ -521,13 +521,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             bare = utils.run.bare(run.policy)
             recomputed = utils.logprobs.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk)
             recomputed_logprobs.append(recomputed)
-        columns = utils.data.columns_of_rows(run.columns or {}, examples, idx)
-        prompts = [run.raw_prompts[examples[i % P]] for i in idx.tolist()] if len(run.raw_prompts) else None
-        if run.tools is not None:  # TRL's completions with tools (turns, tool messages), prompts after reset
-            columns.update(run.tools.reward_columns(idx.tolist()))
-            prompts = columns.get("prompt", prompts)
-        if run.rollout_func is not None:  # the keys it returned beside the ids (TRL's extra fields)
-            columns.update(run.rollout_func.reward_columns(idx.tolist()))
+        prompts, columns = reward_inputs(run, run.raw_prompts, run.columns, examples, idx)
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -541,6 +535,21 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         rewards_per_func.append(rewards)
     recomputed_logprobs = torch.cat(recomputed_logprobs) if recomputed_logprobs else None
     return recomputed_logprobs, torch.cat(ref_logprobs), torch.cat(rewards_per_func).float()
+
+
+def reward_inputs(run, raw_prompts, columns, examples, idx) -> tuple[list | None, dict]:
+    """(prompts, columns) the reward functions get for rows `idx` of a batch whose row i is dataset row
+    examples[i % len(examples)]: with tools also the turns and tool messages (prompts after reset), with a
+    rollout_func the keys it returned beside the ids (TRL's extra fields)."""
+    P = len(examples)
+    prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()] if len(raw_prompts) else None
+    columns = utils.data.columns_of_rows(columns or {}, examples, idx)
+    if run.tools is not None:
+        columns.update(run.tools.reward_columns(idx.tolist()))
+        prompts = columns.get("prompt", prompts)
+    if run.rollout_func is not None:
+        columns.update(run.rollout_func.reward_columns(idx.tolist()))
+    return prompts, columns
 
 
 def logged_means(accelerator, scorers) -> dict[str, float]:
@@ -807,8 +816,11 @@ def setup(args: Args) -> Run:
     # The checkpointer takes the resumed run's name.
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
     # a rollout_func's logprobs are its sampler's, never the ratio's old ones (TRL's contract)
-    recompute_old_logprobs = args.recompute_old_logprobs == "true" or bool(args.rollout_func)
-    recompute_old_logprobs |= args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16"
+    recompute_old_logprobs = (
+        args.recompute_old_logprobs == "true"
+        or bool(args.rollout_func)
+        or (args.recompute_old_logprobs == "auto" and accelerator.mixed_precision == "bf16")
+    )
     set_seed(args.seed)
 
     # Tokenizer and prompts
@@ -1143,13 +1155,7 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         query_responses, mask = utils.generation.query_response_rows(
             queries, query_mask, responses, response_mask, rows
         )
-        prompts = [run.eval_raw_prompts[examples[r % len(examples)]] for r in rows.tolist()]
-        columns = utils.data.columns_of_rows(run.eval_columns, examples, rows)
-        if run.tools is not None:  # as in score(): the turns and tool messages, prompts after reset
-            columns.update(run.tools.reward_columns(rows.tolist()))
-            prompts = columns.get("prompt", prompts)
-        if run.rollout_func is not None:
-            columns.update(run.rollout_func.reward_columns(rows.tolist()))
+        prompts, columns = reward_inputs(run, run.eval_raw_prompts, run.eval_columns, examples, rows)
         rewards_per_func = utils.scoring.score_rows(
             run.scorers,
             query_responses,

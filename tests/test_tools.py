@@ -399,8 +399,9 @@ def tool_lab(world, tmp_path_factory):
     return out
 
 
-def tool_run(lab, out, *extra, environment=False):
-    """grpo.py on the lab: --tools lookup and code_reward, or with `environment` Book and book_reward."""
+def tool_run(lab, out, *extra, environment=False, script="grpo.py", check=True):
+    """`script` (grpo.py, rloo.py) on the lab: --tools lookup and code_reward, or with `environment` Book and
+    book_reward; a flag in `extra` overrides the one here (the last given counts)."""
     from conftest import ROOT
 
     tools = ["--tools", f"{lab}/tools.py:lookup", "--reward_funcs", f"{lab}/tools.py:code_reward"]
@@ -410,13 +411,13 @@ def tool_run(lab, out, *extra, environment=False):
         tools = ["--environment_factory", f"{book}:Book", "--reward_funcs", f"{book}:book_reward"]
         data = ["--dataset_name", str(lab / "splits"), "--dataset_test_split", "test", "--eval_steps", "2"]
     flags = [
-        "grpo.py", "--model_name_or_path", str(lab / "policy"), *data,
+        script, "--model_name_or_path", str(lab / "policy"), *data,
         *tools, "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "100",
         "--temperature", "0.5", "--learning_rate", "1e-4", "--max_steps", "4", "--num_sample_generations", "0",
         "--output_dir", str(out / "model"), "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3",
         "--max_tool_calling_iterations", "2", *extra,
     ]  # fmt: skip
-    return run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600)
+    return run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600, check=check)
 
 
 def test_grpo_with_tools_logs_tool_metrics_and_resumes_exactly(tool_lab, tmp_path):

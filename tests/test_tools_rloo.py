@@ -2,35 +2,16 @@
 the taught policy calls its tool, the tool answers stay out of the loss and the KL (a ratio of 1 and a KL of 0 at
 learning rate 0 hold over the sampled tokens only), environments reward, and resumes are bit-exact."""
 
+import functools
 import shutil
 
 import pytest
 import torch
-from test_tools import tool_lab  # noqa: F401 - the fixture: a policy taught to call lookup
+from test_tools import tool_lab, tool_run  # noqa: F401 - the fixture: a policy taught to call lookup
 
 from conftest import ROOT, read_metrics, run_script, weights
 
-
-def rloo_run(lab, out, *extra, environment=False, check=True):
-    """rloo.py on the tool lab: --tools lookup and code_reward, or with `environment` Book and book_reward."""
-    tools = ["--tools", f"{lab}/tools.py:lookup", "--reward_funcs", f"{lab}/tools.py:code_reward"]
-    data = ["--dataset_name", str(lab / "prompts.jsonl")]
-    if environment:
-        tools = [
-            "--environment_factory",
-            f"{lab}/tools.py:Book",
-            "--reward_funcs",
-            f"{lab}/tools.py:book_reward",
-        ]
-        data = ["--dataset_name", str(lab / "splits"), "--dataset_test_split", "test", "--eval_steps", "2"]
-    flags = [
-        "rloo.py", "--model_name_or_path", str(lab / "policy"), *data, *tools, "--num_generations", "2",
-        "--per_device_train_batch_size", "4", "--max_completion_length", "100", "--temperature", "0.5",
-        "--learning_rate", "1e-4", "--max_steps", "4", "--num_sample_generations", "0", "--max_tool_calling_iterations",
-        "2", "--output_dir", str(out / "model"), "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3",
-        *extra,
-    ]  # fmt: skip
-    return run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600, check=check)
+rloo_run = functools.partial(tool_run, script="rloo.py")  # the same lab and flags as grpo.py's tool tests
 
 
 def test_rloo_with_tools_logs_tool_metrics_and_resumes_exactly(tool_lab, tmp_path):  # noqa: F811

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from test_tools import tool_lab  # noqa: F401 - the fixture: a policy taught to call lookup
+from test_tools import tool_lab, tool_run  # noqa: F401 - the fixture: a policy taught to call lookup
 
 import fixed_completions
 import utils.generation
@@ -422,17 +422,9 @@ def test_grpo_tools_with_vllm(tool_lab, tmp_path):  # noqa: F811 - the fixture i
     """grpo.py --tools --use_vllm on the policy taught to call lookup: vLLM samples every turn (the calls and the
     answers after the tool messages), vLLM's logprobs of the sampled tokens agree with the training forward's
     (importance weights 1; the tool answers masked out) and the update's ratio is 1 at learning rate 0."""
-    flags = [
-        "grpo.py", "--use_vllm", "--model_name_or_path", str(tool_lab / "policy"),
-        "--dataset_name", str(tool_lab / "prompts.jsonl"), "--tools", f"{tool_lab}/tools.py:lookup",
-        "--reward_funcs", f"{tool_lab}/tools.py:code_reward", "--max_tool_calling_iterations", "2",
-        "--num_generations", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "100",
-        "--temperature", "0.5", "--learning_rate", "0", "--max_steps", "1", "--num_sample_generations", "0",
-        "--vllm_importance_sampling_mode", "token_truncate", "--output_dir", str(tmp_path / "model"),
-        "--logging_dir", str(tmp_path / "runs"), "--run_name", "tools", "--seed", "3",
-    ]  # fmt: skip
-    run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600)
-    (metrics,) = read_metrics(tmp_path, "tools")
+    flags = ["--per_device_train_batch_size", "8", "--learning_rate", "0", "--max_steps", "1"]
+    tool_run(tool_lab, tmp_path, "--use_vllm", *flags, "--vllm_importance_sampling_mode", "token_truncate")
+    (metrics,) = read_metrics(tmp_path, "r")
     assert metrics["tools/call_frequency"] > 0.3 and metrics["tools/turns_mean"] > 1
     assert metrics["sampling/sampling_logp_difference/max"] < 1e-3
     for stat in ("min", "mean", "max"):
@@ -444,17 +436,9 @@ def test_grpo_tools_with_vllm(tool_lab, tmp_path):  # noqa: F811 - the fixture i
 def test_rloo_tools_with_vllm(tool_lab, tmp_path):  # noqa: F811 - the fixture imported above
     """rloo.py --tools --use_vllm, learning rate 0: vLLM samples every turn of the policy taught to call, and the
     sampled tokens' logprobs (the training forward's, as without tools) give a ratio of 1 and a KL of 0."""
-    flags = [
-        "rloo.py", "--use_vllm", "--model_name_or_path", str(tool_lab / "policy"),
-        "--dataset_name", str(tool_lab / "prompts.jsonl"), "--tools", f"{tool_lab}/tools.py:lookup",
-        "--reward_funcs", f"{tool_lab}/tools.py:code_reward", "--max_tool_calling_iterations", "2",
-        "--num_generations", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "100",
-        "--temperature", "0.5", "--learning_rate", "0", "--max_steps", "1", "--num_sample_generations", "0",
-        "--output_dir", str(tmp_path / "model"), "--logging_dir", str(tmp_path / "runs"), "--run_name", "tools",
-        "--seed", "3",
-    ]  # fmt: skip
-    run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600)
-    (metrics,) = read_metrics(tmp_path, "tools")
+    flags = ["--per_device_train_batch_size", "8", "--learning_rate", "0", "--max_steps", "1"]
+    tool_run(tool_lab, tmp_path, "--use_vllm", *flags, script="rloo.py")
+    (metrics,) = read_metrics(tmp_path, "r")
     assert metrics["tools/call_frequency"] > 0.3 and metrics["tools/turns_mean"] > 1
     assert metrics["val/ratio"] == pytest.approx(1.0, abs=1e-4) and abs(metrics["objective/kl"]) < 1e-3
 

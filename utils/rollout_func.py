@@ -104,7 +104,7 @@ class RolloutFunc:
             model.train(training)
         output = self.check(output, len(prompts))
         order = [p * k + g for g in range(k) for p in range(P)]  # grpo.py's row g * P + p
-        self.last = {name: values and [values[i] for i in order] for name, values in output.items()}
+        self.last = {name: None if v is None else [v[i] for i in order] for name, v in output.items()}
         return left_pad(self.last["prompt_ids"], run.pad_id, run.accelerator.device)
 
     def check(self, output, n: int) -> dict[str, list]:

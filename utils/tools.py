@@ -72,12 +72,6 @@ def check_args(args) -> None:
         )
 
 
-def load_tool(spec: str, flag: str = "--tools") -> Callable:
-    """The function of `path/to/file.py:function` or `module.function`, loaded as reward functions are: a file
-    named by --tools, --environment_factory and --reward_funcs runs once, so they share its module's state."""
-    return load_function(spec, flag)
-
-
 def check_schema(tool: Callable, where: str) -> None:
     """Refuse a tool transformers' get_json_schema cannot describe (the chat template renders its schema)."""
     from transformers.utils import get_json_schema
@@ -103,7 +97,7 @@ def check_names(tools: Sequence[Callable], where: str) -> None:
 def load_tools(specs: Sequence[str], flag: str = "--tools") -> list[Callable]:
     """The tools of `specs`, each with a schema the chat template can render (type hints and a docstring that
     documents every argument); names must differ."""
-    tools = [load_tool(spec, flag) for spec in specs]
+    tools = [load_function(spec, flag) for spec in specs]  # a file also named by --reward_funcs runs once
     for spec, tool in zip(specs, tools):
         check_schema(tool, f"{flag} {spec}")
     check_names(tools, flag)
@@ -571,7 +565,7 @@ def load_factories(specs: Sequence[str]) -> dict[str | None, tuple[str, Callable
     names = [name if sep else None for name, sep, _ in parts]
     if any(name == "" for name in names) or len(set(names)) != len(names):
         raise ValueError(f"{flag}: each environment needs a name of its own (name=path/to/file.py:Class).")
-    return {name: (spec, load_tool(spec, flag)) for name, (_, _, spec) in zip(names, parts)}
+    return {name: (spec, load_function(spec, flag)) for name, (_, _, spec) in zip(names, parts)}
 
 
 class Environments:
