@@ -383,44 +383,6 @@ def clipped_token_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_
     return -torch.min(ratio * advantages, clipped * advantages)
 
 
-def cispo_token_loss(logprobs, old_logprobs, advantages, epsilon_high):
-    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): -sg(min(r, epsilon_high)) A logprob per token
-    [B, R]; advantages [B]. The cap bounds a token's weight, never removes its gradient."""
-    weight = (logprobs - old_logprobs).exp().clamp(max=epsilon_high).detach()
-    return -weight * advantages[:, None] * logprobs
-
-
-def sapo_token_loss(logprobs, old_logprobs, advantages, temperature_pos, temperature_neg):
-    """SAPO (https://arxiv.org/abs/2511.20347), a soft clip: -(4 / tau) sigmoid(tau (r - 1)) A per token
-    [B, R]; tau = temperature_pos where A > 0, else temperature_neg. advantages [B]."""
-    advantages = advantages[:, None]
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
-    ratio = (logprobs - old_logprobs).exp()
-    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
-
-
-VESPO_LOG_W_MIN = math.log(1e-8)  # the VESPO paper's floor of w, as TRL's
-
-
-@torch.no_grad()
-def vespo_weights(log_ratio, advantages, mask, k_pos, lambda_pos, k_neg, lambda_neg, importance_weights=None):
-    """VESPO's weight of each completion (https://arxiv.org/abs/2602.10693) [B, 1], no gradient; its per-token
-    loss is -phi(w_i) A_i logprob_it, a policy gradient whose soft, asymmetric weight replaces the clip:
-
-    phi(w_i) = w_i^k exp(lambda (1 - w_i))     phi(1) = 1, largest at w = k / lambda
-    log w_i  = sum_t m_it (clamp(log r_it, -20, 20) + clamp(log iw_it, log 1e-8, 20)), clamped to [log 1e-8, 20]
-
-    log_ratio = logp - logp_old, mask [B, R]; (k, lambda) = (k_pos, lambda_pos) where A_i >= 0, else the _neg pair;
-    advantages [B]; importance_weights: vLLM's per-token weights iw [B, R] (None: 1). An overflow gives 0."""
-    log_w = log_ratio.clamp(-20, 20)
-    if importance_weights is not None:
-        log_w = log_w + importance_weights.log().clamp(VESPO_LOG_W_MIN, 20)
-    log_w = (log_w * mask).sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, 20)
-    positive = advantages[:, None] >= 0
-    k, lam = torch.where(positive, k_pos, k_neg), torch.where(positive, lambda_pos, lambda_neg)
-    return (k * log_w + lam * (1 - log_w.exp())).exp().nan_to_num(0.0, 0.0, 0.0)
-
-
 def sequence_level(logprobs, old_logprobs, mask) -> torch.Tensor:
     """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071): old logprobs [B, R] under which every token's
     ratio is its completion's, s_i = exp((1/|o_i|) sum_t (logp_it - logp_old_it)), with the gradient of s_i."""
@@ -431,19 +393,16 @@ def sequence_level(logprobs, old_logprobs, mask) -> torch.Tensor:
     return logprobs - mean_log_ratio
 
 
+LOSS_VARIANTS = ("cispo", "sapo", "vespo")  # utils/loss_variants.py's: imported only for these
+
+
 def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance_weights=None, mask=None,
                       vllm_weights=None):  # fmt: skip
-    """Per-token loss [B, R] of --loss_type, times the importance weights ([B, R] or [B, 1]) if any; vespo reads
-    the loss mask and vLLM's token weights into its sequence weight (TRL 1.16: not into the product)."""
-    if args.loss_type == "vespo":
-        phi = vespo_weights(logprobs - old_logprobs, advantages, mask, *vespo_flags(args), vllm_weights)
-        loss = -phi * advantages[:, None] * logprobs
-    elif args.loss_type == "cispo":
-        loss = cispo_token_loss(logprobs, old_logprobs, advantages, args.epsilon_high)
-    elif args.loss_type == "sapo":
-        loss = sapo_token_loss(
-            logprobs, old_logprobs, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg
-        )
+    """Per-token loss [B, R] of --loss_type (cispo, sapo and vespo: utils/loss_variants.py), times the importance
+    weights ([B, R] or [B, 1]) if any."""
+    if args.loss_type in LOSS_VARIANTS:
+        variants = utils.run.optional_module("utils.loss_variants", f"--loss_type {args.loss_type}")
+        loss = variants.token_loss(args, logprobs, old_logprobs, advantages, mask, vllm_weights)
     else:
         loss = clipped_token_loss(
             logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.delta
@@ -451,56 +410,14 @@ def policy_token_loss(args: Args, logprobs, old_logprobs, advantages, importance
     return loss if importance_weights is None else loss * importance_weights
 
 
-def vespo_flags(args: Args) -> tuple[float, float, float, float]:
-    """(k_pos, lambda_pos, k_neg, lambda_neg) of --loss_type vespo."""
-    return args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg
-
-
-def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask (https://arxiv.org/abs/2512.02556, eq. 9) [B, 1]: 0 where A_i < 0
-    and (1/|o_i|) sum_t (sampling_it - logp_it) > threshold, else 1. logprobs, sampling_logprobs (NaN: no
-    evidence), mask [B, R]; advantages [B]."""
-    kl = (sampling_logprobs - logprobs.detach()).nan_to_num(0.0) * mask
-    mean_kl = kl.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-    return ((advantages[:, None] >= 0) | (mean_kl <= threshold)).to(logprobs.dtype)
-
-
-def high_entropy_mask(entropy, mask, quantile, accelerator) -> torch.Tensor:
-    """The tokens kept by --top_entropy_quantile rho (Wang et al. 2025, https://arxiv.org/abs/2506.01939) [B, R]
-    bool: masked tokens whose entropy is at least the (1 - rho) quantile (linear interpolation) of the masked
-    entropies of this micro-batch on every process. entropy, mask [B, R]."""
-    padding = -1e9  # below every entropy
-    local = accelerator.pad_across_processes(entropy[mask.bool()].float(), dim=0, pad_index=padding)
-    everyone = accelerator.gather(local)
-    everyone = everyone[everyone != padding]
-    if not everyone.numel():
-        return torch.zeros_like(mask, dtype=torch.bool)
-    return (entropy * mask >= torch.quantile(everyone, 1 - quantile)) & mask.bool()
-
-
-def vllm_importance_weights(
-    old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0
-) -> torch.Tensor:
-    """Weights correcting for vLLM's sampler. old_logprobs (training forward), sampling_logprobs (vLLM's;
-    NaN counts as agreement), mask [B, R]; d_t = (old_t - sampling_t) m_t:
-
-    token_*     w_t = exp(d_t)              [B, R]
-    sequence_*  w = exp(sum_t d_t)          [B, 1]
-    *_truncate  w <- clamp(w, clip_min, clip_max)
-    *_mask      w <- w if clip_min <= w <= clip_max, else 0
-
-    A bound of None is no bound."""
-    diff = ((old_logprobs - sampling_logprobs) * mask).nan_to_num(0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    weights = diff.exp()
-    if mode.endswith("_truncate"):
-        return weights.clamp(min=clip_min, max=clip_max)
-    if not mode.endswith("_mask"):
-        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}.")
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+def rare_flag(args: Args) -> str | None:
+    """The first flag given that needs utils/loss_variants.py (the rarer losses and masks), else None."""
+    given = {
+        f"--loss_type {args.loss_type}": args.loss_type in LOSS_VARIANTS,
+        "--off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+        "--top_entropy_quantile": args.top_entropy_quantile < 1,
+    }
+    return next((flag for flag, on in given.items() if on), None)
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -789,23 +706,6 @@ def logged_means(accelerator, scorers) -> dict[str, float]:
     }
 
 
-def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, accelerator) -> dict:
-    """TRL's sampling/* metrics: |training - vLLM| logprob (mean, max), weights (min, mean, max)."""
-    mask = mask.bool()
-    delta = (old_logprobs - sampling_logprobs).abs()[mask]
-    delta = delta[~delta.isnan()]
-    flat = weights.flatten() if weights.size(-1) == 1 else weights[mask]
-    zero = torch.zeros((), device=mask.device)
-    stat = lambda x, fn: fn(x) if x.numel() else zero  # noqa: E731
-    return {
-        "sampling/sampling_logp_difference/mean": accelerator.gather(stat(delta, torch.mean)).mean().item(),
-        "sampling/sampling_logp_difference/max": accelerator.gather(stat(delta, torch.max)).max().item(),
-        "sampling/importance_sampling_ratio/min": accelerator.gather(stat(flat, torch.min)).min().item(),
-        "sampling/importance_sampling_ratio/mean": accelerator.gather(stat(flat, torch.mean)).mean().item(),
-        "sampling/importance_sampling_ratio/max": accelerator.gather(stat(flat, torch.max)).max().item(),
-    }
-
-
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def check_importance_sampling_flags(args: Args) -> None:
     """TRL's checks of the --vllm_importance_sampling_* flags (even without --use_vllm); _cap: _clip_max."""
@@ -830,25 +730,6 @@ def check_importance_sampling_flags(args: Args) -> None:
         raise ValueError(
             f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} needs "
             "--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max."
-        )
-
-
-def check_vespo_flags(args: Args) -> None:
-    """TRL's constraints of --loss_type vespo, and a phi that has its peak and decay (TRL clamps lambda >= 1e-4)."""
-    if min(args.vespo_k_pos, args.vespo_k_neg) < 0 or min(args.vespo_lambda_pos, args.vespo_lambda_neg) <= 0:
-        raise ValueError("--vespo_k_pos and --vespo_k_neg must be at least 0, the --vespo_lambda_* positive.")
-    mode = args.vllm_importance_sampling_mode
-    if args.use_vllm and args.vllm_importance_sampling_correction and not mode.startswith("token_"):
-        raise ValueError(
-            f"--loss_type vespo takes vLLM's weights token by token into its own sequence weight: pass "
-            f"--vllm_importance_sampling_mode token_truncate or token_mask (got {mode}), as TRL 1.16 requires."
-        )
-    if args.importance_sampling_level != "token":
-        warnings.warn(
-            "--loss_type vespo weighs whole completions itself; --importance_sampling_level sequence changes only "
-            "the KL's bias correction (TRL 1.16 warns the same).",
-            UserWarning,
-            stacklevel=3,
         )
 
 
@@ -882,11 +763,12 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
     if args.beta < 0:
         raise ValueError(f"--beta must be at least 0, got {args.beta}.")
-    if args.loss_type == "sapo" and min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
-        raise ValueError("--sapo_temperature_pos and --sapo_temperature_neg must be positive.")
     check_importance_sampling_flags(args)
-    if args.loss_type == "vespo" and not args.world_size:  # once: the second call sees the same flags
-        check_vespo_flags(args)
+    rare = rare_flag(
+        args
+    )  # utils/loss_variants.py is optional; vespo's checks once (the 2nd call: same flags)
+    if rare:
+        utils.run.optional_module("utils.loss_variants", rare).check_flags(args, not args.world_size)
     if args.model_name_or_path is None:
         raise ValueError("pass the policy to train with --model_name_or_path.")
     num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
@@ -1192,6 +1074,8 @@ def main(args: Args) -> None:
     B, T = args.local_generation_batch_size, args.temperature
     G, R, ga = args.num_generations, args.max_completion_length, args.gradient_accumulation_steps
     correct_vllm = args.use_vllm and args.vllm_importance_sampling_correction
+    vllm_module = utils.run.optional_module("utils.vllm", "--use_vllm") if correct_vllm else None
+    variants = utils.run.optional_module("utils.loss_variants", rare_flag(args)) if rare_flag(args) else None
     sample_every = max(
         1, args.total_steps // args.steps_per_generation_round // max(1, args.num_sample_generations)
     )
@@ -1243,7 +1127,7 @@ def main(args: Args) -> None:
         loss_mask = tool_mask & has_eos[:, None] if args.mask_truncated_completions else tool_mask
         importance_weights = None
         if correct_vllm:
-            importance_weights = vllm_importance_weights(
+            importance_weights = vllm_module.importance_weights(
                 old_logprobs,
                 sampled_logprobs,
                 tool_mask,
@@ -1261,7 +1145,7 @@ def main(args: Args) -> None:
         }
         if correct_vllm:
             generation_metrics.update(
-                importance_sampling_metrics(
+                vllm_module.importance_sampling_metrics(
                     old_logprobs, sampled_logprobs, importance_weights, tool_mask, accelerator
                 )
             )
@@ -1306,12 +1190,12 @@ def main(args: Args) -> None:
                         given = theirs and sampled_logprobs is not None  # a rollout_func's may be None
                         sampled = sampled_logprobs[idx] if given else raw_old_logprobs
                         threshold = args.off_policy_mask_threshold
-                        mb_weights = mb_weights * off_policy_mask(
+                        mb_weights = mb_weights * variants.off_policy_mask(
                             advantages[idx], logprobs, sampled, mb_mask, threshold
                         )
                     if args.top_entropy_quantile < 1:
                         q = args.top_entropy_quantile
-                        mb_weights = mb_weights * high_entropy_mask(entropy, mb_mask, q, accelerator)
+                        mb_weights = mb_weights * variants.high_entropy_mask(entropy, mb_mask, q, accelerator)
                     per_token_loss = policy_token_loss(
                         args, logprobs, mb_old_logprobs, advantages[idx], mb_weights, mb_mask, vllm_weights
                     )
@@ -1338,13 +1222,11 @@ def main(args: Args) -> None:
                     clipped = clip_fractions(
                         each[0], advantages[idx], each[1], args.epsilon, args.epsilon_high
                     )
-                    if args.loss_type == "cispo":  # tokens whose weight the cap lowered
-                        capped = (each[0] > args.epsilon_high) & (advantages[idx, None] > 0)
-                        clipped = (token_mean(capped.float(), each[1]), 0.0, 0.0)
-                    if vespo:  # the mean weight phi of a completion
-                        flags = (*vespo_flags(args), vllm_weights)
-                        phi = vespo_weights(logprobs - mb_old_logprobs, advantages[idx], mb_mask, *flags)
-                        clipped = (phi.mean(), 0.0, 0.0)
+                    if args.loss_type in ("cispo", "vespo"):  # tokens the cap lowered; mean weight phi
+                        log_ratio = logprobs - mb_old_logprobs
+                        clipped = variants.clip_stat(
+                            args, *each, log_ratio, advantages[idx], mb_mask, vllm_weights
+                        )
                     mb_stats = [
                         token_mean(kl, mb_mask),
                         token_mean(entropy, mb_mask),
@@ -1367,12 +1249,9 @@ def main(args: Args) -> None:
             if step % args.logging_steps == 0 or step == args.total_steps:
                 low_high = accelerator.gather(torch.stack(window)[None, :, 3:5])  # [processes, steps, 2]
                 stats = accelerator.reduce(torch.stack(window), reduction="mean").mean(0)
-                clip_metrics = {}  # sapo has no clip
-                if args.loss_type == "cispo":
-                    clip_metrics = {"cispo_clip_ratio": stats[3].item()}
-                elif args.loss_type == "vespo":
-                    clip_metrics = {"vespo/phi_seq_mean": stats[3].item()}
-                elif args.loss_type != "sapo":
+                if args.loss_type in LOSS_VARIANTS:  # sapo has no clip
+                    clip_metrics = variants.clip_metrics(args.loss_type, stats)
+                else:
                     clip_metrics = {
                         "clip_ratio/low_mean": stats[3].item(),
                         "clip_ratio/low_min": low_high[..., 0].min(0).values.mean().item(),

@@ -6,6 +6,7 @@ and in checkout B, and the two runs' metrics.jsonl (every value but timings) and
 
     python benchmark/ab_compare.py --before /path/to/old/checkout --after . --work /tmp/ab
     python benchmark/ab_compare.py --before OLD --after . --work /tmp/ab --scripts rloo grpo
+    python benchmark/ab_compare.py --before OLD --work /tmp/ab --scripts grpo --flags "--loss_type vespo" --name vespo
 
 Prints one line per script (equal, or the first difference) and exits 1 if any differs.
 """
@@ -13,6 +14,7 @@ Prints one line per script (equal, or the first difference) and exits 1 if any d
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +97,10 @@ def main() -> None:
     parser.add_argument("--after", type=Path, default=ROOT, help="checkout B")
     parser.add_argument("--work", type=Path, required=True, help="folder for the world, the lab and the runs")
     parser.add_argument("--scripts", nargs="+", default=None, help="a subset of the scripts")
+    parser.add_argument("--flags", default="", help="flags added to each script's command (one string)")
+    parser.add_argument(
+        "--name", default="", help="a suffix of the run folders, to keep runs with --flags apart"
+    )
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT / "benchmark"), str(ROOT / "tests")]
     import tiny_world
@@ -111,7 +117,11 @@ def main() -> None:
     for script, flags in commands(world, lab).items():
         if args.scripts and script not in args.scripts:
             continue
-        outs = [args.work / side / script for side in ("before", "after")]
+        flags = [*flags, *shlex.split(args.flags)]
+        outs = [
+            args.work / side / (script + (f"-{args.name}" if args.name else ""))
+            for side in ("before", "after")
+        ]
         procs = [
             run(checkout.resolve(), script, flags, out)
             for checkout, out in zip((args.before, args.after), outs)

@@ -64,6 +64,7 @@ OPTIONAL_MODULES = (
     "utils/cli.py",
     "utils/lm_head.py",
     "utils/lora.py",
+    "utils/loss_variants.py",
     "utils/plots.py",
     "utils/reward_funcs.py",
     "utils/reward_tokenizer.py",
@@ -204,3 +205,29 @@ def test_each_copy_with_its_core_alone_trains_and_resumes_exactly(world, tmp_pat
         load_file(tmp_path / "b" / "model.safetensors"),
     )
     assert straight.keys() == resumed.keys() and all(straight[k].equal(resumed[k]) for k in straight)
+
+
+@pytest.mark.parametrize(
+    "asked, says",
+    [
+        (["--loss_type", "vespo"], "--loss_type vespo"),
+        (["--top_entropy_quantile", "0.5"], "--top_entropy_quantile"),
+    ],
+)
+def test_grpo_copy_without_loss_variants_names_it_before_loading(world, tmp_path, asked, says):
+    """grpo.py copied with its core alone, asked for a rarer loss or mask (utils/loss_variants.py): exit 2 with one
+    line naming the file to copy, before any model loads."""
+    (tmp_path / "utils").mkdir()
+    shutil.copy(ROOT / "grpo.py", tmp_path / "grpo.py")
+    for module in readability.footprint(ROOT, ROOT / "grpo.py"):
+        shutil.copy(ROOT / module, tmp_path / module)
+    assert not (tmp_path / "utils" / "loss_variants.py").exists()
+    flags = ["--model_name_or_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
+             "--dataset_name", str(world / "dataset"), "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = run_script(["grpo.py", *flags, *asked], cwd=tmp_path, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert last.startswith(f"grpo.py: error: {says} needs utils/loss_variants.py, which this copy lacks"), (
+        last
+    )
+    assert not (tmp_path / "out").exists()

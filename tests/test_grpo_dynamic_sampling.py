@@ -13,6 +13,7 @@ import torch
 
 import grpo
 from conftest import make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
+from utils import loss_variants
 
 # Half the prompts (even length) get 1.0 whatever the completion: their groups never have a spread. The others get
 # the parity of the completion's length, 0 or 1, an accuracy-like reward: a group of 4 is all equal 1 time in 8.
@@ -159,7 +160,7 @@ def test_high_entropy_mask_is_trls(quantile):
     entropy, mask = torch.rand(6, 9, generator=g) * 3, torch.rand(6, 9, generator=g) > 0.3
     trainer = type("Trainer", (), {"accelerator": OneProcess()})()
     theirs = GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask.long(), 1 - quantile)
-    ours = grpo.high_entropy_mask(entropy, mask, quantile, OneProcess())
+    ours = loss_variants.high_entropy_mask(entropy, mask, quantile, OneProcess())
     assert torch.equal(ours, theirs)
     assert ours.sum() >= 1 and not (ours & ~mask).any()
 
@@ -174,7 +175,7 @@ def test_off_policy_mask_is_trls():
     kept = []
     for threshold in (0.0, 0.1, 0.3):
         theirs = GRPOTrainer.get_off_policy_mask(advantages[:, None], logprobs, sampling, mask, threshold)
-        ours = grpo.off_policy_mask(advantages, logprobs, sampling, mask, threshold)
+        ours = loss_variants.off_policy_mask(advantages, logprobs, sampling, mask, threshold)
         assert torch.equal(ours, theirs)
         kept.append(int(ours.sum()))
     assert kept[0] < kept[-1] and kept[0] >= int((advantages >= 0).sum()), kept  # A >= 0 is always kept

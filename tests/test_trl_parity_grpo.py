@@ -8,7 +8,7 @@
   None), the old logprobs it recomputes (and when), and its vLLM importance weights and sampling metrics for each
   `vllm_importance_sampling_mode` (its generation stubbed with fixed completions);
 - left-padded prompts: the same logprobs;
-- vespo: grpo.vespo_weights against TRL's own `get_gamma_weights` on random tensors (clamps, vLLM weights of 0),
+- vespo: loss_variants.vespo_weights against TRL's own `get_gamma_weights` on random tensors (clamps, vLLM weights of 0),
   and the loss and gradients with vLLM's token weights folded into the sequence weight (TRL's constraints on the
   flags: below);
 - the differences we keep on purpose, asserted: the DAPO normalizer when one generation feeds several optimizer
@@ -27,6 +27,8 @@ import utils.generation
 import utils.loading
 import utils.logprobs
 import utils.run
+import utils.vllm
+from utils import loss_variants
 
 assert trl.__version__ == "1.16.0", trl.__version__
 
@@ -155,7 +157,9 @@ def test_loss_and_gradients_equal_trls(world, tmp_path_factory, ours, loss_type,
     if beta > 0:
         assert trainer._metrics["train"]["kl"][-1] == pytest.approx(grpo.token_mean(kl, mask).item(), 1e-5)
     if loss_type == "vespo":
-        phi = grpo.vespo_weights(logprobs - old_logprobs, advantages, mask, *grpo.vespo_flags(args))
+        phi = loss_variants.vespo_weights(
+            logprobs - old_logprobs, advantages, mask, *loss_variants.vespo_flags(args)
+        )
         assert trainer._metrics["train"]["vespo/phi_seq_mean"][-1] == pytest.approx(phi.mean().item(), 1e-5)
         assert off_policy == (phi.std() > 0.1)  # off-policy the weights vary; on-policy phi(1) = 1
 
@@ -173,7 +177,7 @@ def test_loss_with_vllm_importance_weights_equals_trls(world, tmp_path_factory, 
         old = our_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)[0]
     sampling = old + 0.4 * torch.randn(B, R, generator=g)
     ref = old + 0.3 * torch.randn(B, R, generator=g)
-    weights = grpo.vllm_importance_weights(old, sampling, completion_mask, mode, 0.5, 2.0)
+    weights = utils.vllm.importance_weights(old, sampling, completion_mask, mode, 0.5, 2.0)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                   completion_mask=completion_mask, advantages=advantages, num_items_in_batch=completion_mask.sum(),
                   ref_per_token_logps=ref, old_per_token_logps=old, importance_sampling_ratio=weights)  # fmt: skip
@@ -198,7 +202,7 @@ def test_loss_with_vllm_importance_weights_equals_trls(world, tmp_path_factory, 
 
 
 def test_vespo_weights_equal_trls_gamma_weights():
-    """grpo.vespo_weights and TRL's own GRPOTrainer.get_gamma_weights on random log-ratios (some beyond the
+    """loss_variants.vespo_weights and TRL's own GRPOTrainer.get_gamma_weights on random log-ratios (some beyond the
     clamps of log r and log w), advantages of both signs and 0, vLLM token weights (some 0: token_mask's
     out-of-bounds) or none, TRL's default k, lambda and others."""
     g = torch.Generator().manual_seed(11)
@@ -214,12 +218,14 @@ def test_vespo_weights_equal_trls_gamma_weights():
     weights[5, 0] = 0.0
     for flags in [(2.0, 3.0, 3.0, 2.0), (1.0, 0.5, 4.0, 6.0)]:
         for iw in (None, weights):
-            mine = grpo.vespo_weights(log_ratio, advantages, mask, *flags, iw)
+            mine = loss_variants.vespo_weights(log_ratio, advantages, mask, *flags, iw)
             theirs = trl.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, iw, *flags)
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
             assert mine.shape == (rows, 1) and mine.std() > 0.1 and not mine.requires_grad
     assert (
-        grpo.vespo_weights(torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3), 2, 3, 3, 2)
+        loss_variants.vespo_weights(
+            torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3), 2, 3, 3, 2
+        )
         .eq(1)
         .all()
     )
@@ -241,7 +247,7 @@ def test_vespo_loss_with_vllm_importance_weights_equals_trls(world, tmp_path_fac
     old = current + 0.2 * torch.randn(B, R, generator=g)
     sampling = old + 0.4 * torch.randn(B, R, generator=g)
     ref = old + 0.3 * torch.randn(B, R, generator=g)
-    weights = grpo.vllm_importance_weights(old, sampling, completion_mask, mode, 0.5, 2.0)
+    weights = utils.vllm.importance_weights(old, sampling, completion_mask, mode, 0.5, 2.0)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                   completion_mask=completion_mask, advantages=advantages, num_items_in_batch=completion_mask.sum(),
                   ref_per_token_logps=ref, old_per_token_logps=old, importance_sampling_ratio=weights)  # fmt: skip
@@ -263,9 +269,11 @@ def test_vespo_loss_with_vllm_importance_weights_equals_trls(world, tmp_path_fac
     theirs = grads(trainer.model)
     for name, grad in grads(ours).items():
         torch.testing.assert_close(grad, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
-    phi = grpo.vespo_weights(logprobs - old, advantages, mask, *grpo.vespo_flags(args), weights)
+    phi = loss_variants.vespo_weights(
+        logprobs - old, advantages, mask, *loss_variants.vespo_flags(args), weights
+    )
     assert trainer._metrics["train"]["vespo/phi_seq_mean"][-1] == pytest.approx(phi.mean().item(), 1e-5)
-    without = grpo.vespo_weights(logprobs - old, advantages, mask, *grpo.vespo_flags(args))
+    without = loss_variants.vespo_weights(logprobs - old, advantages, mask, *loss_variants.vespo_flags(args))
     assert (phi - without).abs().max() > 0.05  # the weights mattered
 
 
@@ -437,8 +445,8 @@ def test_vllm_importance_weights_and_metrics_equal_trls(
     world, tmp_path_factory, ours, mode, clip_min, clip_max
 ):
     """TRL's importance sampling ratio (each mode, with TRL's default bounds and with both bounds) equals
-    grpo.vllm_importance_weights of the same old and sampling logprobs, and its sampling/* metrics equal
-    grpo.importance_sampling_metrics; vLLM's logprobs here differ from the training forward's by N(0, 0.3)."""
+    utils.vllm.importance_weights of the same old and sampling logprobs, and its sampling/* metrics equal
+    utils.vllm.importance_sampling_metrics; vLLM's logprobs here differ from the training forward's by N(0, 0.3)."""
     trainer = trl_trainer(world, tmp_path_factory, reward_funcs=[f1], vllm_importance_sampling_mode=mode,
                           vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max)  # fmt: skip
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch(8)
@@ -451,11 +459,13 @@ def test_vllm_importance_weights_and_metrics_equal_trls(
     finally:
         trainer.use_vllm = False
     old = output["old_per_token_logps"]
-    weights = grpo.vllm_importance_weights(old, sampling, completion_mask, mode, clip_min, clip_max)
+    weights = utils.vllm.importance_weights(old, sampling, completion_mask, mode, clip_min, clip_max)
     torch.testing.assert_close(weights, output["importance_sampling_ratio"], rtol=1e-6, atol=1e-7)
     if clip_min is not None:  # the bounds acted
         assert ((weights == 0) if mode.endswith("mask") else (weights == 1.5) | (weights == 0.6)).any()
-    metrics = grpo.importance_sampling_metrics(old, sampling, weights, completion_mask, trainer.accelerator)
+    metrics = utils.vllm.importance_sampling_metrics(
+        old, sampling, weights, completion_mask, trainer.accelerator
+    )
     for name, value in metrics.items():
         assert value == pytest.approx(trainer._metrics["train"][name][-1], rel=1e-5), name
 
@@ -464,14 +474,14 @@ def test_importance_weights_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.2, 0.2]]))
     sampling = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.1, 0.1, float("nan")]]))
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    weights = grpo.vllm_importance_weights(old, sampling, mask, "token_truncate", None, 3.0)
+    weights = utils.vllm.importance_weights(old, sampling, mask, "token_truncate", None, 3.0)
     # masked token and NaN logprob: weight 1 (no correction)
     torch.testing.assert_close(weights, torch.tensor([[2.0, 1.0, 1.0], [2.0, 2.0, 1.0]]))
-    weights = grpo.vllm_importance_weights(old, sampling, mask, "sequence_mask", None, 3.0)
+    weights = utils.vllm.importance_weights(old, sampling, mask, "sequence_mask", None, 3.0)
     torch.testing.assert_close(
         weights, torch.tensor([[2.0], [0.0]])
     )  # 2 * 2 = 4 > 3: the completion is dropped
-    weights = grpo.vllm_importance_weights(old, sampling, mask, "sequence_truncate", 0.5, 3.0)
+    weights = utils.vllm.importance_weights(old, sampling, mask, "sequence_truncate", 0.5, 3.0)
     torch.testing.assert_close(weights, torch.tensor([[2.0], [3.0]]))
 
 

@@ -10,6 +10,7 @@ docs/gpus.md); `engine_logprobs=True` gives vLLM's own. The caller's generator d
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -225,3 +226,48 @@ class Engine:
             torch.tensor([step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:])])
             for out, ids in zip(outputs, token_ids)
         ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grpo.py's correction for vLLM's sampler (--vllm_importance_sampling_correction, TRL's)
+# ----------------------------------------------------------------------------------------------------------------
+def importance_weights(
+    old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0
+) -> torch.Tensor:
+    """Weights correcting for vLLM's sampler. old_logprobs (training forward), sampling_logprobs (vLLM's;
+    NaN counts as agreement), mask [B, R]; d_t = (old_t - sampling_t) m_t:
+
+    token_*     w_t = exp(d_t)              [B, R]
+    sequence_*  w = exp(sum_t d_t)          [B, 1]
+    *_truncate  w <- clamp(w, clip_min, clip_max)
+    *_mask      w <- w if clip_min <= w <= clip_max, else 0
+
+    A bound of None is no bound."""
+    diff = ((old_logprobs - sampling_logprobs) * mask).nan_to_num(0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    weights = diff.exp()
+    if mode.endswith("_truncate"):
+        return weights.clamp(min=clip_min, max=clip_max)
+    if not mode.endswith("_mask"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}.")
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, accelerator) -> dict:
+    """TRL's sampling/* metrics: |training - vLLM| logprob (mean, max), weights (min, mean, max)."""
+    mask = mask.bool()
+    delta = (old_logprobs - sampling_logprobs).abs()[mask]
+    delta = delta[~delta.isnan()]
+    flat = weights.flatten() if weights.size(-1) == 1 else weights[mask]
+    zero = torch.zeros((), device=mask.device)
+    stat = lambda x, fn: fn(x) if x.numel() else zero  # noqa: E731
+    return {
+        "sampling/sampling_logp_difference/mean": accelerator.gather(stat(delta, torch.mean)).mean().item(),
+        "sampling/sampling_logp_difference/max": accelerator.gather(stat(delta, torch.max)).max().item(),
+        "sampling/importance_sampling_ratio/min": accelerator.gather(stat(flat, torch.min)).min().item(),
+        "sampling/importance_sampling_ratio/mean": accelerator.gather(stat(flat, torch.mean)).mean().item(),
+        "sampling/importance_sampling_ratio/max": accelerator.gather(stat(flat, torch.max)).max().item(),
+    }
