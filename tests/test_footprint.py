@@ -62,6 +62,7 @@ def test_vllm_is_optional_for_the_scripts_that_sample_with_it():
 
 OPTIONAL_MODULES = (
     "utils/cli.py",
+    "utils/context.py",
     "utils/lm_head.py",
     "utils/lora.py",
     "utils/loss_variants.py",
@@ -108,6 +109,7 @@ def core_copy(world, tmp_path_factory):
         ("utils/reward_tokenizer.py", ["--reward_tokenizer_path", "OTHER"], "a reward model with another"),
         ("utils/lora.py", ["--use_peft"], "--use_peft needs"),
         ("utils/reward_funcs.py", ["--reward_fn", "rewards.py:length"], "--reward_fn needs"),
+        ("utils/context.py", ["--context_overflow", "cut"], "--context_overflow cut needs"),
     ],
 )
 def test_copy_without_an_optional_module_names_it_when_asked(core_copy, world, module, asked, says):

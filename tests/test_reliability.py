@@ -206,11 +206,11 @@ def test_check_writable(tmp_path):
 
 
 def test_sequences_longer_than_the_model_are_refused_before_loading(world, tmp_path):
+    import utils.context
     import utils.data
-    import utils.loading
     import utils.run
 
-    assert utils.loading.model_positions(str(world / "policy")) == 256
+    assert utils.context.model_positions(str(world / "policy")) == 256
     out = tmp_path / "out"
     # wrapped packing: positions run along the whole row (bfd's restart at each example, which fits)
     flags = sft_flags(world, out, "long", max_length=2000, packing=True, packing_strategy="wrapped")
@@ -267,7 +267,8 @@ def test_rl_prompts_longer_than_the_model_are_refused_or_cut_from_the_left(world
 
 
 def test_cut_from_left_keeps_the_last_tokens():
-    from utils.loading import cut_from_left, fitted_lengths
+    from utils.context import fitted_lengths
+    from utils.loading import cut_from_left
 
     splits = [[[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], None, [[11, 12, 13, 14]]]
     assert cut_from_left(splits, 3) == ([[[3, 4, 5], [6, 7], [8, 9, 10]], None, [[12, 13, 14]]], 2)
@@ -282,12 +283,12 @@ def test_cut_from_left_keeps_the_last_tokens():
 def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys, tmp_path):
     from types import SimpleNamespace
 
-    import utils.loading
+    import utils.context
 
     policy, flag = str(world / "policy"), "--sft_model_path"
     train, test = [list(range(300)), [7, 8, 9]], [list(range(201)), list(range(200))]
     args = SimpleNamespace(context_overflow="cut", response_length=56)
-    fitted = utils.loading.fit_prompts([train, test, None], args, "response_length", policy, flag)
+    fitted = utils.context.fit_prompts([train, test, None], args, "response_length", policy, flag)
     # 256 - 56 = 200: the end of each longer prompt stays, shorter ones are untouched.
     assert fitted == [[list(range(100, 300)), [7, 8, 9]], [list(range(1, 201)), list(range(200))], None]
     assert all(len(p) + 56 <= 256 for split in fitted[:2] for p in split)
@@ -295,11 +296,11 @@ def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys, tmp_
         "--context_overflow cut: 2 of 4 prompts cut from the left to 200 tokens, so that prompt + 56 completion "
         f"tokens fit the 256 positions of --sft_model_path {policy}\n"
     )
-    assert utils.loading.fit_prompts(fitted, args, "response_length", policy, flag) == fitted
+    assert utils.context.fit_prompts(fitted, args, "response_length", policy, flag) == fitted
     assert capsys.readouterr().out == ""  # nothing to cut: nothing said
     args.context_overflow = "refuse"
     with pytest.raises(ValueError) as error:
-        utils.loading.fit_prompts([train, test], args, "response_length", policy, flag)
+        utils.context.fit_prompts([train, test], args, "response_length", policy, flag)
     assert str(error.value) == (
         f"this run's sequences reach 356 tokens, more than the 256 positions of --sft_model_path {policy}; lower "
         "--max_prompt_length or --response_length so that they fit, or pass --context_overflow cut to keep each "
@@ -307,7 +308,7 @@ def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys, tmp_
     )
     args.context_overflow, args.response_length = "cut", 256  # no room left for any prompt token
     with pytest.raises(ValueError) as error:
-        utils.loading.fit_prompts([train], args, "response_length", policy, flag)
+        utils.context.fit_prompts([train], args, "response_length", policy, flag)
     assert str(error.value) == (
         f"--response_length 256 leaves no room for a prompt in the 256 positions of --sft_model_path {policy}; "
         "lower --response_length."
@@ -315,13 +316,13 @@ def test_fit_prompts_cuts_every_split_in_one_line_or_refuses(world, capsys, tmp_
     with pytest.raises(
         ValueError, match=r"lower --max_completion_length\.$"
     ):  # the flag as the user named it
-        utils.loading.fit_prompts([train], args, "response_length", policy, flag, "--max_completion_length")
+        utils.context.fit_prompts([train], args, "response_length", policy, flag, "--max_completion_length")
     assert capsys.readouterr().out == ""
     from transformers import MambaConfig
 
     MambaConfig().save_pretrained(tmp_path / "mamba")  # a config that names no positions
     unknown = SimpleNamespace(context_overflow="refuse", response_length=56)
-    assert utils.loading.fit_prompts([train], unknown, "response_length", str(tmp_path / "mamba"), flag) == [
+    assert utils.context.fit_prompts([train], unknown, "response_length", str(tmp_path / "mamba"), flag) == [
         train
     ]
 
@@ -342,13 +343,13 @@ def test_cut_lengths_pass_each_scripts_own_flag_checks(script, world, capsys):
     it, so that the script's own checks (0 < --max_prompt_length < --max_length) still pass."""
     import importlib
 
-    import utils.loading
+    import utils.context
 
     module = importlib.import_module(script)
     for mode in ("refuse", "cut"):
         args = module.Args(model_name_or_path=str(world / "policy"), context_overflow=mode)
         before = getattr(args, "max_prompt_length", None)
-        utils.loading.fit_max_length(args)
+        utils.context.fit_max_length(args)
         module.fill_sizes(args, 1)
         assert args.max_length == (1024 if mode == "refuse" else 256)
         prompt = getattr(args, "max_prompt_length", None)
@@ -419,7 +420,7 @@ def test_every_other_script_refuses_longer_sequences_or_cuts_them(script, world,
     assert (out / "config.json").exists()
 
 
-@pytest.mark.slow  # the same helper as sft.py's (utils.loading.check_context_length)
+@pytest.mark.slow  # the same helper as rloo.py's (utils.context.fit_prompts)
 def test_grpo_prompts_longer_than_the_model_are_refused_before_loading(world, tmp_path):
     out = tmp_path / "out"
     # The longest prompt (under --max_prompt_length 2000) plus --max_completion_length.

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from utils.chat import set_chat_template
 from utils.data import TOKENIZER_FILES, check_hub_id, folder_holds, hub_offline, is_local, missing_path
-from utils.run import main_process
+from utils.run import extra_module, main_process, optional_module
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -198,20 +198,6 @@ def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None 
 POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
-def model_positions(name_or_path: str, flag: str | None = None) -> int | None:
-    """The model's positions from its config alone (POSITION_ATTRIBUTES); None when unknown. With the `flag` that
-    names it, a path that holds no model is a ValueError (check_source) first."""
-    from transformers import AutoConfig
-
-    if flag is not None:
-        check_source(AutoConfig, name_or_path, flag)
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, **load_kwargs(AutoConfig, name_or_path))
-    except (OSError, ValueError):  # loading the model reports a bad path later
-        return None
-    return config_positions(config)
-
-
 def config_positions(config) -> int | None:
     """The positions a model config names (POSITION_ATTRIBUTES); None when unknown."""
     config = getattr(config, "text_config", None) or config
@@ -222,49 +208,10 @@ def config_positions(config) -> int | None:
     return None
 
 
-def check_context_length(
-    name_or_path: str, length: int, flags: str, flag: str = "--model_name_or_path"
-) -> None:
-    """ValueError naming `flags` when sequences of `length` tokens exceed the model's positions (a rotary
-    model would train silently on unseen positions). Reads the config only: call it before loading."""
-    positions = model_positions(name_or_path, flag)
-    if positions is not None and length > positions:
-        raise ValueError(
-            f"this run's sequences reach {length} tokens, more than the {positions} positions of {flag} "
-            f"{name_or_path}; lower {flags} so that they fit, or pass --context_overflow cut."
-        )
-
-
 def say_once(line: str) -> None:
     """Print `line` on the run's first process only (the accelerator may not exist yet)."""
     if main_process():
         print(line, flush=True)
-
-
-def fitted_lengths(max_length: int, max_prompt_length: int | None, positions: int) -> tuple[int, int | None]:
-    """`max_length` lowered to `positions`; a `max_prompt_length` then not under it becomes half of it, so the
-    scripts' rule 0 < max_prompt_length < max_length still holds."""
-    max_length = min(max_length, positions)
-    if max_prompt_length is not None and max_prompt_length >= max_length:
-        max_prompt_length = max(1, max_length // 2)
-    return max_length, max_prompt_length
-
-
-def fit_max_length(args, flag: str = "--model_name_or_path") -> None:
-    """Under --context_overflow cut, lower `args.max_length` (and `args.max_prompt_length` with it, when it has
-    one) to the positions of `args.model_name_or_path`, in one line. Reads the config only."""
-    positions = model_positions(args.model_name_or_path, flag) if args.context_overflow == "cut" else None
-    if positions is None or args.max_length <= positions:
-        return
-    old_length, old_prompt = args.max_length, getattr(args, "max_prompt_length", None)
-    args.max_length, new_prompt = fitted_lengths(old_length, old_prompt, positions)
-    prompt = f", --max_prompt_length {old_prompt} to {new_prompt}" if new_prompt != old_prompt else ""
-    say_once(
-        f"--context_overflow cut: --max_length {old_length} lowered to the {positions} positions of {flag} "
-        f"{args.model_name_or_path}{prompt}"
-    )
-    if new_prompt != old_prompt:
-        args.max_prompt_length = new_prompt
 
 
 def cut_from_left(
@@ -287,6 +234,32 @@ def cut_prompts(splits: list[list[list[int]] | None], max_prompt_length: int | N
     return splits
 
 
+def _context(args=None):
+    """utils/context.py, which checks sequences against the model's positions: --context_overflow cut needs
+    it; otherwise None when this copy lacks it, and the flags are trusted to fit."""
+    if getattr(args, "context_overflow", None) == "cut":
+        return optional_module("utils.context", "--context_overflow cut")
+    return extra_module("utils.context")
+
+
+def check_context_length(
+    name_or_path: str, length: int, flags: str, flag: str = "--model_name_or_path"
+) -> None:
+    """ValueError naming `flags` when sequences of `length` tokens exceed the model's positions
+    (utils/context.py; without it, trusted). Reads the config only: call it before loading."""
+    context = _context()
+    if context is not None:
+        context.check_context_length(name_or_path, length, flags, flag)
+
+
+def fit_max_length(args, flag: str = "--model_name_or_path") -> None:
+    """Under --context_overflow cut, lower `args.max_length` (and `args.max_prompt_length`) to the positions
+    of `args.model_name_or_path` (utils/context.py). Reads the config only."""
+    context = _context(args)
+    if context is not None:
+        context.fit_max_length(args, flag)
+
+
 def fit_prompts(
     splits: list[list[list[int]] | None],
     args,
@@ -295,31 +268,10 @@ def fit_prompts(
     flag: str,
     completion_flag: str = "",
 ) -> list:
-    """The prompt ids of every split (train, eval; None stays None) such that each prompt with `args.<completion>`
-    tokens (flag `completion_flag`, default --<completion>) fits the positions of `model`: refused in one
-    sentence, or under --context_overflow cut, cut from the left with one line for all splits. Reads the config
-    only: call it before loading the model."""
-    positions, length = model_positions(model, flag), getattr(args, completion)
-    completion_flag = completion_flag or f"--{completion}"
-    prompts = [p for split in splits if split for p in split]
-    longest = max(map(len, prompts), default=0) + length
-    if positions is None or longest <= positions:
+    """The prompt ids of every split, each prompt with `args.<completion>` tokens fitting the positions of
+    `model`: refused, or cut from the left under --context_overflow cut (utils/context.py; without it, as
+    they are)."""
+    context = _context(args)
+    if context is None:
         return splits
-    room = positions - length
-    if room < 1:
-        raise ValueError(
-            f"{completion_flag} {length} leaves no room for a prompt in the {positions} positions of {flag} "
-            f"{model}; lower {completion_flag}."
-        )
-    if args.context_overflow != "cut":
-        raise ValueError(
-            f"this run's sequences reach {longest} tokens, more than the {positions} positions of {flag} "
-            f"{model}; lower --max_prompt_length or {completion_flag} so that they fit, or pass "
-            f"--context_overflow cut to keep each prompt's last {room} tokens."
-        )
-    splits, cut = cut_from_left(splits, room)
-    say_once(
-        f"--context_overflow cut: {cut} of {len(prompts)} prompts cut from the left to {room} tokens, so that "
-        f"prompt + {length} completion tokens fit the {positions} positions of {flag} {model}"
-    )
-    return splits
+    return context.fit_prompts(splits, args, completion, model, flag, completion_flag)
