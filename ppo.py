@@ -1024,7 +1024,7 @@ def main(args: Args) -> dict:
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
             if utils.run.zero_stage(accelerator) == 3:
-                metrics["zero3/local_param_share"] = utils.run.local_param_share(model)
+                metrics["zero3/local_param_share"] = utils.run.zero3().local_param_share(model)
             if not run.scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(run.scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()

@@ -1073,7 +1073,7 @@ def main(args: Args) -> dict:
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
             if utils.run.zero_stage(accelerator) == 3:
-                metrics["zero3/local_param_share"] = utils.run.local_param_share(policy)
+                metrics["zero3/local_param_share"] = utils.run.zero3().local_param_share(policy)
             if not run.scorers[0].same_tokenizer:
                 truncated = torch.tensor(run.scorers[0].take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()

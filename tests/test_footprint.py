@@ -74,6 +74,7 @@ OPTIONAL_MODULES = (
     "utils/tools.py",
     "utils/trl_flags.py",
     "utils/vllm.py",
+    "utils/zero3.py",
 )
 
 

@@ -309,3 +309,40 @@ def test_release_freed_host_memory_returns_the_heaps_freed_pages():
         return  # ran without error: all that is promised without glibc
     before, after = map(float, result.stdout.split())
     assert before - after > 150, (before, after)
+
+
+def test_a_copy_without_zero3_runs_all_but_zero3(tmp_path):
+    """A copy with utils/run.py but not utils/zero3.py: without ZeRO-3, frozen models, sampling and loading take
+    their plain path and never look for the file; under ZeRO-3 one sentence names it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text("")
+    (tmp_path / "utils" / "run.py").write_text((ROOT / "utils" / "run.py").read_text())
+    code = textwrap.dedent(
+        """
+        import sys
+        from types import SimpleNamespace
+        import torch
+        import utils.run
+
+        def accelerator(plugin):
+            return SimpleNamespace(device=torch.device("cpu"), state=SimpleNamespace(deepspeed_plugin=plugin))
+
+        model = torch.nn.Linear(2, 2)
+        plain = accelerator(None)
+        assert utils.run.prepare_frozen(model, plain) is model and not model.weight.requires_grad
+        with utils.run.unsharded_loading(plain), utils.run.gathered_for_generation(model, plain) as bare:
+            assert bare is model and not utils.run.gathered(model)
+        assert "utils.zero3" not in sys.modules
+        try:
+            utils.run.gathered_for_generation(model, accelerator(SimpleNamespace(zero_stage=3)))
+        except ValueError as error:
+            print(error)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    said = "a DeepSpeed ZeRO-3 launch needs utils/zero3.py, which this copy lacks"
+    assert proc.stdout.startswith(said), proc

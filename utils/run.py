@@ -1,5 +1,5 @@
 """Plumbing every script shares, skippable on a first read: the command line, the accelerator (DDP,
-DeepSpeed ZeRO-2/3), frozen models, gradient clipping, the end of a run.
+DeepSpeed ZeRO-2/3; ZeRO-3's own parts in utils/zero3.py), frozen models, gradient clipping, the end of a run.
 
 `run_cli(Args, main)` turns a ValueError of ours into `script.py: error: <sentence>` (exit 2);
 RLHF_TRACEBACK=1 shows the traceback."""
@@ -12,8 +12,8 @@ import math
 import os
 import sys
 import typing
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -254,6 +254,8 @@ def make_accelerator(
         config["gradient_accumulation_steps"] = gradient_accumulation_steps
         max_grad_norm = getattr(args, "max_grad_norm", None)
         config["gradient_clipping"] = float(max_grad_norm) if max_grad_norm else 0.0
+        if plugin.zero_stage == 3:
+            zero3()  # a copy without the file stops here, not at its first sample
     return accelerator
 
 
@@ -343,6 +345,11 @@ def zero_stage(accelerator) -> int:
     return plugin.zero_stage if plugin is not None else 0
 
 
+def zero3():
+    """utils/zero3.py: frozen engines, gathering for sampling, whole weights at load; only ZeRO-3 needs it."""
+    return optional_module("utils.zero3", "a DeepSpeed ZeRO-3 launch")
+
+
 def training_dtype(accelerator) -> torch.dtype:
     """The trained weights' dtype: bf16/fp16 under DeepSpeed mixed precision, else float32."""
     plugin = accelerator.state.deepspeed_plugin
@@ -367,32 +374,14 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     dtype = training_dtype(accelerator)
     for param in model.parameters():  # as DeepSpeed casts the policy: buffers stay
         param.data = param.data.to(dtype)
-    if plugin.zero_stage != 3:
-        return model
-    import deepspeed
-
-    config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
-    config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", 1)
-    config.pop("train_batch_size", None)
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine
+    return zero3().frozen_engine(model, plugin) if plugin.zero_stage == 3 else model
 
 
-@contextmanager
-def unsharded_loading(accelerator) -> Iterator[None]:
+def unsharded_loading(accelerator) -> AbstractContextManager[None]:
     """`from_pretrained` loads whole weights in this block, even under ZeRO-3."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
+    if zero_stage(accelerator) != 3:
+        return nullcontext()
+    return zero3().unsharded_loading(accelerator.state.deepspeed_plugin)
 
 
 def bare(model: nn.Module) -> nn.Module:
@@ -414,29 +403,17 @@ def gathered_mean(accelerator, values) -> float:
     return (values.nanmean() if values.isnan().any() else values.mean()).item()
 
 
-@contextmanager
-def gathered_for_generation(model: nn.Module, accelerator) -> Iterator[nn.Module]:
-    """The bare model for sampling; ZeRO-3 gathers its shards once (every process enters together)."""
+def gathered_for_generation(model: nn.Module, accelerator) -> AbstractContextManager[nn.Module]:
+    """`with gathered_for_generation(model, accelerator) as bare:` the bare model for sampling; ZeRO-3 gathers
+    its shards once (every process enters together)."""
     if zero_stage(accelerator) != 3:
-        yield bare(model)
-        return
-    import deepspeed
-    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-
-    if getattr(model, "optimizer", None) is None:  # a frozen engine: gather only
-        context = deepspeed.zero.GatheredParameters(list(model.parameters()))
-    else:
-        context = unwrap_model_for_generation(model)
-    model.gathered_for_generation = getattr(model, "gathered_for_generation", 0) + 1
-    try:
-        with context:
-            yield bare(model)
-    finally:
-        model.gathered_for_generation -= 1
+        return nullcontext(bare(model))
+    return zero3().gathered_for_generation(model)
 
 
 def gathered(model: nn.Module) -> bool:
-    """Whether `model`'s ZeRO-3 shards are gathered for sampling now (no checkpoint of it can be written)."""
+    """Whether `model`'s ZeRO-3 shards are gathered for sampling now (no checkpoint of it can be written):
+    utils/zero3.py counts the entries in `model.gathered_for_generation`."""
     return bool(getattr(model, "gathered_for_generation", 0))
 
 
@@ -448,12 +425,6 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
         total += full if full is not None else param.numel()
         held += param.ds_tensor.numel() if full is not None else param.numel()
     return total, held
-
-
-def local_param_share(model: nn.Module) -> float:
-    """Under ZeRO-3, the share of the weights this process holds."""
-    params = list(model.parameters())
-    return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
 
 
 def describe_sharding(model: nn.Module, accelerator) -> str:
