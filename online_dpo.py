@@ -25,12 +25,9 @@ if __name__ == "__main__":  # before the heavy imports: a Ctrl-C while they load
 
     utils.signals.stop_before_training()
 
-import concurrent.futures
 import functools
 import math
 import os
-import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -464,61 +461,6 @@ def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, floa
     return {name: sum(one[name] for one in every if name in one) / counts[name] for name in names}
 
 
-def call_judge(judge: Callable, prompts: list[str], pairs: list[tuple[str, str]]) -> torch.Tensor:
-    """Ask a pairwise judge and check its answer: one verdict in {0, 1, -1} per pair. Returns [P] long."""
-    verdicts = [int(v) for v in judge(prompts, pairs)]
-    if len(verdicts) != len(pairs):
-        raise ValueError(f"the judge returned {len(verdicts)} verdicts for {len(pairs)} pairs.")
-    if any(v not in (0, 1, -1) for v in verdicts):
-        raise ValueError(
-            "the judge must answer 0 (first better), 1 (second better) or -1 (tie) for each pair."
-        )
-    return torch.tensor(verdicts, dtype=torch.long)
-
-
-def openai_judge(args: Args, seed: int) -> Callable:
-    """A pairwise judge on an OpenAI-compatible endpoint, through the client of benchmark/judge_tldr.py (its
-    prompt, retries and strict `Preferred: A|B` parsing). Each pair is shown in a seeded random order, so the
-    judge's position bias does not become the policy's; an unparseable answer or a failed request is a tie."""
-    client_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark")
-    if not os.path.isfile(os.path.join(client_dir, "judge_tldr.py")):
-        raise ValueError(f"--judge openai needs benchmark/judge_tldr.py next to this script ({client_dir}).")
-    if client_dir not in sys.path:
-        sys.path.insert(0, client_dir)
-    import judge_tldr
-
-    client = judge_tldr.Args(
-        input_jsonl="",
-        base_url=args.judge_base_url,
-        model=args.judge_model,
-        api_key_env=args.judge_api_key_env,
-    )
-    api_key = os.environ.get(args.judge_api_key_env) or None
-    order = random.Random(seed)
-
-    def ask(prompt: str, first: str, second: str, swap: bool) -> int:
-        shown = (second, first) if swap else (first, second)
-        request = judge_tldr.judge_prompt(prompt, *shown)
-        retries = (client.max_retries, client.initial_backoff, client.max_backoff)
-        try:
-            answer, _ = judge_tldr.call_with_retries(
-                lambda: judge_tldr.chat_completion(client, api_key, request), *retries
-            )
-        except judge_tldr.RetryableError:
-            return -1
-        verdict = judge_tldr.parse_verdict(answer)
-        if verdict is None:
-            return -1
-        return int((verdict == "B") != swap)
-
-    def judge(prompts: list[str], pairs: list[tuple[str, str]]) -> list[int]:
-        swaps = [order.random() < 0.5 for _ in pairs]
-        with concurrent.futures.ThreadPoolExecutor(client.num_threads) as pool:
-            return list(pool.map(ask, prompts, [a for a, _ in pairs], [b for _, b in pairs], swaps))
-
-    return judge
-
-
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
     """Check the flags and compute the derived batch sizes; ValueError with one sentence on a bad value."""
@@ -622,12 +564,10 @@ def setup(args: Args) -> Run:
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)  # checks the resume path
     reward_funcs = utils.run.optional_module("utils.reward_funcs", "--reward_fn") if args.reward_fn else None
     reward_fn = reward_funcs.load_reward_fn(args.reward_fn) if reward_funcs else None
-    judge = None
-    if args.judge == "openai":
-        judge = openai_judge(args, args.seed + accelerator.process_index)
-    elif args.judge is not None:  # loaded as reward functions are (utils/reward_funcs.py)
-        judge = utils.run.optional_module("utils.reward_funcs", "--judge").load_function(
-            args.judge, "--judge"
+    judge = None  # utils/judges.py is optional: imported only with --judge
+    if args.judge is not None:
+        judge = utils.run.optional_module("utils.judges", "--judge").load_judge(
+            args, args.seed + accelerator.process_index
         )
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
@@ -816,7 +756,7 @@ def main(args: Args) -> None:
         else:
             prompts = decode_rows(run.tokenizer, queries, query_mask)
             completions = decode_rows(run.tokenizer, responses, response_mask)
-            verdicts = call_judge(judge, prompts, list(zip(completions[:P], completions[P:]))).to(device)
+            verdicts = judge(prompts, list(zip(completions[:P], completions[P:]))).to(device)
         chosen_rows, rejected_rows, kept = pairs_from_verdicts(verdicts, args.drop_ties or judge is not None)
         num_kept = accelerator.reduce(kept.sum(), reduction="sum").item()
 

@@ -64,6 +64,7 @@ OPTIONAL_MODULES = (
     "utils/cli.py",
     "utils/context.py",
     "utils/lm_head.py",
+    "utils/judges.py",
     "utils/lora.py",
     "utils/loss_variants.py",
     "utils/plots.py",
@@ -211,26 +212,28 @@ def test_each_copy_with_its_core_alone_trains_and_resumes_exactly(world, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "asked, says",
+    "script, asked, module",
     [
-        (["--loss_type", "vespo"], "--loss_type vespo"),
-        (["--top_entropy_quantile", "0.5"], "--top_entropy_quantile"),
+        ("grpo", ["--loss_type", "vespo"], "utils/loss_variants.py"),
+        ("grpo", ["--top_entropy_quantile", "0.5"], "utils/loss_variants.py"),
+        ("online_dpo", ["--judge", "judge.py:first"], "utils/judges.py"),
     ],
 )
-def test_grpo_copy_without_loss_variants_names_it_before_loading(world, tmp_path, asked, says):
-    """grpo.py copied with its core alone, asked for a rarer loss or mask (utils/loss_variants.py): exit 2 with one
-    line naming the file to copy, before any model loads."""
+def test_copy_without_an_optional_module_names_it_before_loading(world, tmp_path, script, asked, module):
+    """A script copied with its core alone, asked for a rarer loss or mask (grpo.py) or a judge (online_dpo.py):
+    exit 2 with one line naming the file to copy, before any model loads or --output_dir is made."""
     (tmp_path / "utils").mkdir()
-    shutil.copy(ROOT / "grpo.py", tmp_path / "grpo.py")
-    for module in readability.footprint(ROOT, ROOT / "grpo.py"):
-        shutil.copy(ROOT / module, tmp_path / module)
-    assert not (tmp_path / "utils" / "loss_variants.py").exists()
-    flags = ["--model_name_or_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
-             "--dataset_name", str(world / "dataset"), "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    proc = run_script(["grpo.py", *flags, *asked], cwd=tmp_path, check=False)
+    shutil.copy(ROOT / f"{script}.py", tmp_path / f"{script}.py")
+    for core in readability.footprint(ROOT, ROOT / f"{script}.py"):
+        shutil.copy(ROOT / core, tmp_path / core)
+    assert not (tmp_path / module).exists()
+    (tmp_path / "judge.py").write_text("def first(prompts, pairs):\n    return [0] * len(pairs)\n")
+    reward = [] if script == "online_dpo" else ["--reward_model_path", str(world / "reward")]
+    flags = ["--model_name_or_path", str(world / "policy"), *reward, "--dataset_name", str(world / "dataset"),
+             "--dataset_train_split", "sft", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = run_script([f"{script}.py", *flags, *asked], cwd=tmp_path, check=False)
     last = proc.stderr.strip().splitlines()[-1]
+    says = " ".join(asked) if asked[0] == "--loss_type" else asked[0]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert last.startswith(f"grpo.py: error: {says} needs utils/loss_variants.py, which this copy lacks"), (
-        last
-    )
+    assert last.startswith(f"{script}.py: error: {says} needs {module}, which this copy lacks"), last
     assert not (tmp_path / "out").exists()

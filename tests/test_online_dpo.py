@@ -13,6 +13,7 @@ import torch
 
 import online_dpo
 import utils.generation
+import utils.judges
 from conftest import (
     ROOT,
     check_trl_style_calls,
@@ -103,11 +104,11 @@ def test_prompt_mask_within_max_length_matches_trls_cut(max_length, micro_batch)
 
 def test_judge_answers_are_checked():
     pairs = [("a", "b"), ("c", "d")]
-    assert online_dpo.call_judge(lambda p, c: [1, -1], ["x", "y"], pairs).tolist() == [1, -1]
+    assert utils.judges.call_judge(lambda p, c: [1, -1], ["x", "y"], pairs).tolist() == [1, -1]
     with pytest.raises(ValueError, match="returned 1 verdicts for 2 pairs"):
-        online_dpo.call_judge(lambda p, c: [0], ["x", "y"], pairs)
+        utils.judges.call_judge(lambda p, c: [0], ["x", "y"], pairs)
     with pytest.raises(ValueError, match="must answer 0"):
-        online_dpo.call_judge(lambda p, c: [0, 2], ["x", "y"], pairs)
+        utils.judges.call_judge(lambda p, c: [0, 2], ["x", "y"], pairs)
 
 
 # ----------------------------------------------------------------------------------------------------------- losses
@@ -251,10 +252,10 @@ def test_openai_judge_undoes_the_shown_order():
     try:
         args = parse(["--model_name_or_path", "m", "--judge", "openai",
                       "--judge_base_url", f"http://127.0.0.1:{server.server_port}/v1"])  # fmt: skip
-        judge = online_dpo.openai_judge(args, seed=0)
+        judge = utils.judges.openai_judge(args, seed=0)
         pairs = [("good one", "bad one"), ("bad one", "good one"), ("meh", "meh too")] * 4
         prompts = ["SUBREDDIT: r/x\n\nPOST: p\n\nTL;DR:"] * len(pairs)
-        verdicts = online_dpo.call_judge(judge, prompts, pairs)
+        verdicts = utils.judges.call_judge(judge, prompts, pairs)
     finally:
         server.shutdown()
     assert verdicts.tolist() == [0, 1, -1] * 4  # whatever order each pair was shown in
