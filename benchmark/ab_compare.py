@@ -1,8 +1,9 @@
 """A/B of two checkouts: the same tiny command of each script in both, compared line by line and bit by bit.
 
-For a change that should not change behaviour (a reshaping, a module moved): each script runs a short training on
-the tiny world (benchmark/tiny_world.py) and the rule-reward lab (tests/conftest.py's make_rl_lab) in checkout A
-and in checkout B, and the two runs' metrics.jsonl (every value but timings) and saved weights must be equal.
+For a change that should not change behaviour (a reshaping, a module moved): each script but ddpo.py runs a short
+training on the tiny world (benchmark/tiny_world.py), the rule-reward lab (tests/conftest.py's make_rl_lab) or
+ilql's reward rows (tests/test_ilql.py's) in checkout A and in checkout B, and the two runs' metrics.jsonl (every
+value but timings) and saved weights must be equal.
 
     python benchmark/ab_compare.py --before /path/to/old/checkout --after . --work /tmp/ab
     python benchmark/ab_compare.py --before OLD --after . --work /tmp/ab --scripts rloo grpo
@@ -47,6 +48,10 @@ def commands(world: Path, lab: Path) -> dict[str, list[str]]:
                  "--reward_funcs", f"{lab / 'rules.py'}:key_words", "--num_generations", "4",
                  "--per_device_train_batch_size", "16", "--learning_rate", "1e-2", "--max_steps", "4",
                  "--max_completion_length", "8", "--num_sample_generations", "0", "--beta", "0.1"],
+        "ilql": ["--model_name_or_path", str(world / "policy"), "--dataset_name", str(lab.parent / "ilql" / "data"),
+                 "--dataset_train_split", "train", "--dataset_test_split", "validation", "--max_length", "128",
+                 "--max_prompt_length", "100", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3",
+                 "--response_length", "4", "--logging_steps", "1", "--eval_steps", "0", "--max_steps", "4"],
         "online_dpo": ["--model_name_or_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
                        *rl_data, "--per_device_train_batch_size", "4", "--max_steps", "3", "--max_new_tokens", "8",
                        "--local_rollout_forward_batch_size", "8", "--num_sample_generations", "0"],
@@ -113,6 +118,11 @@ def main() -> None:
     if not (lab / "rules.py").exists():
         lab.mkdir(parents=True, exist_ok=True)
         make_rl_lab(world, lab, num_prompts=64)
+    if not (args.work / "ilql" / "data").exists():  # prompt, completion, reward rows (tests/test_ilql.py's)
+        from test_ilql import ilql_dataset
+
+        (args.work / "ilql").mkdir(parents=True, exist_ok=True)
+        ilql_dataset(world, args.work / "ilql")
     differ = 0
     for script, flags in commands(world, lab).items():
         if args.scripts and script not in args.scripts:
