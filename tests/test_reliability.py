@@ -487,6 +487,7 @@ def test_sample_table_prompts_are_cut_to_the_model_positions(capsys):
     line, not generated past the positions (a model with learned positions would fail mid-run)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    import utils.context
     import utils.generation
 
     torch.manual_seed(0)
@@ -495,7 +496,7 @@ def test_sample_table_prompts_are_cut_to_the_model_positions(capsys):
     prompts = [list(range(2, 16)), [5, 6, 7]]  # 14 + 6 new tokens would reach position 20
     with pytest.raises(IndexError):  # the failure the cut prevents
         utils.generation.generate(model, *utils.generation.left_pad(prompts[:1], 0), 6, 0.0, 2)
-    utils.generation._SAID.clear()
+    utils.context._SAID.clear()
     responses, _ = utils.generation.complete(model, tokenizer, prompts, 6, 2)
     assert responses.shape == (2, 6)
     line = "sample table: 1 of 2 prompts cut from the left to 10 tokens, so that prompt + 6 new tokens fit"

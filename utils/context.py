@@ -1,10 +1,27 @@
 """Sequences checked against the model's positions before loading: refused in one sentence, or fitted under
---context_overflow cut. Optional: utils.loading uses it when the file is there; a copy without it trusts the
-flags (--context_overflow cut needs it)."""
+--context_overflow cut; sample-table prompts cut to fit. Optional: utils.loading and utils.generation use it when
+the file is there; a copy without it trusts the flags (--context_overflow cut needs it)."""
 
 from __future__ import annotations
 
-from utils.loading import check_source, config_positions, cut_from_left, load_kwargs, say_once
+from collections.abc import Sequence
+
+import torch.nn as nn
+
+from utils.loading import check_source, cut_from_left, load_kwargs, say_once
+from utils.run import inner_model
+
+POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def config_positions(config) -> int | None:
+    """The positions a model config names (POSITION_ATTRIBUTES); None when unknown."""
+    config = getattr(config, "text_config", None) or config
+    for name in POSITION_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def model_positions(name_or_path: str, flag: str | None = None) -> int | None:
@@ -96,3 +113,28 @@ def fit_prompts(
         f"prompt + {length} completion tokens fit the {positions} positions of {flag} {model}"
     )
     return splits
+
+
+def fit_positions(model: nn.Module, prompt_ids: Sequence[Sequence[int]], new_tokens: int) -> list:
+    """`prompt_ids` with each prompt cut from the left so that it and `new_tokens` fit the model's positions,
+    in one line when a prompt is cut (sample tables: their prompts are not checked like training data)."""
+    positions = config_positions(getattr(inner_model(model), "config", None))
+    longest = max(map(len, prompt_ids), default=0) + new_tokens
+    if positions is None or longest <= positions:
+        return list(prompt_ids)
+    room = positions - new_tokens
+    if room < 1:
+        raise ValueError(
+            f"{new_tokens} new tokens leave no room for a prompt in the model's {positions} positions."
+        )
+    line = (
+        f"sample table: {sum(len(p) > room for p in prompt_ids)} of {len(prompt_ids)} prompts cut from the left to "
+        f"{room} tokens, so that prompt + {new_tokens} new tokens fit the model's {positions} positions"
+    )
+    if line not in _SAID:  # once a run, not at every evaluation
+        _SAID.add(line)
+        say_once(line)
+    return [p[-room:] for p in prompt_ids]
+
+
+_SAID: set[str] = set()

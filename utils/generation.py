@@ -9,8 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.loading import config_positions, say_once
-from utils.run import inner_model
+from utils.run import extra_module, inner_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -242,28 +241,10 @@ def complete(
 
 
 def fit_positions(model: nn.Module, prompt_ids: Sequence[Sequence[int]], new_tokens: int) -> list:
-    """`prompt_ids` with each prompt cut from the left so that it and `new_tokens` fit the model's positions,
-    in one line when a prompt is cut (sample tables: their prompts are not checked like training data)."""
-    positions = config_positions(getattr(inner_model(model), "config", None))
-    longest = max(map(len, prompt_ids), default=0) + new_tokens
-    if positions is None or longest <= positions:
-        return list(prompt_ids)
-    room = positions - new_tokens
-    if room < 1:
-        raise ValueError(
-            f"{new_tokens} new tokens leave no room for a prompt in the model's {positions} positions."
-        )
-    line = (
-        f"sample table: {sum(len(p) > room for p in prompt_ids)} of {len(prompt_ids)} prompts cut from the left to "
-        f"{room} tokens, so that prompt + {new_tokens} new tokens fit the model's {positions} positions"
-    )
-    if line not in _SAID:  # once a run, not at every evaluation
-        _SAID.add(line)
-        say_once(line)
-    return [p[-room:] for p in prompt_ids]
-
-
-_SAID: set[str] = set()
+    """`prompt_ids` cut from the left to fit the model's positions with `new_tokens` (utils/context.py's; a copy
+    without it samples them whole)."""
+    context = extra_module("utils.context")
+    return context.fit_positions(model, prompt_ids, new_tokens) if context else list(prompt_ids)
 
 
 def sampling_generator(seed: int, *key: int, device="cpu") -> torch.Generator:

@@ -195,19 +195,6 @@ def load_tokenizer(name_or_path: str, flag: str, chat_template_path: str | None 
     return tokenizer
 
 
-POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
-
-
-def config_positions(config) -> int | None:
-    """The positions a model config names (POSITION_ATTRIBUTES); None when unknown."""
-    config = getattr(config, "text_config", None) or config
-    for name in POSITION_ATTRIBUTES:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def say_once(line: str) -> None:
     """Print `line` on the run's first process only (the accelerator may not exist yet)."""
     if main_process():

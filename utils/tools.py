@@ -42,10 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from utils.chat import tokenize_prompts
-from utils.context import model_positions
+from utils.context import config_positions, model_positions
 from utils.data import column, columns, is_conversation
 from utils.generation import left_pad, pad, truncate_response
-from utils.loading import config_positions
 from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async, load_function
 from utils.run import inner_model
 
