@@ -237,3 +237,14 @@ def test_copy_without_an_optional_module_names_it_before_loading(world, tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert last.startswith(f"{script}.py: error: {says} needs {module}, which this copy lacks"), last
     assert not (tmp_path / "out").exists()
+
+
+def test_layout_names_every_utils_module():
+    """docs/layout.md, the map of the tree, names every module in utils/ (a new or moved module included)."""
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    missing = [
+        p.name
+        for p in sorted((ROOT / "utils").glob("*.py"))
+        if p.name != "__init__.py" and p.name not in layout
+    ]
+    assert not missing, f"docs/layout.md does not name {missing}"
