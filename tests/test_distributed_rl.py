@@ -178,7 +178,7 @@ def test_grpo_environments_on_two_processes_train_and_resume_exactly(tool_lab, t
             "grpo.py", "--model_name_or_path", str(tool_lab / "policy"), "--dataset_name", str(tool_lab / "prompts.jsonl"),
             "--environment_factory", f"{tool_lab}/tools.py:Book", "--reward_funcs", f"{tool_lab}/tools.py:book_reward",
             "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "100",
-            "--temperature", "0.5", "--learning_rate", "1e-4", "--max_steps", "4", "--num_sample_generations", "0",
+            "--temperature", "1.0", "--learning_rate", "1e-4", "--max_steps", "4", "--num_sample_generations", "0",
             "--max_tool_calling_iterations", "2", "--save_steps", "2", "--output_dir", str(out / "model"),
             "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3", *extra,
         ]  # fmt: skip
