@@ -184,17 +184,22 @@ def test_each_copy_with_its_core_alone_trains_and_resumes_exactly(world, tmp_pat
     import ab_compare
     from safetensors.torch import load_file
 
-    from conftest import make_rl_lab
-
-    (tmp_path / "lab").mkdir()
-    lab = make_rl_lab(world, tmp_path / "lab", num_prompts=64) if script == "grpo" else tmp_path
     copy = tmp_path / "copy"
     (copy / "utils").mkdir(parents=True)
     shutil.copy(ROOT / f"{script}.py", copy / f"{script}.py")
     for module in readability.footprint(ROOT, ROOT / f"{script}.py"):
         shutil.copy(ROOT / module, copy / module)
+    command = ab_compare.commands(world, tmp_path)[script]
+    if (
+        script == "grpo"
+    ):  # ab_compare's grpo scores with a reward function (optional): the reward model instead
+        at = command.index("--reward_funcs")
+        command = command[:at] + command[at + 2 :] + ["--reward_model_path", str(world / "reward")]
+        command[command.index("--model_name_or_path") + 1] = str(world / "policy")
+        command[command.index("--dataset_name") + 1] = str(world / "dataset")
+        command += ["--dataset_train_split", "sft"]
     flags = [
-        *ab_compare.commands(world, lab)[script],
+        *command,
         "--logging_dir",
         str(tmp_path / "runs"),
         "--save_steps",
