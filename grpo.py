@@ -42,6 +42,7 @@ import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
+import utils.rollout
 import utils.run
 import utils.saving
 import utils.scoring
@@ -533,20 +534,6 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
     return responses, lengths, response_mask, logprobs, response_mask
 
 
-def rollout_queries(run, prompt_ids, examples, k, held_out=False, state=None):
-    """(queries, query_mask, rows, completions per query) to sample k completions of each of `examples`: their
-    prompts [P, Q], k each; with --environment_factory one query per rollout [k * P, Q], completion-major, its
-    environment reset on its row (utils/tools.py), one completion each; with --rollout_func the function's
-    prompts, one per rollout, its completions kept for sample(). rows: each query's dataset row."""
-    device = run.accelerator.device
-    if run.rollout_func is not None:
-        return *run.rollout_func.queries(run, examples, k, held_out, state), list(examples) * k, 1
-    if run.tools is None or run.tools.environments is None:
-        return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
-    rows = list(examples) * k
-    return *utils.generation.left_pad(run.tools.reset(rows, held_out), run.pad_id, device), rows, 1
-
-
 @torch.no_grad()
 def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state, held_out=False):
     """Rewards [B, F] of the sampled rows (the reward model first, then the functions); `examples` index the
@@ -554,7 +541,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
     raw_prompts, columns = (
         (run.eval_raw_prompts, run.eval_columns) if held_out else (run.raw_prompts, run.columns)
     )
-    chunk, Q, P = args.local_rollout_forward_batch_size, queries.size(1), queries.size(0)
+    chunk, Q = args.local_rollout_forward_batch_size, queries.size(1)
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
     )
@@ -562,13 +549,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
-        prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()]
-        row_columns = utils.data.columns_of_rows(columns, examples, idx)
-        if run.tools is not None:  # TRL's completions with tools (turns, tool messages), prompts after reset
-            row_columns.update(run.tools.reward_columns(idx.tolist()))
-            prompts = row_columns.get("prompt", prompts)
-        if run.rollout_func is not None:  # the keys it returned beside the ids (TRL's extra fields)
-            row_columns.update(run.rollout_func.reward_columns(idx.tolist()))
+        prompts, row_columns = utils.rollout.reward_inputs(run, raw_prompts, columns, examples, idx)
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -617,7 +598,9 @@ def sample_groups(args, run, step, drawn):
         examples = next(run.batches)  # dataset indices
         epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
         trainer_state = utils.scoring.TrainerState(global_step=step, max_steps=args.total_steps, epoch=epoch)
-        queries, query_mask, rows, k = rollout_queries(run, run.prompt_ids, examples, G, state=trainer_state)
+        queries, query_mask, rows, k = utils.rollout.rollout_queries(
+            run, run.prompt_ids, examples, G, state=trainer_state
+        )
         with run.accelerator.autocast():
             responses, _, response_mask, sampled_logprobs, tool_mask = sample(
                 args, run, queries, query_mask, not rounds, k
@@ -689,20 +672,6 @@ def reward_metrics(rewards_per_func, rewards, num_generations, names, num_proces
         "reward_std": nanstd(rewards).item(),
         "frac_reward_zero_std": group_std.isclose(torch.zeros_like(group_std)).float().mean().item(),
         **per_reward,
-    }
-
-
-def logged_means(accelerator, scorers) -> dict[str, float]:
-    """What reward functions logged (log_metric) since the last call, each name's mean over the processes."""
-    from accelerate.utils import gather_object
-
-    logged = {name: value for scorer in scorers for name, value in scorer.take_logged().items()}
-    names = sorted(set(gather_object(list(logged)))) if accelerator.num_processes > 1 else sorted(logged)
-    return {
-        name: accelerator.gather(torch.tensor(logged.get(name, math.nan), device=accelerator.device))
-        .nanmean()
-        .item()
-        for name in names
     }
 
 
@@ -1141,7 +1110,7 @@ def main(args: Args) -> None:
             "completions/clipped_ratio": utils.run.gathered_mean(accelerator, ~has_eos),
             **(run.tools.metrics(accelerator) if run.tools is not None else {}),
             **filtered,
-            **logged_means(accelerator, run.scorers),
+            **utils.rollout.logged_means(accelerator, run.scorers),
         }
         if correct_vllm:
             generation_metrics.update(
@@ -1314,7 +1283,7 @@ def held_out_metrics(args, run, step, drawn) -> dict:
         functools.partial(held_out_batch, args, run, trainer_state),
     )
     run.policy.train(training)
-    return {**eval_metrics, **{f"eval/{k}": v for k, v in logged_means(run.accelerator, run.scorers).items()}}
+    return {**eval_metrics, **utils.rollout.logged_means(run.accelerator, run.scorers, "eval/")}
 
 
 @torch.no_grad()
@@ -1322,7 +1291,9 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
     """The held-out prompts `indices`: per completion (completion-major), the values whose means are the eval/
     metrics, named as training's."""
     device, k = run.accelerator.device, args.num_generations_eval
-    queries, query_mask, rows, n = rollout_queries(run, run.eval_prompt_ids, indices, k, True, trainer_state)
+    queries, query_mask, rows, n = utils.rollout.rollout_queries(
+        run, run.eval_prompt_ids, indices, k, True, trainer_state
+    )
     noise = utils.generation.sampling_generator(
         args.seed, utils.evaluation.EVAL_KEY, indices[0], device=device
     )

@@ -44,6 +44,7 @@ import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
+import utils.rollout
 import utils.run
 import utils.saving
 import utils.scoring
@@ -400,7 +401,7 @@ def held_out_table(args, run, update, rollout) -> dict:
             functools.partial(held_out_batch, args, run, trainer_state),
         )
         if run.scorer is not None:
-            logged = mean_over_processes(run.accelerator, run.scorer.take_logged())
+            logged = utils.rollout.mean_over_processes(run.accelerator, run.scorer.take_logged())
             eval_metrics.update({f"eval/{name}": value for name, value in logged.items()})
             run.scorer.take_num_truncated()  # the evaluation's rows are not the next update's
     queries, responses, response_mask = shown
@@ -449,16 +450,6 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
             scores = scores - args.missing_eos_penalty * (~has_eos).float()
         values["objective/scores"] = scores
     return values, (queries, responses, response_mask)
-
-
-def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, float]:
-    """The mean of each value a reward function logged, over the processes that logged it."""
-    from accelerate.utils import gather_object
-
-    every = gather_object([logged]) if accelerator.num_processes > 1 else [logged]
-    names = sorted({name for one in every for name in one})
-    counts = {name: sum(name in one for one in every) for name in names}
-    return {name: sum(one[name] for one in every if name in one) / counts[name] for name in names}
 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
@@ -837,7 +828,7 @@ def main(args: Args) -> None:
                 metrics["objective/rlhf_reward"] = (
                     metrics["objective/scores"] + metrics["objective/non_score_reward"]
                 )
-                metrics.update(mean_over_processes(accelerator, run.scorer.take_logged()))
+                metrics.update(utils.rollout.mean_over_processes(accelerator, run.scorer.take_logged()))
             grad_norm = utils.run.grad_norm_after_step(policy, measured) if num_kept > 0 else None
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm

@@ -43,6 +43,7 @@ import utils.generation
 import utils.loading
 import utils.logprobs
 import utils.reward_model
+import utils.rollout
 import utils.run
 import utils.saving
 import utils.scoring
@@ -557,7 +558,7 @@ def held_out_table(args, run, update) -> dict:
         args.per_device_eval_batch_size,
         functools.partial(held_out_batch, args, run, trainer_state),
     )
-    logged = mean_over_processes(run.accelerator, run.scorer.take_logged())
+    logged = utils.rollout.mean_over_processes(run.accelerator, run.scorer.take_logged())
     run.scorer.take_num_truncated()  # the evaluation's rows are not the next update's
     which = "test prompts" if run.held_out else "training prompts"
     run.tracker.samples(columns, title=f"update {update}: {which} (greedy)")
@@ -600,16 +601,6 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         "score": eval_scores.tolist(),
     }
     return values, columns
-
-
-def mean_over_processes(accelerator, logged: dict[str, float]) -> dict[str, float]:
-    """The mean of each value a reward function logged, over the processes that logged it."""
-    from accelerate.utils import gather_object
-
-    every = gather_object([logged]) if accelerator.num_processes > 1 else [logged]
-    names = sorted({name for one in every for name in one})
-    counts = {name: sum(name in one for one in every) for name in names}
-    return {name: sum(one[name] for one in every if name in one) / counts[name] for name in names}
 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
@@ -1028,7 +1019,7 @@ def main(args: Args) -> dict:
             if not run.scorer.same_tokenizer:  # rows re-encoded for the reward model and cut to its length
                 truncated = torch.tensor(run.scorer.take_num_truncated(), device=device)
                 metrics["val/num_reward_truncated"] = accelerator.reduce(truncated, reduction="sum").item()
-            metrics.update(mean_over_processes(accelerator, run.scorer.take_logged()))
+            metrics.update(utils.rollout.mean_over_processes(accelerator, run.scorer.take_logged()))
         if args.adaptive_kl:
             run.kl_controller.update(metrics["objective/kl"], args.batch_size)
 

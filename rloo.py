@@ -41,6 +41,7 @@ import utils.evaluation
 import utils.generation
 import utils.loading
 import utils.logprobs
+import utils.rollout
 import utils.run
 import utils.saving
 import utils.scoring
@@ -481,20 +482,6 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
     return responses, lengths, response_mask, logprobs, response_mask
 
 
-def rollout_queries(run, prompt_ids, examples, k, held_out=False, state=None):
-    """(queries, query_mask, rows, completions per query) to sample k completions of each of `examples`: their
-    prompts [P, Q], k each; with --environment_factory one query per rollout [k * P, Q], completion-major, its
-    environment reset on its row (utils/tools.py), one completion each; with --rollout_func the function's
-    prompts, one per rollout, its completions kept for sample(). rows: each query's dataset row."""
-    device = run.accelerator.device
-    if run.rollout_func is not None:
-        return *run.rollout_func.queries(run, examples, k, held_out, state), list(examples) * k, 1
-    if run.tools is None or run.tools.environments is None:
-        return *utils.generation.left_pad([prompt_ids[i] for i in examples], run.pad_id, device), examples, k
-    rows = list(examples) * k
-    return *utils.generation.left_pad(run.tools.reset(rows, held_out), run.pad_id, device), rows, 1
-
-
 def ended_at_eos(run, responses, response_mask) -> torch.Tensor:
     """[B] bool: the completion holds an EOS (with tools or a rollout_func, it ends with one: TRL's not-truncated)."""
     if run.tools is None and run.rollout_func is None:
@@ -521,7 +508,7 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             bare = utils.run.bare(run.policy)
             recomputed = utils.logprobs.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk)
             recomputed_logprobs.append(recomputed)
-        prompts, columns = reward_inputs(run, run.raw_prompts, run.columns, examples, idx)
+        prompts, columns = utils.rollout.reward_inputs(run, run.raw_prompts, run.columns, examples, idx)
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -535,34 +522,6 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
         rewards_per_func.append(rewards)
     recomputed_logprobs = torch.cat(recomputed_logprobs) if recomputed_logprobs else None
     return recomputed_logprobs, torch.cat(ref_logprobs), torch.cat(rewards_per_func).float()
-
-
-def reward_inputs(run, raw_prompts, columns, examples, idx) -> tuple[list | None, dict]:
-    """(prompts, columns) the reward functions get for rows `idx` of a batch whose row i is dataset row
-    examples[i % len(examples)]: with tools also the turns and tool messages (prompts after reset), with a
-    rollout_func the keys it returned beside the ids (TRL's extra fields)."""
-    P = len(examples)
-    prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()] if len(raw_prompts) else None
-    columns = utils.data.columns_of_rows(columns or {}, examples, idx)
-    if run.tools is not None:
-        columns.update(run.tools.reward_columns(idx.tolist()))
-        prompts = columns.get("prompt", prompts)
-    if run.rollout_func is not None:
-        columns.update(run.rollout_func.reward_columns(idx.tolist()))
-    return prompts, columns
-
-
-def logged_means(accelerator, scorers) -> dict[str, float]:
-    """What reward functions logged (log_metric), each name averaged over the processes that logged it."""
-    from accelerate.utils import gather_object
-
-    logged = {name: value for scorer in scorers for name, value in scorer.take_logged().items()}
-    every = gather_object([logged]) if accelerator.num_processes > 1 else [logged]
-    names = sorted({name for one in every for name in one})
-    return {
-        name: sum(one[name] for one in every if name in one) / sum(name in one for one in every)
-        for name in names
-    }
 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
@@ -962,7 +921,7 @@ def main(args: Args) -> dict:
             max_steps=args.num_total_batches * steps_per_update,
             epoch=(update - 1) * P * args.world_size / len(run.prompt_ids),
         )
-        queries, query_mask, rows, k = rollout_queries(
+        queries, query_mask, rows, k = utils.rollout.rollout_queries(
             run, run.prompt_ids, examples, args.rloo_k, False, trainer_state
         )
         context_length = queries.size(1)
@@ -1081,7 +1040,7 @@ def main(args: Args) -> dict:
                 all_rewards_per_func = accelerator.gather(rewards_per_func)
                 for f, name in enumerate(run.reward_names):
                     metrics[f"rewards/{name}/mean"] = all_rewards_per_func[:, f].nanmean().item()
-            metrics.update(logged_means(accelerator, run.scorers))
+            metrics.update(utils.rollout.logged_means(accelerator, run.scorers))
             metrics.update(run.tools.metrics(accelerator) if run.tools is not None else {})
 
         # 6. Held-out evaluation and samples (the rollout's without a test split); checkpoint
@@ -1120,7 +1079,7 @@ def held_out_table(args, run, update, rollout, steps_per_update) -> dict:
             prompts_per_batch,
             functools.partial(held_out_batch, args, run, trainer_state),
         )
-        eval_metrics.update({f"eval/{k}": v for k, v in logged_means(run.accelerator, run.scorers).items()})
+        eval_metrics.update(utils.rollout.logged_means(run.accelerator, run.scorers, "eval/"))
         run.scorers[0].take_num_truncated()  # the evaluation's rows are not the next update's
     queries, responses, response_mask, scores = shown
     rows = torch.arange(min(queries.size(0), 4), device=device)
@@ -1143,7 +1102,7 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
     """--num_generations_eval completions of the held-out prompts `indices`, sampled as in training but with the
     evaluation's noise, scored as in training -> (per completion: eval/ values, the sample table's tensors)."""
     device = run.accelerator.device
-    queries, query_mask, examples, k = rollout_queries(
+    queries, query_mask, examples, k = utils.rollout.rollout_queries(
         run, run.eval_prompt_ids, indices, args.num_generations_eval, True, trainer_state
     )
     with run.accelerator.autocast():
@@ -1155,7 +1114,9 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         query_responses, mask = utils.generation.query_response_rows(
             queries, query_mask, responses, response_mask, rows
         )
-        prompts, columns = reward_inputs(run, run.eval_raw_prompts, run.eval_columns, examples, rows)
+        prompts, columns = utils.rollout.reward_inputs(
+            run, run.eval_raw_prompts, run.eval_columns, examples, rows
+        )
         rewards_per_func = utils.scoring.score_rows(
             run.scorers,
             query_responses,
