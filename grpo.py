@@ -35,7 +35,6 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-import utils.chat
 import utils.checkpoint
 import utils.data
 import utils.evaluation
@@ -901,17 +900,13 @@ def setup(args: Args) -> Run:
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     eval_dataset = utils.evaluation.load_test_split(args, "grpo.py")
-    environments, environment_rewards = None, []
+    environments = None
     if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
         environments = tools_module.load_environments(args, tool_fns, dataset, eval_dataset)
-        environment_rewards = environments.rewards
-    offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
-    offered = None if rollout_func else offered  # its extra keys are known once it has run
-    reward_funcs = (
-        utils.run.optional_module("utils.reward_funcs", "--reward_funcs") if args.reward_funcs else None
-    )
-    reward_fns = [reward_funcs.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
-    reward_fns += environment_rewards
+    environment_rewards = environments.rewards if environments else []
+    reward_fns = utils.rollout.reward_fns(args, dataset, environments, rollout_func)
+    raw_prompts, columns = utils.rollout.reward_rows(dataset, bool(reward_fns))
+    eval_raw_prompts, eval_columns = utils.rollout.reward_rows(eval_dataset, bool(reward_fns))
     reward_names += [fn.__name__ for fn in environment_rewards]
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -925,16 +920,9 @@ def setup(args: Args) -> Run:
     if args.tools or args.environment_factory:
         timeout, rounds = args.tool_timeout, args.max_tool_calling_iterations
         tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds, environments)
-    texts = utils.data.prompt_texts if tools is None else tools.prompt_texts  # with tools: their schemas
-    prompt_texts = texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
-    splits = [utils.chat.tokenize_prompts(tokenizer, prompt_texts), None]
-    if eval_dataset is not None:
-        eval_texts = texts(eval_dataset, tokenizer, "--dataset_test_split")
-        splits[1] = utils.chat.tokenize_prompts(tokenizer, eval_texts)
-    splits = utils.loading.cut_prompts(splits, args.max_prompt_length)
     model, flag = args.model_name_or_path, "--model_name_or_path"
-    prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
-        splits, args, "max_completion_length", model, flag
+    prompt_ids, eval_prompt_ids = utils.rollout.prompt_ids(
+        args, tokenizer, dataset, eval_dataset, tools, "max_completion_length", model, flag
     )
     longest = max(map(len, prompt_ids + (eval_prompt_ids or []))) + args.max_completion_length
     longest = longest if tools is None else tools.longest(longest)  # a reset lengthens prompts
@@ -979,11 +967,6 @@ def setup(args: Args) -> Run:
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
     weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])  # TRL's 1
     weights = torch.tensor(weights, device=accelerator.device)
-    # Reward functions get every dataset column of their rows, e.g. a `solution`.
-    columns = utils.data.columns(dataset) if reward_fns else {}
-    raw_prompts = utils.data.column(dataset, "prompt")  # the text or the messages
-    eval_columns = utils.data.columns(eval_dataset) if reward_fns and eval_dataset is not None else {}
-    eval_raw_prompts = utils.data.column(eval_dataset, "prompt") if eval_dataset is not None else None
 
     # Resume: weights, optimizer, random generators; the prompt order is replayed.
     rank = accelerator.process_index

@@ -34,7 +34,6 @@ from typing import Literal
 
 import torch
 
-import utils.chat
 import utils.checkpoint
 import utils.data
 import utils.evaluation
@@ -750,23 +749,16 @@ def setup(args: Args) -> Run:
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     utils.evaluation.check_args(args)
     eval_dataset = utils.evaluation.load_test_split(args, "rloo.py")
-    environments, environment_rewards = None, []
+    environments = None
     if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
         environments = tools_module.load_environments(
             args, tool_fns, dataset, eval_dataset, policy_path, policy_flag
         )
-        environment_rewards = environments.rewards
-    offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
-    offered = None if rollout_func else offered  # its extra keys are known once it has run
+    environment_rewards = environments.rewards if environments else []
     asked = "--reward_fn" if args.reward_fn else "--reward_funcs"
-    reward_funcs = utils.run.optional_module("utils.reward_funcs", asked) if args.reward_funcs else None
-    reward_fns = [reward_funcs.load_reward_fn(spec, offered) for spec in args.reward_funcs or []]
-    reward_fns += environment_rewards
-    # Reward functions get every dataset column of their rows, e.g. a `solution`.
-    columns = utils.data.columns(dataset) if reward_fns else {}
-    raw_prompts = list(dataset["prompt"])  # the text or the messages
-    eval_columns = utils.data.columns(eval_dataset) if reward_fns and eval_dataset is not None else {}
-    eval_raw_prompts = list(eval_dataset["prompt"]) if eval_dataset is not None else None
+    reward_fns = utils.rollout.reward_fns(args, dataset, environments, rollout_func, asked)
+    raw_prompts, columns = utils.rollout.reward_rows(dataset, bool(reward_fns))
+    eval_raw_prompts, eval_columns = utils.rollout.reward_rows(eval_dataset, bool(reward_fns))
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.num_generations_eval = args.num_generations_eval or args.rloo_k
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -792,20 +784,18 @@ def setup(args: Args) -> Run:
     if tools_asked:
         timeout, rounds = args.tool_timeout, args.max_tool_calling_iterations
         tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds, environments)
-    texts = utils.data.prompt_texts if tools is None else tools.prompt_texts  # with tools: their schemas
-    prompt_texts = texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")
     pad_id = tokenizer.pad_token_id
-    prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts)
-    eval_prompt_ids = None
-    if eval_dataset is not None:
-        eval_texts = texts(eval_dataset, tokenizer, "--dataset_test_split")
-        eval_prompt_ids = utils.chat.tokenize_prompts(tokenizer, eval_texts)
-    prompt_ids, eval_prompt_ids = utils.loading.cut_prompts(
-        [prompt_ids, eval_prompt_ids], args.max_prompt_length
-    )
     completion_flag = flag(args, "response_length")  # --max_completion_length in a TRL 1.16 command line
-    prompt_ids, eval_prompt_ids = utils.loading.fit_prompts(
-        [prompt_ids, eval_prompt_ids], args, "response_length", policy_path, policy_flag, completion_flag
+    prompt_ids, eval_prompt_ids = utils.rollout.prompt_ids(
+        args,
+        tokenizer,
+        dataset,
+        eval_dataset,
+        tools,
+        "response_length",
+        policy_path,
+        policy_flag,
+        completion_flag,
     )
 
     # Models: dropout off (--disable_dropout), so the training forward's logprobs equal sampling's.

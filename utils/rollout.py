@@ -1,10 +1,47 @@
-"""What the RL scripts' rollouts share: the queries of a batch, the inputs its reward functions get, and the means
-of what they logged."""
+"""What the RL scripts share around a rollout: their prompts and reward functions, the queries of a batch, the
+inputs its reward functions get, and the means of what they logged."""
 
 from __future__ import annotations
 
-from utils.data import columns_of_rows
+from utils import data
+from utils.chat import tokenize_prompts
 from utils.generation import left_pad
+from utils.loading import cut_prompts, fit_prompts
+from utils.run import optional_module
+
+
+def prompt_ids(args, tokenizer, dataset, eval_dataset, tools, completion, model, flag, completion_flag=""):
+    """(train, test or None) prompt ids: each split's prompts rendered (with tools, their schemas too), tokenized,
+    cut to --max_prompt_length and fit with `args.<completion>` tokens into the positions of `model`."""
+    texts = data.prompt_texts if tools is None else tools.prompt_texts
+    splits = [
+        tokenize_prompts(tokenizer, texts(dataset, tokenizer, f"--dataset_name {args.dataset_name}")),
+        None,
+    ]
+    if eval_dataset is not None:
+        splits[1] = tokenize_prompts(tokenizer, texts(eval_dataset, tokenizer, "--dataset_test_split"))
+    splits = cut_prompts(splits, args.max_prompt_length)
+    return fit_prompts(splits, args, completion, model, flag, completion_flag)
+
+
+def reward_fns(args, dataset, environments=None, rollout_func=None, flag="--reward_funcs") -> list:
+    """The --reward_funcs (utils/reward_funcs.py, optional), checked against the columns they may read, then the
+    environments' get_reward()s."""
+    offered = [*dataset.column_names, *(["environments"] if environments else [])]  # TRL's environments=
+    offered = None if rollout_func else offered  # its extra keys are known once it has run
+    fns = []
+    if args.reward_funcs:
+        reward_funcs = optional_module("utils.reward_funcs", flag)
+        fns = [reward_funcs.load_reward_fn(spec, offered) for spec in args.reward_funcs]
+    return fns + (environments.rewards if environments else [])
+
+
+def reward_rows(dataset, with_columns: bool) -> tuple[list | None, dict]:
+    """A split's prompts as reward functions get them (the text or the messages) and, `with_columns`, its every
+    column, e.g. a `solution`; (None, {}) without the split."""
+    if dataset is None:
+        return None, {}
+    return data.column(dataset, "prompt"), data.columns(dataset) if with_columns else {}
 
 
 def rollout_queries(run, prompt_ids, examples, k, held_out=False, state=None):
@@ -27,7 +64,7 @@ def reward_inputs(run, raw_prompts, columns, examples, idx) -> tuple[list | None
     rollout_func the keys it returned beside the ids (TRL's extra fields)."""
     P = len(examples)
     prompts = [raw_prompts[examples[i % P]] for i in idx.tolist()] if len(raw_prompts) else None
-    columns = columns_of_rows(columns or {}, examples, idx)
+    columns = data.columns_of_rows(columns or {}, examples, idx)
     if run.tools is not None:
         columns.update(run.tools.reward_columns(idx.tolist()))
         prompts = columns.get("prompt", prompts)
