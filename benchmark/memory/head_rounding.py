@@ -7,7 +7,7 @@ the TL;DR SFT shape (424 scored tokens) through a Qwen2.5-0.5B-sized head (hidde
 the tiling does), and compares logprobs and both gradients with a float64 computation on the same bf16-rounded
 inputs. Runs on a CPU (about a minute on 2 cores):
 
-    python benchmark/head_rounding.py --output benchmark/results/head_rounding.json
+    python benchmark/memory/head_rounding.py --output benchmark/results/head_rounding.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import utils.lm_head as lm_head  # noqa: E402
 
 

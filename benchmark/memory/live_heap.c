@@ -4,9 +4,9 @@
  *            else): the CPU's counterpart of torch.cuda.max_memory_allocated.
  * Unlike the peak RSS they leave out the freed blocks that glibc keeps resident, so they are what any allocator
  * would have to hold at least, as on a GPU (where the caching allocator plays glibc's part). Loaded into a process
- * with LD_PRELOAD by benchmark/speed.py, which builds it:
+ * with LD_PRELOAD by benchmark/speed/speed.py, which builds it:
  *
- *     cc -O2 -shared -fPIC -o live_heap.so benchmark/live_heap.c
+ *     cc -O2 -shared -fPIC -o live_heap.so benchmark/memory/live_heap.c
  *     LD_PRELOAD=$PWD/live_heap.so LIVE_HEAP_OUTPUT=peak.txt python ...
  *
  * At exit the process writes both peaks (bytes, heap then tensors) to the file $LIVE_HEAP_OUTPUT named when it

@@ -1,8 +1,8 @@
-"""Peak memory of RL updates with LoRA (--use_peft) against full fine-tuning: benchmark/speed.py's workload and
-shapes (--preset), our scripts only, both configurations of each algorithm in one run, interleaved, each in its
-own process.
+"""Peak memory of RL updates with LoRA (--use_peft) against full fine-tuning: benchmark/speed/speed.py's workload
+and shapes (--preset), our scripts only, both configurations of each algorithm in one run, interleaved, each in
+its own process.
 
-    python benchmark/lora_memory.py --preset grpo --algorithms rloo grpo ppo
+    python benchmark/memory/lora_memory.py --preset grpo --algorithms rloo grpo ppo
 
 LoRA: `--use_peft --lora_target_modules all-linear` (rank 16, alpha 32), so the policy trains adapters on every
 linear layer of the body, the reference is the policy with its adapter off (no second copy) and AdamW holds
@@ -21,8 +21,8 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARK = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(BENCHMARK, "speed"))
 
 import speed  # noqa: E402
 
@@ -82,7 +82,7 @@ def main(args: Args) -> dict:
         results["algorithms"][algorithm] = {"summary": summary, "runs": runs, "commands": commands}
         print(algorithm, json.dumps(summary, indent=1))
     results["args"] = asdict(args)
-    output = args.output or os.path.join(HERE, "results", f"lora_memory_{args.preset}.json")
+    output = args.output or os.path.join(BENCHMARK, "results", f"lora_memory_{args.preset}.json")
     with open(output, "w") as f:
         json.dump(results, f, indent=1)
     print(f"written to {output}")

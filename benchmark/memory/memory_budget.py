@@ -1,7 +1,7 @@
 """Computed (not measured) GPU memory of a training micro-batch: how many rows fit in one 80 GB GPU before and
 after the chunked log-probabilities of utils.logprobs.token_logprobs, for the models users train.
 
-    python benchmark/memory_budget.py            # prints the README's table (markdown)
+    python benchmark/memory/memory_budget.py            # prints the README's table (markdown)
 
 What a row costs, in bytes, for T tokens of which R are scored (prompt Q + response R), vocabulary V, model
 dtype of s bytes (bf16: 2):
@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from utils.lm_head import GPU_LOGIT_TILE_ELEMENTS as TILE  # noqa: E402
 
 GIB = 1024**3

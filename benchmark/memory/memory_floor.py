@@ -1,7 +1,7 @@
 """The memory floor of each algorithm at a speed.py shape: what any single-process float32 implementation holds
 before it computes anything, and what speed.py's peak memory ratios should be read against.
 
-    python benchmark/memory_floor.py --world benchmark/work/speed-grpo/world \
+    python benchmark/memory/memory_floor.py --world benchmark/work/speed-grpo/world \
         --speed benchmark/results/speed_grpo.json --output benchmark/results/memory_floor_grpo.json
 
 The floor of an algorithm is the peak RSS of a fresh process that imports torch, transformers, accelerate and
@@ -86,7 +86,7 @@ def speed_rows(path: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", required=True, help="a world written by benchmark/shape_world.py")
+    parser.add_argument("--world", required=True, help="a world written by benchmark/speed/shape_world.py")
     parser.add_argument("--algorithms", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--speed", nargs="*", default=[], help="speed.py result files of this world's preset")
     parser.add_argument(

@@ -2,8 +2,8 @@
 on the completion tokens, through utils.logprobs.token_logprobs). Each configuration runs in its own process, so one
 configuration's peak cannot hide another's.
 
-    python benchmark/speed.py --preset grpo --algorithms sft --runs 1 --no_bare    # builds the world once
-    python benchmark/step_memory.py --model benchmark/work/speed-grpo/world/policy
+    python benchmark/speed/speed.py --preset grpo --algorithms sft --runs 1 --no_bare  # builds the world once
+    python benchmark/memory/step_memory.py --model benchmark/work/speed-grpo/world/policy
 
 Prints, per configuration (AdamW plain or fused; logit tile of 2**22 or 2**24 elements), the peak RSS after
 each phase of three steps and the user CPU seconds of the process; writes them as JSON with --output.
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGURATIONS = [("plain", 2**24), ("fused", 2**24), ("fused", 2**22)]
 
 

@@ -1,13 +1,14 @@
 """A/B of two checkouts: the same tiny command of each script in both, compared line by line and bit by bit.
 
 For a change that should not change behaviour (a reshaping, a module moved): each script but ddpo.py runs a short
-training on the tiny world (benchmark/tiny_world.py), the rule-reward lab (tests/conftest.py's make_rl_lab) or
-ilql's reward rows (tests/test_ilql.py's) in checkout A and in checkout B, and the two runs' metrics.jsonl (every
-value but timings) and saved weights must be equal.
+training on the tiny world (benchmark/tiny/tiny_world.py), the rule-reward lab (tests/conftest.py's make_rl_lab)
+or ilql's reward rows (tests/test_ilql.py's) in checkout A and in checkout B, and the two runs' metrics.jsonl
+(every value but timings) and saved weights must be equal.
 
-    python benchmark/ab_compare.py --before /path/to/old/checkout --after . --work /tmp/ab
-    python benchmark/ab_compare.py --before OLD --after . --work /tmp/ab --scripts rloo grpo
-    python benchmark/ab_compare.py --before OLD --work /tmp/ab --scripts grpo --flags "--loss_type vespo" --name vespo
+    python benchmark/reliability/ab_compare.py --before /path/to/old/checkout --after . --work /tmp/ab
+    python benchmark/reliability/ab_compare.py --before OLD --after . --work /tmp/ab --scripts rloo grpo
+    python benchmark/reliability/ab_compare.py --before OLD --work /tmp/ab --scripts grpo \
+        --flags "--loss_type vespo" --name vespo
 
 Prints one line per script (equal, or the first difference) and exits 1 if any differs.
 """
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("time", "second", "perf/", "elapsed", "memory", "_rss", "throughput")  # parts of timing names
 TIMING_NAMES = {"eps"}  # episodes per second (TRL 0.19's name)
 
@@ -107,7 +108,7 @@ def main() -> None:
         "--name", default="", help="a suffix of the run folders, to keep runs with --flags apart"
     )
     args = parser.parse_args()
-    sys.path[:0] = [str(ROOT / "benchmark"), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT / "benchmark" / "tiny"), str(ROOT / "tests")]
     import tiny_world
     from conftest import make_rl_lab
 

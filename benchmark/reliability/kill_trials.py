@@ -6,9 +6,9 @@ kills a trial). Two probes per script and process count kill once at a chosen st
 metrics.jsonl has a step and no checkpoint is started (a missing output folder is then made empty, as a
 requeue script's `mkdir -p` would), and while the first tmp-checkpoint-N is being written.
 
-    python benchmark/kill_trials.py --trials 7                  # sft.py and rloo.py, 1 and 2 processes
-    python benchmark/kill_trials.py --scripts dpo ppo grpo --nproc 2 --trials 3 --work /tmp/kills
-    python benchmark/kill_trials.py --nproc 2 --zero_stage 2 --trials 3   # under DeepSpeed ZeRO-2 (CPU)
+    python benchmark/reliability/kill_trials.py --trials 7          # sft.py and rloo.py, 1 and 2 processes
+    python benchmark/reliability/kill_trials.py --scripts dpo ppo grpo --nproc 2 --trials 3 --work /tmp/kills
+    python benchmark/reliability/kill_trials.py --nproc 2 --zero_stage 2 --trials 3  # under DeepSpeed ZeRO-2 (CPU)
 
 Writes --out (benchmark/results/kill_trials.json); exits 1 when a trial is not bit-identical.
 """
@@ -33,7 +33,7 @@ import torch
 import tyro
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
        "PYTHONHASHSEED": "0"}  # fmt: skip
@@ -56,7 +56,7 @@ class Args:
     seed: int = 0
     """seeds the kill moments"""
     world: str | None = None
-    """a tiny world built before (benchmark/tiny_world.py); None: built under --work"""
+    """a tiny world built before (benchmark/tiny/tiny_world.py); None: built under --work"""
     work: str | None = None
     """where the runs go, kept for a look afterwards; None: a temporary folder, removed at the end"""
     out: str = "benchmark/results/kill_trials.json"
@@ -252,7 +252,7 @@ def main(args: Args) -> int:
         raise SystemExit(
             "kill_trials.py: error: --zero_stage takes 0, 2 or 3, and 2 or 3 need --nproc 2 or more."
         )
-    sys.path.insert(0, str(ROOT / "benchmark"))
+    sys.path.insert(0, str(ROOT / "benchmark" / "tiny"))
     import tiny_world
 
     temporary = tempfile.TemporaryDirectory()

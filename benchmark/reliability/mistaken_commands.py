@@ -1,6 +1,6 @@
 """A researcher's first hour (#52): the mistaken commands a new user types, run on the tiny world.
 
-    python benchmark/mistaken_commands.py            # about 4 minutes on 2 CPU cores
+    python benchmark/reliability/mistaken_commands.py            # about 4 minutes on 2 CPU cores
 
 Each case runs one script with one mistake (a wrong path, a tokenizer folder given as the model, a typo'd flag,
 a wrong value or choice, missing data columns, a single jsonl without a test split, batch sizes that do not
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BASE = {  # enough for each script to run on the tiny world; a case's flags replace these
     "sft.py": "--model_name_or_path {w}/policy --dataset_name {w}/dataset --dataset_train_split sft "
@@ -108,7 +108,7 @@ CASES = [
 @dataclass
 class Args:
     world: str | None = None
-    """a tiny world built by benchmark/tiny_world.py (None: build a small one in a temporary folder)"""
+    """a tiny world built by benchmark/tiny/tiny_world.py (None: build a small one in a temporary folder)"""
     jobs: int = 2
     """cases run at once"""
     only: str | None = None
@@ -179,7 +179,7 @@ def run_case(case, world: str, bad: str, env: dict) -> dict:
 
 
 def main(args: Args) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmark", "tiny"))
     bad = tempfile.mkdtemp(prefix="mistaken-")
     world = args.world
     if world is None:

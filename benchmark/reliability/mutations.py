@@ -1,7 +1,7 @@
 """Put realistic bugs into the scripts, one at a time, and see whether the test suite notices.
 
-    python benchmark/mutations.py                      # every mutation; writes benchmark/results/mutations.json
-    python benchmark/mutations.py --only grpo --list_only   # what would run
+    python benchmark/reliability/mutations.py            # every mutation; writes benchmark/results/mutations.json
+    python benchmark/reliability/mutations.py --only grpo --list_only   # what would run
 
 Each mutation replaces one exact piece of a file (a sign, a mask, a reduction, a scale under accumulation or
 across processes, a token count, an off-by-one position, a swapped pair, a metric that feeds a decision) in a
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tyro
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -311,7 +311,7 @@ def main(args: Args) -> None:
               flush=True)  # fmt: skip
     summary = {r: sum(x["result"] == r for x in results) for r in ("caught", "missed", "stale", "timeout")}
     record = {
-        "command": "python benchmark/mutations.py"
+        "command": "python benchmark/reliability/mutations.py"
         + (f" --only {args.only}" if args.only else "")
         + (" --held_out" if args.held_out else ""),
         "commit": commit,
@@ -328,7 +328,9 @@ def main(args: Args) -> None:
             k: sum(x["result"] == k for x in record["results"])
             for k in ("caught", "missed", "stale", "timeout")
         }
-        record["command"] = "python benchmark/mutations.py (several runs, see each result's commit)"
+        record["command"] = (
+            "python benchmark/reliability/mutations.py (several runs, see each result's commit)"
+        )
     for r in results:
         r["commit"] = commit
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,9 +1,9 @@
 """The bare work of each algorithm: the same generation and forward/backward passes as the scripts, as a minimal
-loop with no checks, metrics, logging, sample tables or checkpoints. benchmark/speed.py times it beside the
-scripts and TRL (same workload description, same optimizer-step timing), so `ours / bare` says how much a
+loop with no checks, metrics, logging, sample tables or checkpoints. benchmark/speed/speed.py times it beside
+the scripts and TRL (same workload description, same optimizer-step timing), so `ours / bare` says how much a
 script costs on top of the work it cannot avoid.
 
-    python benchmark/speed.py --algorithms rloo     # runs this for rloo beside rloo.py and TRL's RLOOTrainer
+    python benchmark/speed/speed.py --algorithms rloo   # runs this for rloo beside rloo.py and TRL's RLOOTrainer
 
 What each loop does per optimizer step or update (B = batch_size, R = response_length, k completions a prompt):
     sft      forward with labels (prompt tokens masked) on B padded sequences, backward, AdamW step

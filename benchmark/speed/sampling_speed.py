@@ -2,7 +2,7 @@
 (what the scripts used before, and what transformers' generate uses) against utils.generation.sample_categorical
 (inverse transform on float64 cumulative sums), at real vocabulary sizes, beside the LM head's own matmul for scale.
 
-    python benchmark/sampling_speed.py                     # writes benchmark/results/sampling_speed.json
+    python benchmark/speed/sampling_speed.py               # writes benchmark/results/sampling_speed.json
 
 Each figure is the median over --repeats timings of --steps draws (milliseconds per draw), both samplers timed
 one after the other in the same process, on the same probabilities (the softmax of random logits / 0.7). The
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from utils.generation import sample_categorical  # noqa: E402

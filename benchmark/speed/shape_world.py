@@ -1,6 +1,6 @@
-"""A world at real shapes for benchmark/speed.py: exact prompt and response lengths, a large vocabulary.
+"""A world at real shapes for benchmark/speed/speed.py: exact prompt and response lengths, a large vocabulary.
 
-    python benchmark/shape_world.py --output_dir benchmark/work/speed-tldr/world --vocab_size 50304 \
+    python benchmark/speed/shape_world.py --output_dir benchmark/work/speed-tldr/world --vocab_size 50304 \
         --prompt_length 512 --response_length 53
 
 The tiny world (tiny_world.py) has a 1k vocabulary and short posts, so the [batch, sequence, vocabulary] logits are
@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
 
-from tiny_world import save_models_and_data
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tiny"))
+from tiny_world import save_models_and_data  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|pad|>", "<|unk|>"]
 

@@ -1,7 +1,8 @@
 """Speed and memory of the scripts side by side with TRL's trainers, on the same workload, in one run.
 
-    python benchmark/speed.py --trl_python .venv-trl/bin/python --trl_ppo_python .venv-trl-ppo/bin/python
-    python benchmark/speed.py --preset tldr_qwen --runs 1 --parallel 2     # real shapes, see below
+    python benchmark/speed/speed.py --trl_python .venv-trl/bin/python \
+        --trl_ppo_python .venv-trl-ppo/bin/python
+    python benchmark/speed/speed.py --preset tldr_qwen --runs 1 --parallel 2     # real shapes, see below
 
 For each algorithm (sft, reward, dpo, rloo, ppo, grpo, online_dpo; grpo when grpo.py exists) the same workload
 runs three ways, each in its own process, in `--runs` rounds of ours, TRL, bare for every algorithm (`--parallel`
@@ -9,8 +10,8 @@ of them at once; 1 runs them one after the other):
     ours   the script's real command line (sft.py, reward.py, ...);
     trl    TRL's trainer with the same model, data, batch sizes, lengths and number of optimizer steps
            (TRL runs in its own environment, see requirements-trl.txt: the project never imports TRL);
-    bare   the same generation and forward/backward passes as a minimal loop (benchmark/bare_work.py): the work
-           no implementation can avoid, so `ours / bare` says how much the script adds on top of it.
+    bare   the same generation and forward/backward passes as a minimal loop (benchmark/speed/bare_work.py): the
+           work no implementation can avoid, so `ours / bare` says how much the script adds on top of it.
 
 Shapes (`--preset`; every size can still be set by its own flag):
     toy        the tiny world (tiny_world.py: vocabulary ~1k, <= 128 tokens, 8-token responses, 1.1M parameters);
@@ -38,8 +39,9 @@ Qwen2.5-0.5B's body (hidden 896 x 24 layers, MLP 4864, 14 heads; 663M parameters
 (--micro_batch_rows sets the rows of any preset); `--profile` adds torch.profiler's counts of kernel launches and
 host syncs per update. The results name the device (the GPU's name), the model's size and the precision.
 
-    python benchmark/speed.py --preset tldr_qwen05b --precision bf16 --runs 1 --algorithms sft dpo rloo \
-        online_dpo --trl_python "$(command -v python3)" --output $OUT/speed_tldr_qwen05b.json
+    python benchmark/speed/speed.py --preset tldr_qwen05b --precision bf16 --runs 1 \
+        --algorithms sft dpo rloo online_dpo --trl_python "$(command -v python3)" \
+        --output $OUT/speed_tldr_qwen05b.json
 
 Counted the same way on all three sides: every optimizer step is timed by a hook on torch's optimizers, so the
 in-loop throughput is (updates - 1) * examples per update / (time from the end of the first update to the end of
@@ -51,8 +53,8 @@ process; the peak private memory (RssAnon, free of shared-library pages) is samp
 glibc keeps freed heap blocks resident, so both peaks include memory no side holds any more; with
 `--malloc_mmap_threshold 131072` every side returns large blocks when it frees them (at some CPU cost to whoever
 reuses them most: see the README's Speed section). What each side holds is counted exactly by a shim loaded into
-every run (benchmark/live_heap.c, built with `cc`; `--no_live_heap` leaves it out): the peak of the bytes held
-through malloc (live heap), the peak of torch's tensor bytes (the CPU's counterpart of
+every run (benchmark/memory/live_heap.c, built with `cc`; `--no_live_heap` leaves it out): the peak of the bytes
+held through malloc (live heap), the peak of torch's tensor bytes (the CPU's counterpart of
 torch.cuda.max_memory_allocated), and the checkpoint files mapped (the loaded weights, which live in the file's
 mapping on every side); held = peak tensors + checkpoints, the memory a GPU run would need before its allocator's
 own overhead.
@@ -83,7 +85,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+BENCHMARK = os.path.dirname(HERE)
+ROOT = os.path.dirname(BENCHMARK)
 ALGORITHMS = ["sft", "reward", "dpo", "rloo", "ppo", "grpo", "online_dpo"]
 SIDES = ["ours", "trl", "bare"]
 # toy: the tiny world (vocabulary ~1k, posts of 30-odd tokens, <= 128 tokens in all, 8-token responses), the
@@ -186,8 +189,8 @@ class Args:
     live_heap: bool = True
     """also measure each run's peak live heap (the bytes held through malloc: tensors, Python objects, buffers),
     its peak tensor bytes (torch's CPU allocations) and the checkpoint files mapped (the loaded weights): a
-    counting shim (benchmark/live_heap.c, built with the system's C compiler `cc`) loaded into every side with
-    LD_PRELOAD. Freed blocks that glibc keeps resident are in none of them. Held = tensors + checkpoints"""
+    counting shim (benchmark/memory/live_heap.c, built with the system's C compiler `cc`) loaded into every side
+    with LD_PRELOAD. Freed blocks that glibc keeps resident are in none of them. Held = tensors + checkpoints"""
     parallel: int | None = None
     """runs at once (1: ours, TRL, bare one after the other; 3: the three sides of an algorithm at the same time,
     so each pair sees the same load on a shared machine; 6: two algorithms at a time). None: 6 on a CPU, 1 (the
@@ -640,12 +643,13 @@ def live_heap_path(work_dir: str) -> str:
 
 
 def live_heap_library(work_dir: str) -> str:
-    """benchmark/live_heap.c built into `work_dir` (again when the source is newer than the build); its path."""
-    source, library = os.path.join(HERE, "live_heap.c"), live_heap_path(work_dir)
+    """benchmark/memory/live_heap.c built into `work_dir` (again when the source is newer than the build);
+    its path."""
+    source, library = os.path.join(BENCHMARK, "memory", "live_heap.c"), live_heap_path(work_dir)
     if not os.path.exists(library) or os.path.getmtime(library) < os.path.getmtime(source):
         if shutil.which("cc") is None:
-            raise ValueError("--live_heap builds benchmark/live_heap.c with `cc`, which is not installed; "
-                             "install a C compiler or pass --no_live_heap.")  # fmt: skip
+            raise ValueError("--live_heap builds benchmark/memory/live_heap.c with `cc`, which is not "
+                             "installed; install a C compiler or pass --no_live_heap.")  # fmt: skip
         os.makedirs(os.path.dirname(library), exist_ok=True)
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
     return library
@@ -982,7 +986,8 @@ def ensure_world(args: Args, work: str) -> str:
     ):
         builder = "tiny_world.py" if toy else "shape_world.py"
         print(f"building the world in {world} ({builder})", flush=True)
-        subprocess.run([sys.executable, os.path.join(HERE, builder), "--output_dir", world, *size],
+        folder = os.path.join(BENCHMARK, "tiny" if toy else "speed")
+        subprocess.run([sys.executable, os.path.join(folder, builder), "--output_dir", world, *size],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return world
 
@@ -999,7 +1004,9 @@ def main(args: Args) -> dict:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {ALGORITHMS}.")
     algorithms = [a for a in args.algorithms if a != "grpo" or os.path.exists(os.path.join(ROOT, "grpo.py"))]
     if "bare" in args.sides and not args.no_bare and args.device == "cuda":
-        print("the bare loop (benchmark/bare_work.py) runs on the CPU only: left out on cuda", flush=True)
+        print(
+            "the bare loop (benchmark/speed/bare_work.py) runs on the CPU only: left out on cuda", flush=True
+        )
     sides = [s for s in args.sides if s != "bare" or not (args.no_bare or args.device == "cuda")]
     pythons = {"ours": sys.executable, "bare": sys.executable}
     for name in ("trl_python", "trl_ppo_python"):
@@ -1084,7 +1091,7 @@ def main(args: Args) -> dict:
                 getattr(args, name), names
             )
     result = {
-        "command": "python benchmark/speed.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": "python benchmark/speed/speed.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "args": asdict(args),
         "git_commit_at_end": commit,
         "machine": {
@@ -1124,7 +1131,8 @@ def main(args: Args) -> dict:
 
 
 def cli() -> None:
-    """`python benchmark/speed.py ...`: a bad flag ends in one line, `speed.py: error: <sentence>`, exit 2."""
+    """`python benchmark/speed/speed.py ...`: a bad flag ends in one line,
+    `speed.py: error: <sentence>`, exit 2."""
     import traceback
 
     import tyro

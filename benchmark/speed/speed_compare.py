@@ -2,8 +2,8 @@
 files, optionally beside the same figures of runs with glibc's mmap threshold fixed and of an earlier run (say,
 before a change). The README's command:
 
-    python benchmark/speed_compare.py benchmark/results/speed_tldr.json benchmark/results/speed_tldr_qwen.json \
-        benchmark/results/speed_grpo.json benchmark/results/speed_grpo_rloo.json \
+    python benchmark/speed/speed_compare.py benchmark/results/speed_tldr.json \
+        benchmark/results/speed_tldr_qwen.json benchmark/results/speed_grpo.json benchmark/results/speed_grpo_rloo.json \
         benchmark/results/speed_tldr_rloo_heap_release.json benchmark/results/speed_tldr_qwen_rloo_heap_release.json \
         benchmark/results/speed_grpo_rloo_heap_release.json \
         --fixed_threshold benchmark/results/speed_tldr_fixed_threshold.json \
@@ -12,18 +12,20 @@ before a change). The README's command:
 
 The held-memory table (runs with speed.py's live-heap shim, which every run has by default):
 
-    python benchmark/speed_compare.py --held benchmark/results/speed_tldr_live_heap.json \
+    python benchmark/speed/speed_compare.py --held benchmark/results/speed_tldr_live_heap.json \
         benchmark/results/speed_tldr_qwen_live_heap.json benchmark/results/speed_grpo_live_heap.json
 
 CPU seconds per update of each side, after a change and before it (the sampling section):
 
-    python benchmark/speed_compare.py --cpu benchmark/results/speed_{grpo,tldr_qwen,tldr}_sampling.json \
+    python benchmark/speed/speed_compare.py \
+        --cpu benchmark/results/speed_{grpo,tldr_qwen,tldr}_sampling.json \
         --before benchmark/results/speed_{grpo,tldr_qwen,tldr}_live_heap.json
 
 The GPU table (runs with speed.py --device cuda; docs/speed_gpu.md): peak CUDA memory allocated and reserved,
 wall seconds per update, ours / TRL, with the GPU's name, the model's size and the precision of each file:
 
-    python benchmark/speed_compare.py --gpu results/speed_tldr_qwen05b.json results/speed_grpo_qwen05b.json
+    python benchmark/speed/speed_compare.py --gpu results/speed_tldr_qwen05b.json \
+        results/speed_grpo_qwen05b.json
 
 Each file is one preset (speed.py --preset ...). A later file of the same preset (a rerun of some algorithms,
 `--algorithms rloo`) replaces the rows it has figures for. `--fixed_threshold` files (runs with speed.py's

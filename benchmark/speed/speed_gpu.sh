@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session's measurements for docs/speed_gpu.md, most wanted first, while a time budget lasts.
 #
-#   bash benchmark/speed_gpu.sh OUT [SECONDS]
+#   bash benchmark/speed/speed_gpu.sh OUT [SECONDS]
 #
 # OUT gets one json and one log per command and table.md (speed_compare.py --gpu of each json), rewritten after
 # every command. SECONDS (default 480) bounds the whole: a command starts only with time left and is stopped at the
 # budget. SPEED_GPU_DRY=1 runs the same commands on a CPU with a 2-layer body, to check them before a GPU session.
 set -u
-out=$(mkdir -p "${1:?usage: bash benchmark/speed_gpu.sh OUT [SECONDS]}" && cd "$1" && pwd) || exit 1
+out=$(mkdir -p "${1:?usage: bash benchmark/speed/speed_gpu.sh OUT [SECONDS]}" && cd "$1" && pwd) || exit 1
 budget=${2:-480}
 py=$(command -v python3)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 # A GPU machine without network: the wheels of ../shared/gpu/README.md's recipe, copied along in .whl/
 if ! "$py" -c "import transformers, trl, tyro, datasets" 2>/dev/null; then
@@ -36,11 +36,12 @@ run() {  # run NAME ARGS...: one speed.py command, if time is left
         return
     fi
     echo "$name: started at $SECONDS s"
-    timeout "$left" "$py" benchmark/speed.py "${common[@]}" "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1
+    timeout "$left" "$py" benchmark/speed/speed.py "${common[@]}" "$@" --output "$out/$name.json" \
+        >"$out/$name.log" 2>&1
     echo "$name: exit $? at $SECONDS s; $(tail -n 1 "$out/$name.log")"
     for f in "$out"/*.json; do
         echo "### $(basename "$f")"
-        "$py" benchmark/speed_compare.py --gpu "$f" 2>&1
+        "$py" benchmark/speed/speed_compare.py --gpu "$f" 2>&1
     done >"$out/table.md"
 }
 

@@ -4,8 +4,8 @@ differs, one table per script (flag | ours | TRL 1.16 | why).
 The "why" column is written by hand; regenerating the page keeps each script's reasons by flag, so only a new
 difference needs a new one (its cell is left empty, and tests/test_trl_defaults.py fails until it is filled).
 
-    python benchmark/trl_defaults.py                # rewrites docs/trl_defaults.md
-    python benchmark/trl_defaults.py --check        # exit 1 when the page is out of date
+    python benchmark/speed/trl_defaults.py                # rewrites docs/trl_defaults.md
+    python benchmark/speed/trl_defaults.py --check        # exit 1 when the page is out of date
 
 Our default is the `Args` dataclass default (importing a script has no side effects); where a script offers its
 defaults in TRL 1.16's dialect (rloo.py: `--trl_defaults 1.16`), those are compared instead. TRL's default is the config field's default; one
@@ -21,9 +21,9 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "trl_defaults.md"
-COMMAND = "python benchmark/trl_defaults.py"
+COMMAND = "python benchmark/speed/trl_defaults.py"
 # script -> (module holding TRL 1.16's config, its class)
 SCRIPTS = {
     "sft": ("trl", "SFTConfig"),
@@ -34,7 +34,7 @@ SCRIPTS = {
     "online_dpo": ("trl.experimental.online_dpo", "OnlineDPOConfig"),
 }
 # script -> (module, class, TRL version, record): a config of a TRL release the tests' environment lacks (PPO left
-# TRL after 1.12), read from the record benchmark/trl_ppo_record.py writes in that release's environment
+# TRL after 1.12), read from the record benchmark/speed/trl_ppo_record.py writes in that release's environment
 RECORDED = {
     "ppo": ("trl.experimental.ppo", "PPOConfig", "1.12", ROOT / "benchmark" / "results" / "trl_ppo_1_12.json")
 }
@@ -52,7 +52,7 @@ the config field's default, or what the config's `__post_init__` makes of a decl
 
 `ppo.py` is compared with TRL 1.12's `PPOConfig`: TRL 1.16 has no PPO trainer or config (not even in
 `trl.experimental`; PPO left TRL after 1.12). Its defaults are read from the record that
-`benchmark/trl_ppo_record.py` writes in TRL 1.12's environment, the one `tests/test_update_parity_ppo.py` compares
+`benchmark/speed/trl_ppo_record.py` writes in TRL 1.12's environment, the one `tests/test_update_parity_ppo.py` compares
 ppo.py's training with.
 """
 # What a default table cannot show: where the same flag does something else (written by hand).

@@ -6,7 +6,7 @@ value model after every optimizer step (as digests) and the metrics of every upd
 
     python -m venv .venv-trl-ppo && .venv-trl-ppo/bin/pip install torch==2.13.0 -r requirements.txt
     .venv-trl-ppo/bin/pip install trl==1.12.0     # after requirements.txt: it replaces the tests' trl 1.16
-    .venv-trl-ppo/bin/python benchmark/trl_ppo_record.py       # writes benchmark/results/trl_ppo_1_12.json
+    .venv-trl-ppo/bin/python benchmark/speed/trl_ppo_record.py  # writes benchmark/results/trl_ppo_1_12.json
 
 What it runs: the tiny world built with `WORLD` (the tests' world; deterministic, rebuilt here), `NUM_PROMPTS`
 prompts of different lengths (left padding), the world's policy, and its reward model as both reward model and
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "benchmark" / "results" / "trl_ppo_1_12.json"
-COMMAND = ".venv-trl-ppo/bin/python benchmark/trl_ppo_record.py"
+COMMAND = ".venv-trl-ppo/bin/python benchmark/speed/trl_ppo_record.py"
 # The tests' world (tests/conftest.py `world`): tiny_world.Args overrides; the build is deterministic.
 WORLD = dict(num_sft=600, num_preference=600, num_preference_validation=200, num_validation=64, num_test=64)
 NUM_PROMPTS = 8  # one update's batch: every prompt in every update (TRL's whitening of rewards needs >= 8)
@@ -63,7 +63,7 @@ CASES = {
 
 def make_world(out: Path) -> Path:
     """The tiny world of `WORLD` in `out`."""
-    sys.path.insert(0, str(ROOT / "benchmark"))
+    sys.path.insert(0, str(ROOT / "benchmark" / "tiny"))
     import tiny_world
 
     tiny_world.build(tiny_world.Args(output_dir=str(out), **WORLD))
@@ -127,7 +127,7 @@ def json_value(value):
 
 
 def config_defaults() -> dict:
-    """TRL 1.12's PPOConfig defaults, read as benchmark/trl_defaults.py reads a TRL config's."""
+    """TRL 1.12's PPOConfig defaults, read as benchmark/speed/trl_defaults.py reads a TRL config's."""
     import trl_defaults
 
     return {k: json_value(v) for k, v in trl_defaults.trl_defaults("ppo").items()}
@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=str(RECORD), help="where the record goes")
     parser.add_argument("--world", default=None, help="an existing build of WORLD (default: build one)")
     args = parser.parse_args(argv)
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmark")]
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmark" / "speed")]
     os.environ.update(TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
     os.environ.pop("ACCELERATE_MIXED_PRECISION", None)  # so that the record shows what the config alone does
     import torch

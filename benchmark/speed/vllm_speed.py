@@ -7,7 +7,7 @@ temperature 0.7. vLLM's time is given alone and with the logprob recomputation b
 `Engine.generate` adds (the number a script pays); engine start and one weight sync are timed too. The median
 of `--repeats` timed rounds after one warm-up round.
 
-    OMP_NUM_THREADS=1 python benchmark/vllm_speed.py --output_json benchmark/results/vllm_speed.json
+    OMP_NUM_THREADS=1 python benchmark/speed/vllm_speed.py --output_json benchmark/results/vllm_speed.json
 
 Needs `pip install -r requirements-vllm.txt`. The numbers are this machine's: CPU timings move with the CPU
 model, its load and the thread count; on GPUs vLLM's batching and paged attention are expected to win by much
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import utils.generation  # noqa: E402

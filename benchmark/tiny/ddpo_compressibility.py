@@ -1,11 +1,11 @@
 """DDPO on the tiny random Stable-Diffusion pipeline, on CPU: does the JPEG-compressibility reward rise?
 
-Builds the pipeline of `benchmark/tiny_diffusion.py` in a temporary directory, runs `ddpo.py` through its
+Builds the pipeline of `benchmark/tiny/tiny_diffusion.py` in a temporary directory, runs `ddpo.py` through its
 command line with `--reward_fn jpeg_compressibility` (reward = minus the JPEG size in kB), reads the
 per-epoch reward statistics back from its TensorBoard log and writes them to a JSON file with a plot beside
 it. A few minutes on a 2-core CPU.
 
-    python benchmark/ddpo_compressibility.py --output_json benchmark/results/ddpo_compressibility.json
+    python benchmark/tiny/ddpo_compressibility.py --output_json benchmark/results/ddpo_compressibility.json
 
 The tiny UNet is random, so its attention layers, where LoRA adapters go, barely steer the images: this run
 trains the whole UNet (`--no_use_lora`), with one on-policy update per epoch over all its samples, a short
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmark", "tiny"))
 
 from tiny_diffusion import build_tiny_sd_pipeline  # noqa: E402
 

@@ -1,7 +1,7 @@
 """evaluate_tldr.py for a model written by ilql.py: summaries decoded with the ILQL heads, then judged.
 
-    python benchmark/evaluate_ilql.py --model_path models/ilql --dataset_name tiny_world/dataset --split test \
-        --response_length 8 --beta 4 --output_jsonl results/ilql_test.jsonl
+    python benchmark/tiny/evaluate_ilql.py --model_path models/ilql --dataset_name tiny_world/dataset \
+        --split test --response_length 8 --beta 4 --output_jsonl results/ilql_test.jsonl
 
 Decoding is ilql.complete: log pi + beta * (min target Q - V), top-k, greedy by default (the same as every
 other model of the benchmark). Writes the same rows and `_result.json` as evaluate_tldr.py (gold judge when the
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHMARK = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(BENCHMARK))
+sys.path.insert(0, os.path.join(BENCHMARK, "tldr"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from evaluate_tldr import judge_with_gold  # noqa: E402

@@ -1,6 +1,6 @@
 """The offline data of ILQL: completions sampled from a model (usually the SFT model), each scored once.
 
-    python benchmark/ilql_data.py --model_path models/sft --reward_model_path models/reward \
+    python benchmark/tiny/ilql_data.py --model_path models/sft --reward_model_path models/reward \
         --dataset_name tiny_world/dataset --output_dir data/ilql
 
 For every prompt of `--train_split` (and of `--test_split`), `--num_completions` completions of
@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import utils.chat  # noqa: E402

@@ -7,7 +7,7 @@ learned here from a short list of words. It is saved with `save_pretrained`, so
 `StableDiffusionPipeline.from_pretrained(output_dir)` and `python ddpo.py --pretrained_model output_dir` load
 it. The same seed gives the same weights.
 
-    python benchmark/tiny_diffusion.py --output_dir /tmp/tiny-sd --seed 0
+    python benchmark/tiny/tiny_diffusion.py --output_dir /tmp/tiny-sd --seed 0
 """
 
 import collections

@@ -1,9 +1,9 @@
 """The TL;DR recipe in miniature, offline on a CPU: world -> SFT -> reward model -> PPO / RLOO / DPO -> judge.
 
-    python benchmark/tiny_tldr.py                 # one seed, every method: 22 minutes on 2 CPU cores
-    python benchmark/tiny_tldr.py --seeds 3       # mean and standard deviation over seeds 0, 1, 2
-    python benchmark/tiny_tldr.py --first_seed 5  # seed 5 alone: does it land in the table's intervals?
-    python benchmark/tiny_tldr.py --quick         # a minute-long plumbing check (used by the tests)
+    python benchmark/tiny/tiny_tldr.py                 # one seed, every method: 22 minutes on 2 CPU cores
+    python benchmark/tiny/tiny_tldr.py --seeds 3       # mean and standard deviation over seeds 0, 1, 2
+    python benchmark/tiny/tiny_tldr.py --first_seed 5  # seed 5 alone: does it land in the table's intervals?
+    python benchmark/tiny/tiny_tldr.py --quick         # a minute-long plumbing check (used by the tests)
 
 Every stage runs the scripts through their real command lines, exactly as a user would. Each trained policy
 then summarizes the held-out test posts (greedy decoding, the same settings for all) and the tiny world's gold
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 METHODS = ["sft", "ppo", "rloo", "dpo", "online_dpo", "ilql"]
 
 
@@ -97,12 +97,13 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
         "--logprobs_at_temperature", "--drop_ties",  # the committed results' settings (ours, not TRL's defaults)
     ]  # fmt: skip
     # ILQL learns offline from completions of the SFT model scored once by the reward model, then decodes with
-    # log pi + beta * (Q - V) (benchmark/evaluate_ilql.py). Two epochs and beta 8 were chosen on the validation
-    # posts of seeds 0-4 (mean win rate 0.79, against 0.73 with one epoch and beta 4; #27's notes). Each reward
-    # is taken relative to the other sample of its prompt: a reward model's bias towards some posts' key words
-    # then no longer reaches the Q targets (validation posts of seeds 0-4: std 6.8 -> 2.1 points, mean +1.6).
+    # log pi + beta * (Q - V) (benchmark/tiny/evaluate_ilql.py). Two epochs and beta 8 were chosen on the
+    # validation posts of seeds 0-4 (mean win rate 0.79, against 0.73 with one epoch and beta 4; #27's notes).
+    # Each reward is taken relative to the other sample of its prompt: a reward model's bias towards some
+    # posts' key words then no longer reaches the Q targets (validation posts of seeds 0-4: std 6.8 -> 2.1
+    # points, mean +1.6).
     ilql_data = [
-        "benchmark/ilql_data.py", "--model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
+        "benchmark/tiny/ilql_data.py", "--model_path", f"{work}/sft", "--reward_model_path", f"{work}/reward",
         "--judge", "reward_model", "--dataset_name", data, "--train_split", "sft", "--test_split", "validation",
         "--response_length", "8", "--temperature", "1.0", "--num_completions", "2",
         "--reward_baseline", "prompt_mean",
@@ -119,7 +120,7 @@ def stage_commands(world: str, work: str, seed: int, quick: bool) -> dict[str, l
     ]  # fmt: skip
     return {
         "world": [
-            "benchmark/tiny_world.py",
+            "benchmark/tiny/tiny_world.py",
             "--output_dir",
             world,
             "--seed",
@@ -314,7 +315,7 @@ def run_seed(args: Args, seed: int, progress, task) -> dict:
         reused[name] = reuse and stages[name].get("reused", False)
 
     def evaluate(method):
-        script = "benchmark/evaluate_ilql.py" if method == "ilql" else "benchmark/evaluate_tldr.py"
+        script = "benchmark/tiny/evaluate_ilql.py" if method == "ilql" else "benchmark/tldr/evaluate_tldr.py"
         command = [
             script, "--model_path", f"{work}/{method}", "--dataset_name", f"{world}/dataset",
             "--split", "test", "--response_length", "8", "--output_jsonl", f"{work}/eval/{method}.jsonl",
@@ -497,7 +498,7 @@ def main(args: Args) -> dict:
         "per_seed": per_seed,
         "quick": args.quick,
         "wall_seconds": round(time.time() - start, 1),
-        "command": shlex.join(["python", "benchmark/tiny_tldr.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "benchmark/tiny/tiny_tldr.py", *sys.argv[1:]]),
         "versions": versions(),
         "cpu_count": os.cpu_count(),
     }

@@ -1,6 +1,6 @@
 """What the tiny TL;DR policies changed: style (the filler word) versus content (facts named, keys invented).
 
-    python benchmark/tiny_tldr_breakdown.py      # after benchmark/tiny_tldr.py, reads its evaluation files
+    python benchmark/tiny/tiny_tldr_breakdown.py  # after benchmark/tiny/tiny_tldr.py, reads its evaluation files
 
 For every method, over the test summaries of every seed in `--work_dir`: the share ending with the hedge word,
 naming all the post's facts, and inventing or repeating a key word; for every method but SFT, the mean
@@ -25,7 +25,7 @@ from tiny_world import HEDGE, KEY_WORDS, gold_score  # noqa: E402
 @dataclass
 class Args:
     work_dir: str = "benchmark/work"
-    """the --work_dir of benchmark/tiny_tldr.py"""
+    """the --work_dir of benchmark/tiny/tiny_tldr.py"""
     output_json: str = "benchmark/results/tiny_tldr_breakdown.json"
     """where to write the shares"""
 

@@ -1,11 +1,12 @@
-"""The tiny world's tool task (benchmark/tiny_world.py writes dataset_tools/): its tool, its reward, the task as an
-environment, and a benchmark in which grpo.py teaches a policy that seldom uses its tool to use it.
+"""The tiny world's tool task (benchmark/tiny/tiny_world.py writes dataset_tools/): its tool, its reward, the task
+as an environment, and a benchmark in which grpo.py teaches a policy that seldom uses its tool to use it.
 
     python grpo.py --model_name_or_path tiny_world/policy_tools --dataset_name tiny_world/dataset_tools \
-        --tools benchmark/tiny_tools.py:lookup --reward_funcs benchmark/tiny_tools.py:code_reward ...
-    python grpo.py ... --environment_factory benchmark/tiny_tools.py:CodeDesk --reward_funcs benchmark/tiny_tools.py:code_reward
+        --tools benchmark/tiny/tiny_tools.py:lookup --reward_funcs benchmark/tiny/tiny_tools.py:code_reward ...
+    python grpo.py ... --environment_factory benchmark/tiny/tiny_tools.py:CodeDesk \
+        --reward_funcs benchmark/tiny/tiny_tools.py:code_reward
 
-The benchmark (`python benchmark/tiny_tools.py`): the world; demonstrations from its train split, a share
+The benchmark (`python benchmark/tiny/tiny_tools.py`): the world; demonstrations from its train split, a share
 `--call_rate` of which call the tool and then say its answer, the others answering at once with a key word (a guess:
 the code is a hash of the name, which only the tool knows), and, for every question, the skills of a call without
 the choice to make one (the call after its opening, the answer after the tool's); sft.py on them, so that the start
@@ -31,11 +32,12 @@ from typing import Literal
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_world import KEY_WORDS, tool_code  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The task (loaded by grpo.py as benchmark/tiny_tools.py:...; the file must stay loadable as a bare module)
+# The task (loaded by grpo.py as benchmark/tiny/tiny_tools.py:...; the file must stay loadable as a bare
+# module)
 # ----------------------------------------------------------------------------------------------------------------
 def lookup(name: str) -> str:
     """Look up the code of a name.
@@ -58,8 +60,9 @@ def code_reward(completions, answer, **kwargs) -> list[float]:
 
 
 class CodeDesk:
-    """The task as an environment (--environment_factory benchmark/tiny_tools.py:CodeDesk): one per rollout, reset on
-    its row, so it knows the name asked and its tool takes no argument: the name need not be copied into a call."""
+    """The task as an environment (--environment_factory benchmark/tiny/tiny_tools.py:CodeDesk): one per rollout,
+    reset on its row, so it knows the name asked and its tool takes no argument: the name need not be copied into
+    a call."""
 
     def reset(self, name, **kwargs):
         self.name = name
@@ -151,11 +154,11 @@ def commands(args: Args) -> dict[str, list[str]]:
     """Each stage's arguments to python."""
     w, logs = args.work_dir, ["--logging_dir", f"{args.work_dir}/runs"]
     tool = {
-        "lookup": ["--tools", "benchmark/tiny_tools.py:lookup"],
-        "environment": ["--environment_factory", "benchmark/tiny_tools.py:CodeDesk"],
+        "lookup": ["--tools", "benchmark/tiny/tiny_tools.py:lookup"],
+        "environment": ["--environment_factory", "benchmark/tiny/tiny_tools.py:CodeDesk"],
     }[args.tool]
     return {
-        "world": ["benchmark/tiny_world.py", "--output_dir", f"{w}/world", "--seed", "0", "--num_sft",
+        "world": ["benchmark/tiny/tiny_world.py", "--output_dir", f"{w}/world", "--seed", "0", "--num_sft",
                   str(args.num_train), "--num_test", str(args.num_test)],
         "sft": ["sft.py", "--model_name_or_path", f"{w}/world/policy_tools", "--dataset_name", f"{w}/demos",
                 "--dataset_test_split", "test", "--output_dir", f"{w}/sft", "--max_length", "160",
@@ -163,7 +166,7 @@ def commands(args: Args) -> dict[str, list[str]]:
                 "--per_device_train_batch_size", "32", "--total_steps", str(args.sft_steps), "--eval_steps",
                 str(args.sft_steps), "--seed", str(args.seed), "--run_name", "sft", "--overwrite_output_dir", *logs],
         args.trainer: [f"{args.trainer}.py", "--model_name_or_path", f"{w}/sft", "--dataset_name", f"{w}/world/dataset_tools",
-                 "--dataset_test_split", "test", *tool, "--reward_funcs", "benchmark/tiny_tools.py:code_reward",
+                 "--dataset_test_split", "test", *tool, "--reward_funcs", "benchmark/tiny/tiny_tools.py:code_reward",
                  "--max_tool_calling_iterations", "1", "--num_generations", str(args.group_size),
                  "--per_device_train_batch_size", str(args.group_size * args.prompts_per_step),
                  "--max_completion_length", str(args.max_completion_length), "--temperature", str(args.temperature),

@@ -1,6 +1,6 @@
 """The offline tiny world: a synthetic TL;DR task, its tokenizer, tiny models and a programmatic gold judge.
 
-    python benchmark/tiny_world.py --output_dir tiny_world
+    python benchmark/tiny/tiny_world.py --output_dir tiny_world
 
 writes, in a few seconds and deterministically for `--seed`:
     tokenizer/     byte-level BPE trained on the task's corpus (pad and eos tokens)
@@ -18,7 +18,7 @@ writes, in a few seconds and deterministically for `--seed`:
                    the chat tokenizer with a tool-calling template (tool schemas, <tool_call>{json}</tool_call>,
                    tool turns) and a response_template that parses the calls, and a policy of its vocabulary
     dataset_tools/ the tool task (prompt_only, train and test): 'What is the code of "{name}"?', answerable only
-                   through benchmark/tiny_tools.py's lookup tool (the code is a hash of the name)
+                   through benchmark/tiny/tiny_tools.py's lookup tool (the code is a hash of the name)
 
 The task. A post is `--post_words` words of filler with `--num_keys` key words hidden in it (key words come
 from their own vocabulary). The post's facts are its key words in order. A summary is scored by the gold

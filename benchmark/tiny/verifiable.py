@@ -6,7 +6,7 @@ The SFT start imitates the tiny world's references, which usually omit the last 
 word, so it is rarely exactly right; RL from the verifiable reward has to learn to name the last fact and to
 drop the hedge.
 
-    nice -n 10 python benchmark/verifiable.py --work_dir benchmark/work_grpo --seeds 1 2 3
+    nice -n 10 python benchmark/tiny/verifiable.py --work_dir benchmark/work_grpo --seeds 1 2 3
 
 runs, in `--work_dir`: the world, SFT (sft.py, once, reused by every seed), then for every seed and method one
 RL run from the SFT model with the same number of sampled completions (`--generations` batches of
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_world import KEY_WORDS  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = set(KEY_WORDS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The verifiable reward (loaded by grpo.py / rloo.py as benchmark/verifiable.py:facts_in_order; the file must
-# stay loadable as a bare module, hence no `from __future__ import annotations` above the dataclass)
+# The verifiable reward (loaded by grpo.py / rloo.py as benchmark/tiny/verifiable.py:facts_in_order; the file
+# must stay loadable as a bare module, hence no `from __future__ import annotations` above the dataclass)
 # ----------------------------------------------------------------------------------------------------------------
 def post_facts(prompt: str) -> list[str]:
     """The key words of the prompt's POST, in order (the tiny world's facts)."""
@@ -90,7 +90,7 @@ def commands(args: Args) -> tuple[dict, dict]:
     data, logs = f"{w}/world/dataset", ["--logging_dir", f"{w}/runs"]
     stages = {
         "world": [
-            "benchmark/tiny_world.py",
+            "benchmark/tiny/tiny_world.py",
             "--output_dir",
             f"{w}/world",
             "--seed",
@@ -115,7 +115,7 @@ def commands(args: Args) -> tuple[dict, dict]:
               "--temperature", str(args.temperature), "--max_grad_norm", "1.0", "--num_sample_generations", "0",
               "--lr_scheduler_type", "constant", *logs]  # fmt: skip
     grpo_common = ["grpo.py", "--model_name_or_path", start, "--reward_funcs",
-                   "benchmark/verifiable.py:facts_in_order", "--num_generations", str(args.group_size),
+                   "benchmark/tiny/verifiable.py:facts_in_order", "--num_generations", str(args.group_size),
                    "--per_device_train_batch_size", str(batch // 2), "--steps_per_generation", "2",
                    "--max_completion_length", "8", "--max_steps", str(2 * args.generations), *common]  # fmt: skip
     variants = {
@@ -138,7 +138,7 @@ def commands(args: Args) -> tuple[dict, dict]:
             ]
             if method == "rloo":
                 runs[method, seed] = [
-                    "rloo.py", "--sft_model_path", start, "--reward_fn", "benchmark/verifiable.py:facts_in_order",
+                    "rloo.py", "--sft_model_path", start, "--reward_fn", "benchmark/tiny/verifiable.py:facts_in_order",
                     "--rloo_k", str(args.group_size), "--per_device_train_batch_size", str(batch // 2),
                     "--num_mini_batches", "2", "--num_ppo_epochs", "1", "--kl_coef", "0", "--response_length", "8",
                     "--stop_token", "eos", "--total_episodes", str(batch * args.generations), *common, *out,

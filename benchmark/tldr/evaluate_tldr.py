@@ -1,12 +1,12 @@
 """Generate summaries of held-out posts with a model and judge them against the reference summaries.
 
-    python benchmark/evaluate_tldr.py --model_path models/rloo --dataset_name tiny_world/dataset \
+    python benchmark/tldr/evaluate_tldr.py --model_path models/rloo --dataset_name tiny_world/dataset \
         --split test --output_jsonl results/rloo_test.jsonl
 
 Every model is decoded with the same settings (greedy by default, `--temperature` otherwise). When the rows
 carry the tiny world's hidden `facts`, the programmatic gold judge compares each summary with the reference
 and the win rate (ties count half) and tie rate are printed and written; for real TL;DR, pass the jsonl to
-`benchmark/judge_tldr.py`, which asks an LLM judge.
+`benchmark/tldr/judge_tldr.py`, which asks an LLM judge.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCHMARK = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(BENCHMARK))
+sys.path.insert(0, os.path.join(BENCHMARK, "tiny"))
 
 import utils.chat  # noqa: E402
 import utils.data  # noqa: E402

@@ -12,14 +12,14 @@ Judges:
   `Preferred: A` or `Preferred: B`; anything else is counted as unparseable, reported, and left out of
   the win rate (never guessed). Requests run on --num_threads threads and are retried with exponential
   backoff on rate limits, server errors and timeouts; a 4xx error that retrying cannot fix stops the run.
-- `gold`: the programmatic judge of the offline tiny TL;DR world (`benchmark/tiny_world.py`,
+- `gold`: the programmatic judge of the offline tiny TL;DR world (`benchmark/tiny/tiny_world.py`,
   `gold_judge(facts, summary_a, summary_b)`), reading each row's `facts`.
 
 Output: the per-row results (--output_jsonl) and a summary (same path, `.summary.json`) with the win
 rate, its 95% confidence interval (normal approximation over the per-row scores, ties included),
 the tie rate, the win rate by position, and the counts of unparseable answers and failed requests.
 
-    python benchmark/judge_tldr.py --input_jsonl runs/ppo_summaries.jsonl --model gpt-4o-mini
+    python benchmark/tldr/judge_tldr.py --input_jsonl runs/ppo_summaries.jsonl --model gpt-4o-mini
 """
 
 import http.client
@@ -285,10 +285,11 @@ def read_rows(path: str, num_examples: Optional[int], need_facts: bool) -> list[
 
 
 def load_gold_judge() -> Callable:
-    """gold_judge(facts, summary_a, summary_b) -> P(A better) from benchmark/tiny_world.py, imported lazily."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
+    """gold_judge(facts, summary_a, summary_b) -> P(A better) from benchmark/tiny/tiny_world.py, imported
+    lazily."""
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tiny")
+    if tiny not in sys.path:
+        sys.path.insert(0, tiny)
     import tiny_world
 
     return tiny_world.gold_judge
