@@ -8,7 +8,7 @@ scores them; normalises the rewards per prompt into advantages; then runs PPO-st
 denoising steps under the current UNet (LoRA adapters by default).
 
 Offline example on CPU (a tiny random pipeline, a few minutes):
-    python benchmark/tiny_diffusion.py --output_dir /tmp/tiny-sd
+    python benchmark/tiny/tiny_diffusion.py --output_dir /tmp/tiny-sd
     python ddpo.py --pretrained_model /tmp/tiny-sd --sample_num_steps 10 --sample_batch_size 8 \
         --train_batch_size 4 --num_epochs 5 --output_dir /tmp/ddpo-tiny
 Stable Diffusion v1.5 on GPUs:
@@ -716,7 +716,7 @@ def setup(args: Args) -> Run:
     if local and not os.path.exists(os.path.join(args.pretrained_model, "model_index.json")):
         raise ValueError(
             f"--pretrained_model {args.pretrained_model} holds no diffusers pipeline (no model_index.json); pass "
-            "a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py) or a hub id."
+            "a local Stable-Diffusion directory (e.g. from benchmark/tiny/tiny_diffusion.py) or a hub id."
         )
     # what defines the run, as check_args compared it with a resumed checkpoint's
     guards = utils.checkpoint.safeguards()
@@ -756,7 +756,7 @@ def setup(args: Args) -> Run:
     except OSError as error:
         raise ValueError(
             f"Could not load the pipeline {args.pretrained_model} ({type(error).__name__}): pass "
-            "--pretrained_model a local Stable-Diffusion directory (e.g. from benchmark/tiny_diffusion.py)."
+            "--pretrained_model a local Stable-Diffusion directory (e.g. from benchmark/tiny/tiny_diffusion.py)."
         ) from None
     scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
     scheduler.set_timesteps(args.sample_num_steps, device=device)

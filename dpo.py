@@ -8,7 +8,7 @@ are needed. `--loss_type` picks the variant (IPO, SLiC hinge, robust DPO, SimPO)
 conservative DPO. The logprob of a completion is the sum over its tokens (ipo and simpo average it); the
 prompt tokens are never in the loss.
 
-    python benchmark/tiny_world.py --output_dir tiny_world
+    python benchmark/tiny/tiny_world.py --output_dir tiny_world
     python dpo.py --model_name_or_path tiny_world/policy --dataset_name tiny_world/dataset \
         --dataset_train_split preference --dataset_test_split preference_validation --learning_rate 1e-3 \
         --per_device_train_batch_size 32 --warmup_ratio 0.1 --eval_steps 50 --output_dir models/dpo-tiny

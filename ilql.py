@@ -9,9 +9,9 @@ Polyak-averaged targets), V by expectile regression, and the LM head by weighted
 
 Decoding shifts the behaviour model by the advantage: log pi(a | s) + beta * (min_i Qhat_i(s, a) - V(s)).
 
-Offline, on the tiny world (benchmark/ilql_data.py writes the SFT model's samples with their rewards):
-    python benchmark/ilql_data.py --model_path models/sft --judge gold --dataset_name tiny_world/dataset \
-        --response_length 8 --num_completions 2 --output_dir data/ilql
+Offline, on the tiny world (benchmark/tiny/ilql_data.py writes the SFT model's samples with their rewards):
+    python benchmark/tiny/ilql_data.py --model_path models/sft --judge gold \
+        --dataset_name tiny_world/dataset --response_length 8 --num_completions 2 --output_dir data/ilql
     python ilql.py --model_name_or_path models/sft --dataset_name data/ilql --dataset_test_split validation \
         --max_length 128 --max_prompt_length 112 --per_device_train_batch_size 32 --learning_rate 3e-4 \
         --alpha 0.01 --steps_for_target_q_sync 1 --beta 4 --response_length 8 --output_dir models/ilql

@@ -9,7 +9,7 @@ builds per-token rewards: a KL penalty against the frozen SFT model on every tok
 GAE with a critic (initialised from the reward model) gives the advantages; `num_ppo_epochs` epochs of the
 clipped policy and value losses over shuffled mini-batches follow.
 
-Example (the offline tiny world: `python benchmark/tiny_world.py --output_dir tiny_world`):
+Example (the offline tiny world: `python benchmark/tiny/tiny_world.py --output_dir tiny_world`):
 
     python ppo.py --sft_model_path tiny_world/policy --reward_model_path tiny_world/reward \
         --dataset_name tiny_world/dataset --dataset_train_split sft --dataset_test_split validation \

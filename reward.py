@@ -9,7 +9,7 @@ function the RL scripts use, so training and use agree. After training, the scor
 optionally scaled) so that the reference completions of the SFT data score 0 on average, as in the paper;
 the saved model holds the normalised head.
 
-    python benchmark/tiny_world.py --output_dir tiny_world
+    python benchmark/tiny/tiny_world.py --output_dir tiny_world
     python reward.py --model_name_or_path tiny_world/policy --dataset_name tiny_world/dataset \
         --dataset_train_split preference --dataset_test_split preference_validation \
         --learning_rate 1e-3 --per_device_train_batch_size 16 --num_train_epochs 3 \

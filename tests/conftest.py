@@ -10,6 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmark"))
+for folder in ("tiny", "tldr", "speed", "memory", "reliability"):  # tests import their modules by name
+    sys.path.insert(0, str(ROOT / "benchmark" / folder))
 
 # Offline and quiet for every script the tests start.
 OFFLINE_ENV = {
@@ -26,7 +28,8 @@ os.environ.update(OFFLINE_ENV)
 
 @pytest.fixture(scope="session")
 def world(tmp_path_factory) -> Path:
-    """The tiny world with small splits: tokenizer/, policy/, reward/, dataset/ (see benchmark/tiny_world.py)."""
+    """The tiny world with small splits: tokenizer/, policy/, reward/, dataset/ (see
+    benchmark/tiny/tiny_world.py)."""
     import tiny_world
 
     out = tmp_path_factory.mktemp("world")

@@ -34,7 +34,7 @@ def test_evaluate_judges_references_against_themselves_as_ties(world, tmp_path):
 )
 def test_quick_pipeline_produces_every_model_and_win_rate(tmp_path):
     run_script(
-        ["benchmark/tiny_tldr.py", "--quick", "--first_seed", "1", "--work_dir", str(tmp_path / "work"),
+        ["benchmark/tiny/tiny_tldr.py", "--quick", "--first_seed", "1", "--work_dir", str(tmp_path / "work"),
          "--results_dir", str(tmp_path / "results")],
         timeout=600,
     )  # fmt: skip
@@ -238,7 +238,7 @@ def test_speed_refuses_cuda_without_a_gpu_in_one_sentence():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     proc = run_script(
-        ["benchmark/speed.py", "--device", "cuda", "--work_dir", "/nonexistent/speed"], check=False
+        ["benchmark/speed/speed.py", "--device", "cuda", "--work_dir", "/nonexistent/speed"], check=False
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -406,7 +406,7 @@ def test_ilql_reward_baseline_is_the_mean_of_the_prompts_completions():
 
 def test_ilql_data_refuses_a_baseline_with_one_completion_per_prompt(world, tmp_path):
     result = run_script(
-        ["benchmark/ilql_data.py", "--model_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
+        ["benchmark/tiny/ilql_data.py", "--model_path", str(world / "policy"), "--reward_model_path", str(world / "reward"),
          "--dataset_name", str(world / "dataset"), "--num_completions", "1", "--reward_baseline", "prompt_mean",
          "--output_dir", str(tmp_path / "data")],
         check=False,
@@ -449,9 +449,9 @@ print(*heap, *tensor)
 
 
 def test_live_heap_shim_counts_what_is_held_not_what_was_freed(tmp_path):
-    """benchmark/live_heap.c against allocations of known sizes: torch's tensors (posix_memalign), calloc,
-    realloc and free through the C library; a freed block leaves the count, the peak is the most held at once, and
-    only torch's blocks count as tensors.
+    """benchmark/memory/live_heap.c against allocations of known sizes: torch's tensors (posix_memalign),
+    calloc, realloc and free through the C library; a freed block leaves the count, the peak is the most held
+    at once, and only torch's blocks count as tensors.
     """
     import os
     import shutil

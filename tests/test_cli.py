@@ -7,11 +7,11 @@ import pytest
 
 from conftest import ROOT, run_script
 
-SCRIPTS = sorted(p.name for p in ROOT.glob("*.py")) + ["benchmark/tiny_world.py"]
+SCRIPTS = sorted(p.name for p in ROOT.glob("*.py")) + ["benchmark/tiny/tiny_world.py"]
 
 
 def test_there_are_scripts():
-    assert "benchmark/tiny_world.py" in SCRIPTS
+    assert "benchmark/tiny/tiny_world.py" in SCRIPTS
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

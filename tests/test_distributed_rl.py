@@ -182,7 +182,7 @@ def test_grpo_environments_on_two_processes_train_and_resume_exactly(tool_lab, t
             "--max_tool_calling_iterations", "2", "--save_steps", "2", "--output_dir", str(out / "model"),
             "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3", *extra,
         ]  # fmt: skip
-        run_torchrun(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")})
+        run_torchrun(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark" / "tiny")})
 
     run(tmp_path / "whole")
     metrics = read_metrics(tmp_path / "whole" / "runs" / "r")

@@ -179,8 +179,9 @@ def test_copy_with_its_core_alone_resumes_exactly(core_copy):
     ],
 )
 def test_each_copy_with_its_core_alone_trains_and_resumes_exactly(world, tmp_path, script):
-    """Each script copied with its core alone (benchmark/ab_compare.py's tiny command, a checkpoint every step)
-    trains; resumed from its first checkpoint into another folder it ends with the same weights bit for bit."""
+    """Each script copied with its core alone (benchmark/reliability/ab_compare.py's tiny command, a
+    checkpoint every step) trains; resumed from its first checkpoint into another folder it ends with the same
+    weights bit for bit."""
     import ab_compare
     from safetensors.torch import load_file
 

@@ -17,7 +17,7 @@ def readme_commands(section: str) -> list[list[str]]:
 
 def test_your_data_your_reward_runs_as_printed(world, tmp_path):
     build, train = readme_commands("Your data, your reward")
-    assert build[:2] == ["python", "benchmark/tiny_world.py"]
+    assert build[:2] == ["python", "benchmark/tiny/tiny_world.py"]
     (tmp_path / "tiny_world").symlink_to(world)  # the session's world stands in for the build
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     assert train[0] == "python"

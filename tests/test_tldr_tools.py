@@ -29,7 +29,7 @@ def load_module(relative_path: str, name: str):
 
 
 prep = load_module("benchmark/tldr/prepare_dataset.py", "tldr_prepare_dataset")
-judge = load_module("benchmark/judge_tldr.py", "tldr_judge")
+judge = load_module("benchmark/tldr/judge_tldr.py", "tldr_judge")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -740,7 +740,7 @@ def test_gold_judge_path(tmp_path, monkeypatch):
 
 def test_judge_cli_help():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmark/judge_tldr.py"), "--help"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "benchmark/tldr/judge_tldr.py"), "--help"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     for flag in ("--base_url", "--model", "--api_key_env", "--num_threads", "--max_retries", "--judge"):

@@ -417,7 +417,9 @@ def tool_run(lab, out, *extra, environment=False, script="grpo.py", check=True):
         "--output_dir", str(out / "model"), "--logging_dir", str(out / "runs"), "--run_name", "r", "--seed", "3",
         "--max_tool_calling_iterations", "2", *extra,
     ]  # fmt: skip
-    return run_script(flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark")}, timeout=600, check=check)
+    return run_script(
+        flags, env={"TINY_WORLD_CODE": str(ROOT / "benchmark" / "tiny")}, timeout=600, check=check
+    )
 
 
 def test_grpo_with_tools_logs_tool_metrics_and_resumes_exactly(tool_lab, tmp_path):
@@ -791,7 +793,7 @@ def test_grpo_refuses_a_bad_environment_in_one_line_and_a_copy_without_utils_too
     env_dataset().to_json(tmp_path / "rows.jsonl")
     flags = [
         "--model_name_or_path", str(world / "policy_tools"), "--dataset_name", str(tmp_path / "rows.jsonl"),
-        "--reward_funcs", f"{ROOT}/benchmark/tiny_tools.py:code_reward", "--output_dir", str(tmp_path / "out"),
+        "--reward_funcs", f"{ROOT}/benchmark/tiny/tiny_tools.py:code_reward", "--output_dir", str(tmp_path / "out"),
         "--environment_factory", f"{tmp_path}/envs.py:Raising",
     ]  # fmt: skip
     proc = run_script(["grpo.py", *flags], check=False)
@@ -814,9 +816,10 @@ def test_grpo_refuses_a_bad_environment_in_one_line_and_a_copy_without_utils_too
 
 
 def test_tiny_tools_environment_and_demonstrations_are_what_grpo_samples_from(world, tmp_path):
-    """benchmark/tiny_tools.py: CodeDesk, reset on its row, answers the row's code with a tool of no argument; the
-    benchmark's demonstrations start from the prompts grpo.py renders (lookup's or CodeDesk's schema), a share
-    --call_rate of first turns call, and each skill demonstration continues the conversation a call makes."""
+    """benchmark/tiny/tiny_tools.py: CodeDesk, reset on its row, answers the row's code with a tool of no
+    argument; the benchmark's demonstrations start from the prompts grpo.py renders (lookup's or CodeDesk's
+    schema), a share --call_rate of first turns call, and each skill demonstration continues the conversation
+    a call makes."""
     import datasets
     import tiny_tools
 
@@ -825,7 +828,7 @@ def test_tiny_tools_environment_and_demonstrations_are_what_grpo_samples_from(wo
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(world / "tokenizer_tools")
     every = datasets.load_from_disk(world / "dataset_tools")["train"]
     args = types.SimpleNamespace(
-        environment_factory=[f"{ROOT}/benchmark/tiny_tools.py:CodeDesk"], reward_funcs=["code_reward"],
+        environment_factory=[f"{ROOT}/benchmark/tiny/tiny_tools.py:CodeDesk"], reward_funcs=["code_reward"],
         reward_model_path=None, max_prompt_length=None, context_overflow="refuse", max_completion_length=80,
         model_name_or_path=str(world / "policy_tools"),
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """Defaults against TRL 1.16: for each script with a TRL 1.16 config class, every flag both share by name is
 compared, and docs/trl_defaults.md must list exactly the ones whose defaults differ, each with its reason.
-Regenerate the page with `python benchmark/trl_defaults.py` (it keeps the hand-written reasons by flag)."""
+Regenerate the page with `python benchmark/speed/trl_defaults.py` (it keeps the hand-written reasons by
+flag)."""
 
 import sys
 import types
@@ -12,7 +13,7 @@ trl = pytest.importorskip("trl")
 if trl.__version__ != "1.16.0":
     pytest.skip(f"the page compares with TRL 1.16.0; found trl {trl.__version__}", allow_module_level=True)
 
-import trl_defaults as td  # noqa: E402  (benchmark/, on the path through conftest)
+import trl_defaults as td  # noqa: E402  (benchmark/speed/, on the path through conftest)
 
 REGENERATE = f"regenerate the page with `{td.COMMAND}` and write the reason of any new row"
 
@@ -40,8 +41,9 @@ def test_page_lists_every_shared_flag_whose_default_differs(page, script):
 
 
 def test_ppo_is_compared_with_trl_1_12s_config_from_its_record(page):
-    """TRL 1.16 has no PPO, so ppo.py's table reads TRL 1.12's PPOConfig from benchmark/trl_ppo_record.py's record,
-    made in TRL 1.12's environment; the defaults TRL's PPOTrainer never applies are listed, and the page says so."""
+    """TRL 1.16 has no PPO, so ppo.py's table reads TRL 1.12's PPOConfig from
+    benchmark/speed/trl_ppo_record.py's record, made in TRL 1.12's environment; the defaults TRL's PPOTrainer
+    never applies are listed, and the page says so."""
     import json
 
     assert not hasattr(trl, "PPOConfig") and not hasattr(trl, "PPOTrainer")

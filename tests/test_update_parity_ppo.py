@@ -1,18 +1,19 @@
 """ppo.py's own training loop against TRL 1.12's PPOTrainer.train(), step by step, from a committed record.
 
-TRL dropped PPO after 1.12, so TRL's side is not run here: benchmark/trl_ppo_record.py ran it once in TRL 1.12's
-environment on the same tiny world, prompts and fixed completions, and wrote benchmark/results/trl_ppo_1_12.json
-(how it was made, how to remake it, a digest of the policy's and the critic's weights after every optimizer step,
-the metrics of every update). Here ppo.py's main() runs the same cases through tests/fixed_run.py, and the digests
-of its weights after each step and the metrics both log under one name must agree. What is compared is all that
-the loop does with the rows: the KL penalty, the score's position, whitening, GAE, both clipped losses, the EOS
-penalty, the learning-rate schedule and AdamW. Where the two differ on purpose (the score after a stop token, see
-trl_ppo_record.CASES), the case leaves that part out."""
+TRL dropped PPO after 1.12, so TRL's side is not run here: benchmark/speed/trl_ppo_record.py ran it once in
+TRL 1.12's environment on the same tiny world, prompts and fixed completions, and wrote
+benchmark/results/trl_ppo_1_12.json (how it was made, how to remake it, a digest of the policy's and the
+critic's weights after every optimizer step, the metrics of every update). Here ppo.py's main() runs the same
+cases through tests/fixed_run.py, and the digests of its weights after each step and the metrics both log
+under one name must agree. What is compared is all that the loop does with the rows: the KL penalty, the
+score's position, whitening, GAE, both clipped losses, the EOS penalty, the learning-rate schedule and AdamW.
+Where the two differ on purpose (the score after a stop token, see trl_ppo_record.CASES), the case leaves that
+part out."""
 
 import json
 
 import pytest
-import trl_ppo_record as rec  # benchmark/, on the path through conftest
+import trl_ppo_record as rec  # benchmark/speed/, on the path through conftest
 
 from conftest import read_metrics, run_script
 from fixed_completions import recorded_steps

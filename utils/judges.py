@@ -4,7 +4,7 @@
     verdicts = judge(prompts, [(first, second), ...])    # [P] long: 0 first better, 1 second, -1 tie
 
 A function is loaded as reward functions are (utils/reward_funcs.py); `openai` asks an OpenAI-compatible
-endpoint through benchmark/judge_tldr.py's client."""
+endpoint through benchmark/tldr/judge_tldr.py's client."""
 
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ def load_judge(args, seed: int) -> Callable[[list[str], list[tuple[str, str]]], 
 
 
 def openai_judge(args, seed: int) -> Callable:
-    """A pairwise judge on an OpenAI-compatible endpoint, through the client of benchmark/judge_tldr.py (its
+    """A pairwise judge on an OpenAI-compatible endpoint, through benchmark/tldr/judge_tldr.py's client (its
     prompt, retries and strict `Preferred: A|B` parsing). Each pair is shown in a seeded random order, so the
     judge's position bias does not become the policy's; an unparseable answer or a failed request is a tie."""
-    client_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark")
+    client_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark/tldr")
     if not os.path.isfile(os.path.join(client_dir, "judge_tldr.py")):
-        raise ValueError(f"--judge openai needs benchmark/judge_tldr.py beside utils/ ({client_dir}).")
+        raise ValueError(f"--judge openai needs benchmark/tldr/judge_tldr.py beside utils/ ({client_dir}).")
     if client_dir not in sys.path:
         sys.path.insert(0, client_dir)
     import judge_tldr

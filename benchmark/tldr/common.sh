@@ -110,10 +110,10 @@ launch() {
 }
 
 # generate_summaries MODEL_DIR OUT_JSONL SEED: summaries of the first NUM_EVAL posts of EVAL_SPLIT, written as
-# {prompt, completion, reference} rows for judge_tldr.py by benchmark/evaluate_tldr.py (greedy decoding, at
-# most RESPONSE_LENGTH new tokens, cut after EOS; the same settings for every model).
+# {prompt, completion, reference} rows for judge_tldr.py by benchmark/tldr/evaluate_tldr.py (greedy decoding,
+# at most RESPONSE_LENGTH new tokens, cut after EOS; the same settings for every model).
 generate_summaries() {
-    python "$REPO_ROOT/benchmark/evaluate_tldr.py" \
+    python "$REPO_ROOT/benchmark/tldr/evaluate_tldr.py" \
         --model_path "$1" \
         --dataset_name "$DATA_DIR/sft" \
         --split "$EVAL_SPLIT" \
@@ -275,7 +275,7 @@ run_seed() {
             local out="$root/eval/$method.jsonl"
             mkdir -p "$root/eval"
             [ -f "$out" ] || generate_summaries "$root/$method" "$out" "$seed"
-            python "$REPO_ROOT/benchmark/judge_tldr.py" \
+            python "$REPO_ROOT/benchmark/tldr/judge_tldr.py" \
                 --input_jsonl "$out" \
                 --output_jsonl "$root/eval/$method.judged.jsonl" \
                 --base_url "$JUDGE_BASE_URL" \
