@@ -12,6 +12,7 @@ import pytest
 
 import utils.data
 import utils.loading
+import utils.paths
 from conftest import OFFLINE_ENV, ROOT, run_script
 
 SFT = ["sft.py", "--dataset_name", "{world}/dataset", "--dataset_train_split", "sft", "--eval_strategy", "no",
@@ -52,7 +53,7 @@ def test_folders_without_a_model_say_what_they_hold(world, tmp_path):
              (AutoModelForCausalLM, world / "dataset" / "sft.jsonl", "is a file")]  # fmt: skip
     for cls, path, words in cases:
         with pytest.raises(ValueError, match=words):
-            utils.loading.check_source(cls, str(path), "--model_name_or_path")
+            utils.paths.check_source(cls, str(path), "--model_name_or_path")
     with pytest.raises(ValueError, match="holds a model; pass a dataset"):
         utils.data.load_split(str(world / "policy"), "train")
 

@@ -67,6 +67,7 @@ OPTIONAL_MODULES = (
     "utils/judges.py",
     "utils/lora.py",
     "utils/loss_variants.py",
+    "utils/paths.py",
     "utils/plots.py",
     "utils/reward_funcs.py",
     "utils/reward_tokenizer.py",
@@ -148,6 +149,22 @@ def test_copy_without_cli_parses_with_tyro(core_copy):
     refused = run_script(["rloo.py", *flags, "--kl_coeff", "0.1"], cwd=out, check=False)
     assert refused.returncode != 0 and "kl_coeff" in refused.stdout + refused.stderr
     assert "Traceback" not in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--dataset_name", "./data/missing"), ("--sft_model_path", "./models/missing")]
+)
+def test_copy_without_paths_says_a_missing_path_in_one_line(core_copy, flag, value):
+    """Without utils/paths.py (the finer path and hub-id diagnostics) a copy still stops on a path that does not
+    exist with one line naming the flag, no traceback, before it trains."""
+    out, flags = core_copy
+    assert not (out / "utils" / "paths.py").exists()
+    at = flags.index(flag)
+    asked = [*flags[: at + 1], value, *flags[at + 2 :], "--output_dir", str(out / "missing")]
+    proc = run_script(["rloo.py", *asked], cwd=out, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert last == f"rloo.py: error: {flag} {value} does not exist.", last
 
 
 def test_copy_with_its_core_alone_resumes_exactly(core_copy):

@@ -164,7 +164,7 @@ def test_a_jsonl_line_cut_short_is_named(script, world, tmp_path):
 def test_bad_json_line_finds_the_line():
     import tempfile
 
-    from utils.data import bad_json_line
+    from utils.paths import bad_json_line
 
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "x.jsonl")

@@ -20,7 +20,7 @@ Plumbing one can skip on a first read:
     utils/loading.py     models and tokenizers from the hub or a folder
 
 Optional, imported only on the path that needs it: behind a flag (a copy without the file says which to copy)
-or, for the last four, whenever the file is there (a copy without it takes the plain path named):
+or, for the last five, whenever the file is there (a copy without it takes the plain path named):
     utils/reward_funcs.py  reward functions, TRL's contract (with --reward_funcs / --reward_fn)
     utils/trl_flags.py   TRL 1.16 command lines of rloo.py (with a TRL 1.16 flag)
     utils/reward_tokenizer.py  reward models that read text: another tokenizer, a chat template
@@ -36,6 +36,8 @@ or, for the last four, whenever the file is there (a copy without it takes the p
                          refused (a copy without it stops at the step's end and trusts the flags)
     utils/cli.py         TRL's flags translated or refused, one sentence per bad flag, grouped --help (a copy
                          without it parses with tyro alone)
+    utils/paths.py       a path or hub id checked before it loads, the exact reason in one sentence (a copy
+                         without it says a path is missing more plainly)
 
 Shape names: B batch, T sequence length, Q query (prompt) length, R response length, V vocabulary.
 """

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from utils.loading import check_source, cut_from_left, load_kwargs, say_once
+from utils.loading import cut_from_left, load_kwargs, say_once
+from utils.paths import check_source
 from utils.run import inner_model
 
 POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")

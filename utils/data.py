@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from utils.chat import render, require_chat_template
+from utils.run import extra_module
 
 FORMATS = (
     "language modeling (text or messages), prompt-only (prompt), prompt-completion (prompt, completion), "
@@ -48,93 +49,19 @@ def is_local(name_or_path: str) -> bool:
     )
 
 
-def missing_path(name_or_path: str, flag: str) -> ValueError:
-    """The error for a local path that does not exist: its first missing part, and the closest names beside it."""
-    import difflib
-
-    path = os.path.normpath(os.path.expanduser(name_or_path))
-    parent, missing = os.path.dirname(path), os.path.basename(path)
-    while parent and not os.path.isdir(parent):
-        parent, missing = os.path.dirname(parent), os.path.basename(parent)
-    names = sorted(os.listdir(parent or "."))
-    close = difflib.get_close_matches(missing, names, n=3, cutoff=0.6)
-    where = f"{parent}/" if parent else "this folder"
-    hint = f"; did you mean {' or '.join(close)}?" if close else "."
-    return ValueError(f"{flag} {name_or_path} does not exist: {where} has no {missing}{hint}")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
-
-
-def folder_holds(path: str) -> str:
-    """What a local folder holds, as a phrase for an error: nothing, a model, a tokenizer, a dataset, checkpoints."""
-    names = set(os.listdir(path))
-    if not names:
-        return "is an empty folder"
-    if "trainer_state.json" in names:
-        return "is a training checkpoint (for --resume_from_checkpoint)"
-    if "config.json" in names or "adapter_config.json" in names:
-        return "holds a model"
-    if names & set(TOKENIZER_FILES):
-        return "holds only a tokenizer"
-    if names & {"dataset_dict.json", "dataset_info.json"} or any(n.endswith(DATA_ENDINGS[:4]) for n in names):
-        return "holds a dataset"
-    if any(n.startswith("checkpoint-") for n in names):
-        return "holds only checkpoints of a run (for --resume_from_checkpoint latest)"
-    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-    return f"holds no model, tokenizer or dataset ({shown})"
-
-
 def hub_offline() -> bool:
     """Whether the hub is switched off (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE or HF_DATASETS_OFFLINE)."""
     names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
     return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in names)
 
 
-_HUB_CHECKED: dict[tuple[str, str], str | None] = {}  # (kind, name) -> why it cannot load, or None
-
-
-def check_hub_id(name: str, flag: str, kind: str, instead: str) -> None:
-    """For a `name` that is not here and reads as a hub id (`org/name`): online, one request to the hub (no
-    retries) and a ValueError at once when the hub cannot be reached or has no such `kind` (model or dataset)
-    and the hub cache has no copy; offline, nothing (the load reads the cache, and fails at once)."""
-    if hub_offline():
-        return
-    if (kind, name) not in _HUB_CHECKED:
-        _HUB_CHECKED[kind, name] = _hub_problem(name, kind)
-    problem = _HUB_CHECKED[kind, name]
-    if problem:
-        raise ValueError(f"{flag} {name} is not a local folder and {problem}; {instead}.")
-
-
-def _hub_problem(name: str, kind: str) -> str | None:
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-
-    info = HfApi().model_info if kind == "model" else HfApi().dataset_info
-    try:
-        info(name, timeout=10)
-    except (HFValidationError, RepositoryNotFoundError) as error:
-        if isinstance(error, HFValidationError):
-            return "not a valid hub id"
-        return f"no {kind} of that name is on the hub (or it is private: log in with `hf auth login`)"
-    except HfHubHTTPError:  # gated, a server error: the load itself says why
-        return None
-    except Exception as error:  # noqa: BLE001 - any network failure: say it once instead of retrying
-        cached = os.path.join(constants.HF_HUB_CACHE, f"{kind}s--{name.replace('/', '--')}")
-        if os.path.isdir(cached):  # the load falls back to the cached copy
-            return None
-        reason = " ".join(str(error).split())[:120] or type(error).__name__
-        return f"not reachable on the hub ({reason})"
-    return None
-
-
 def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
     """A `datasets.Dataset` from a hub id, a `save_to_disk` folder, a folder of `{split}.jsonl` files or one
     json/jsonl/parquet/csv file (split 'train' only). `config` is a sub-folder for a local folder. Anything
-    missing or empty is a ValueError."""
+    missing or empty is a ValueError (utils/paths.py, when there, says more exactly why)."""
     import datasets
 
+    paths = extra_module("utils.paths")
     if config is not None and os.path.exists(name_or_path):
         if not os.path.isdir(name_or_path):
             raise ValueError(
@@ -169,7 +96,7 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
         try:
             dataset = datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
         except datasets.exceptions.DatasetGenerationError:
-            bad = bad_json_line(name_or_path) if ext in (".json", ".jsonl") else None
+            bad = paths.bad_json_line(name_or_path) if paths and ext in (".json", ".jsonl") else None
             if bad is None:
                 raise
             raise ValueError(
@@ -189,7 +116,7 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
         elif any(os.path.isfile(path) for path in files):
             return load_split(next(path for path in files if os.path.isfile(path)), split, None, flag)
         else:
-            holds = folder_holds(name_or_path)
+            holds = paths.folder_holds(name_or_path) if paths else "holds no dataset"
             if holds == "holds a dataset":
                 found = sorted(n for n in os.listdir(name_or_path) if n.endswith(tuple(builders)))
                 holds = f"has no {split}.jsonl (it holds {', '.join(found) or 'other files'})"
@@ -198,10 +125,15 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
                 "{split}.jsonl files."
             )
     elif is_local(name_or_path):
-        raise missing_path(name_or_path, flag)
+        raise (
+            paths.missing_path(name_or_path, flag)
+            if paths
+            else ValueError(f"{flag} {name_or_path} does not exist.")
+        )
     else:
         instead = "without network pass a save_to_disk directory or json/jsonl/parquet files"
-        check_hub_id(name_or_path, flag, "dataset", instead)
+        if paths:  # one request to the hub: a missing id fails now, not after retries
+            paths.check_hub_id(name_or_path, flag, "dataset", instead)
         try:
             dataset = datasets.load_dataset(name_or_path, config, split=split)
         except (ConnectionError, OSError) as error:
@@ -240,27 +172,6 @@ def has_split(name_or_path: str, split: str, config: str | None = None) -> bool:
         return split in datasets.get_dataset_split_names(name_or_path, config)
     except Exception:  # offline, gated or unknown: load_split says which
         return True
-
-
-def bad_json_line(path: str) -> tuple[int, str] | None:
-    """(line number, JSON error) of the first line that does not parse, or None."""
-    import json
-
-    with open(path, errors="replace") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        try:
-            json.loads(text)
-        except ValueError as error:
-            return getattr(error, "lineno", 1), getattr(error, "msg", str(error))
-        return None
-    for number, line in enumerate(text.split("\n"), 1):
-        if line.strip():
-            try:
-                json.loads(line)
-            except ValueError as error:
-                return number, getattr(error, "msg", str(error))
-    return None
 
 
 def _load_from_disk(path: str, flag: str):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from utils.chat import set_chat_template
-from utils.data import TOKENIZER_FILES, check_hub_id, folder_holds, hub_offline, is_local, missing_path
+from utils.data import hub_offline, is_local
 from utils.run import extra_module, main_process, optional_module
 
 
@@ -93,62 +93,22 @@ def load_kwargs(cls, name_or_path: str) -> dict:
     return kwargs
 
 
-def check_source(cls, name_or_path: str, flag: str) -> None:
-    """ValueError, before anything loads, for a path that does not exist, a folder without what `cls` reads
-    (a model needs config.json, a tokenizer its files) or a hub id the hub cannot give (one request, no retries)."""
-    check_path(name_or_path, flag, "tokenizer" if "Tokenizer" in cls.__name__ else "model")
-
-
-def check_path(name_or_path: str, flag: str, kind: str) -> None:
-    """check_source for a `kind`: "model" (config.json), "tokenizer" (its files, or a config.json that names
-    them) or "either" (a flag that may name a tokenizer alone)."""
-    if os.path.isfile(name_or_path):
-        raise ValueError(f"{flag} {name_or_path} is a file; pass the folder saved with save_pretrained.")
-    if os.path.isdir(name_or_path):
-        names = set(os.listdir(name_or_path))
-        model, tokenizer = names & {"config.json", "adapter_config.json"}, names & set(TOKENIZER_FILES)
-        found = {
-            "model": model,
-            "tokenizer": tokenizer or "config.json" in names,
-            "either": model or tokenizer,
-        }
-        if not found[kind]:
-            needed = "tokenizer.json" if kind == "tokenizer" else "config.json"
-            raise ValueError(
-                f"{flag} {name_or_path} {folder_holds(name_or_path)}: no {kind.replace('either', 'model')} saved "
-                f"with save_pretrained there (no {needed}){saved_models_near(name_or_path)}."
-            )
-    elif is_local(name_or_path):
-        raise missing_path(name_or_path, flag)
-    else:
-        check_hub_id(
-            name_or_path, flag, "model", "without network pass a local directory saved with save_pretrained"
-        )
-
-
 def check_model_paths(args) -> None:
-    """Before anything loads, each model flag of `args` (MODEL_PATH_FLAGS) through check_path: a model for all
-    but --model_name_or_path, which in ppo.py and rloo.py may name the tokenizer alone."""
-    for name in MODEL_PATH_FLAGS:
-        value = getattr(args, name, None)
-        if isinstance(value, str) and value:
-            check_path(value, f"--{name}", "either" if name == "model_name_or_path" else "model")
-
-
-MODEL_PATH_FLAGS = ("model_name_or_path", "sft_model_path", "reward_model_path", "value_model_path")
-
-
-def saved_models_near(path: str) -> str:
-    """`; models next to it: a, b` naming up to three sibling folders that hold a model, or ''."""
-    parent = os.path.dirname(os.path.normpath(path)) or "."
-    found = [n for n in sorted(os.listdir(parent)) if os.path.isfile(os.path.join(parent, n, "config.json"))]
-    return f"; models next to it: {', '.join(os.path.join(parent, n) for n in found[:3])}" if found else ""
+    """Before anything loads, each model flag of `args` checked (utils/paths.py; without it, at its load)."""
+    paths = extra_module("utils.paths")
+    if paths is not None:
+        paths.check_model_paths(args)
 
 
 def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
     """`cls.from_pretrained` with the run's model flags (load_kwargs), with a ValueError for a missing path, a
-    folder without a model, an unreachable hub or an attention implementation that transformers refuses."""
-    check_source(cls, name_or_path, flag)
+    folder without a model, an unreachable hub or an attention implementation that transformers refuses; with
+    utils/paths.py, checked before it loads (what is missing, what the folder holds instead)."""
+    paths = extra_module("utils.paths")
+    if paths is not None:
+        paths.check_source(cls, name_or_path, flag)
+    elif is_local(name_or_path) and not os.path.exists(name_or_path):
+        raise ValueError(f"{flag} {name_or_path} does not exist.")
     kwargs = {**load_kwargs(cls, name_or_path), **kwargs}
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
