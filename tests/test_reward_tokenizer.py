@@ -113,7 +113,7 @@ def test_same_tokenizer_is_detected(world, tokenizers):
 
 
 def test_fast_path_is_unchanged_when_the_tokenizers_match(world, tokenizers, monkeypatch):
-    """The same reward model, the same ids, the same numbers as utils.scoring.compute_scores; nothing is re-encoded."""
+    """The same reward model, the same ids, the same numbers as utils.reward_model.batched_score; nothing is re-encoded."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     policy_tok, _ = tokenizers
@@ -123,7 +123,7 @@ def test_fast_path_is_unchanged_when_the_tokenizers_match(world, tokenizers, mon
     monkeypatch.setattr(scorer, "encode", lambda *a, **k: pytest.fail("the fast path must not re-encode"))
     prompts = [p[i * 7 :] for i, p in enumerate(keyless_prompts(len(COMPLETIONS)))]
     query_responses, mask, context = policy_rows(policy_tok, prompts, COMPLETIONS)
-    expected = utils.scoring.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
+    expected = utils.reward_model.batched_score(reward_model, query_responses, mask, 2)
     assert torch.equal(scorer(query_responses, mask, context, 2), expected)
     assert scorer.take_num_truncated() == 0
 
@@ -136,7 +136,7 @@ def test_score_is_the_reward_models_own_score_of_the_decoded_text(tokenizers):
     query_responses, mask, context = policy_rows(policy_tok, prompts, completions, unfinished={5})
     assert query_responses.max() >= len(word_tok)  # fed directly, these ids index past the embedding
     with pytest.raises(IndexError):
-        utils.scoring.compute_scores(query_responses, mask, context, policy_tok, 2, reward_model)
+        utils.reward_model.batched_score(reward_model, query_responses, mask, 2)
 
     scorer = scoring.RewardScorer(reward_model, word_tok, policy_tok)
     assert not scorer.same_tokenizer and "its own tokenizer" in scorer.describe()

@@ -448,7 +448,7 @@ def test_reward_fn_loading_and_checks(tmp_path):
         utils.reward_funcs.load_reward_fn("no_colon")
 
 
-def test_compute_scores_with_a_reward_fn_sees_the_truncated_completion(tiny_models, tmp_path):
+def test_a_reward_fn_scores_the_truncated_completion(tiny_models, tmp_path):
     tok = tiny_models[0]
     path = tmp_path / "rf.py"
     path.write_text(
@@ -461,7 +461,7 @@ def test_compute_scores_with_a_reward_fn_sees_the_truncated_completion(tiny_mode
     truncated, lengths = utils.generation.truncate_response(responses, eos, tok.pad_token_id)
     qr = torch.cat([queries, truncated], 1)
     am = torch.cat([qmask, utils.generation.lengths_to_mask(lengths, 4)], 1)
-    scores = utils.scoring.compute_scores(qr, am, queries.size(1), tok, chunk_size=2, reward_fn=fn)
+    scores = utils.reward_funcs.score_decoded(fn, qr, am, queries.size(1), tok)
     assert scores.tolist() == [2.0, 1.0]  # the dogs after the EOS do not count
 
 

@@ -156,6 +156,31 @@ def event_loop() -> asyncio.AbstractEventLoop:
     return _EVENT_LOOP
 
 
+def decoded_rows(query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, tokenizer):
+    """(prompts, completions, completion_ids) of query+response rows: texts without special tokens, ids with
+    the stop token."""
+    mask = attention_mask.bool()
+    prompts = [
+        tokenizer.decode(q[m], skip_special_tokens=True)
+        for q, m in zip(query_responses[:, :context_length], mask[:, :context_length])
+    ]
+    completion_ids = [
+        r[m].tolist() for r, m in zip(query_responses[:, context_length:], mask[:, context_length:])
+    ]
+    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+    return prompts, completions, completion_ids
+
+
+def score_decoded(fn, query_responses, attention_mask, context_length, tokenizer, columns=None, **kwargs):
+    """Scores [B] of query+response rows from the reward function `fn` on their decoded texts (call_reward_fn),
+    on the rows' device."""
+    prompts, completions, completion_ids = decoded_rows(
+        query_responses, attention_mask, context_length, tokenizer
+    )
+    scores = call_reward_fn(fn, prompts, completions, columns, completion_ids=completion_ids, **kwargs)
+    return scores.to(query_responses.device)
+
+
 def call_reward_fn(
     fn: Callable,
     prompts: list[str],

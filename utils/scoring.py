@@ -25,44 +25,6 @@ from utils.reward_model import batched_score, score_head
 from utils.run import optional_module
 
 
-def decoded_rows(query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, tokenizer):
-    """(prompts, completions, completion_ids) of query+response rows: texts without special tokens, ids with
-    the stop token."""
-    mask = attention_mask.bool()
-    prompts = [
-        tokenizer.decode(q[m], skip_special_tokens=True)
-        for q, m in zip(query_responses[:, :context_length], mask[:, :context_length])
-    ]
-    completion_ids = [
-        r[m].tolist() for r, m in zip(query_responses[:, context_length:], mask[:, context_length:])
-    ]
-    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
-    return prompts, completions, completion_ids
-
-
-def compute_scores(
-    query_responses: torch.Tensor,
-    attention_mask: torch.Tensor,
-    context_length: int,
-    tokenizer,
-    chunk_size: int,
-    reward_model: nn.Module | None = None,
-    reward_fn: Callable | None = None,
-    columns: dict[str, list] | None = None,
-    **reward_kwargs,
-) -> torch.Tensor:
-    """Scores [B] of query+response rows: the reward model's, or the reward function's on the texts."""
-    if reward_fn is None:
-        return batched_score(reward_model, query_responses, attention_mask, chunk_size)
-    prompts, completions, completion_ids = decoded_rows(
-        query_responses, attention_mask, context_length, tokenizer
-    )
-    scores = reward_funcs().call_reward_fn(
-        reward_fn, prompts, completions, columns, completion_ids=completion_ids, **reward_kwargs
-    )
-    return scores.to(query_responses.device)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Reward functions: loaded and called by utils/reward_funcs.py, optional (imported with --reward_funcs)
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,10 +231,9 @@ class RewardScorer:
             columns = dict(columns or {})
             if prompts is not None:
                 columns["prompt"] = list(prompts)
-            return compute_scores(
-                query_responses, attention_mask, context_length, self.policy_tokenizer, chunk_size,
-                reward_fn=self.reward_fn, columns=columns, trainer_state=trainer_state,
-                log_extra=self.log_extra, log_metric=self.log_metric,
+            return reward_funcs().score_decoded(
+                self.reward_fn, query_responses, attention_mask, context_length, self.policy_tokenizer, columns,
+                trainer_state=trainer_state, log_extra=self.log_extra, log_metric=self.log_metric,
             )  # fmt: skip
         raw_prompts = prompts if prompts is not None else (columns or {}).get("prompt")
         if self.renders_conversations(raw_prompts):
