@@ -49,6 +49,16 @@ def is_local(name_or_path: str) -> bool:
     )
 
 
+def missing_path(name_or_path: str, flag: str) -> ValueError:
+    """The error for a local path that does not exist; utils/paths.py's also names its first missing part."""
+    paths = extra_module("utils.paths")
+    return (
+        paths.missing_path(name_or_path, flag)
+        if paths
+        else ValueError(f"{flag} {name_or_path} does not exist.")
+    )
+
+
 def hub_offline() -> bool:
     """Whether the hub is switched off (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE or HF_DATASETS_OFFLINE)."""
     names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -125,11 +135,7 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
                 "{split}.jsonl files."
             )
     elif is_local(name_or_path):
-        raise (
-            paths.missing_path(name_or_path, flag)
-            if paths
-            else ValueError(f"{flag} {name_or_path} does not exist.")
-        )
+        raise missing_path(name_or_path, flag)
     else:
         instead = "without network pass a save_to_disk directory or json/jsonl/parquet files"
         if paths:  # one request to the hub: a missing id fails now, not after retries

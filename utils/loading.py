@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from utils.chat import set_chat_template
-from utils.data import hub_offline, is_local
+from utils.data import hub_offline, is_local, missing_path
 from utils.run import extra_module, main_process, optional_module
 
 
@@ -108,7 +108,7 @@ def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
     if paths is not None:
         paths.check_source(cls, name_or_path, flag)
     elif is_local(name_or_path) and not os.path.exists(name_or_path):
-        raise ValueError(f"{flag} {name_or_path} does not exist.")
+        raise missing_path(name_or_path, flag)
     kwargs = {**load_kwargs(cls, name_or_path), **kwargs}
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
