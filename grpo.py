@@ -675,32 +675,6 @@ def reward_metrics(rewards_per_func, rewards, num_generations, names, num_proces
 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
-def check_importance_sampling_flags(args: Args) -> None:
-    """TRL's checks of the --vllm_importance_sampling_* flags (even without --use_vllm); _cap: _clip_max."""
-    if args.vllm_importance_sampling_cap is not None:
-        warnings.warn(
-            "--vllm_importance_sampling_cap is deprecated; use --vllm_importance_sampling_clip_max.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_cap = (
-            args.vllm_importance_sampling_cap,
-            None,
-        )
-    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    if low is not None and high is not None and low >= high:
-        raise ValueError(
-            f"--vllm_importance_sampling_clip_min {low} must be below --vllm_importance_sampling_clip_max "
-            f"{high}."
-        )
-    truncating = args.vllm_importance_sampling_mode.endswith("_truncate")
-    if args.vllm_importance_sampling_correction and truncating and low is None and high is None:
-        raise ValueError(
-            f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} needs "
-            "--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max."
-        )
-
-
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
     """Check the flags and fill in the batch sizes; ValueError with one sentence."""
     if args.num_generations < 2:
@@ -731,7 +705,9 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise ValueError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
     if args.beta < 0:
         raise ValueError(f"--beta must be at least 0, got {args.beta}.")
-    check_importance_sampling_flags(args)
+    vllm_flags = utils.run.extra_module("utils.vllm")  # TRL checks these flags even without --use_vllm
+    if vllm_flags is not None:
+        vllm_flags.check_importance_sampling_flags(args)
     rare = rare_flag(
         args
     )  # utils/loss_variants.py is optional; vespo's checks once (the 2nd call: same flags)

@@ -328,6 +328,12 @@ def test_bad_flags_are_refused_with_one_sentence(flags, message):
         grpo.fill_sizes(parse(flags), world_size=1)
 
 
+def test_the_deprecated_importance_sampling_cap_sets_clip_max_with_a_warning():
+    with pytest.warns(FutureWarning, match="--vllm_importance_sampling_cap is deprecated"):
+        args = grpo.fill_sizes(parse(["--vllm_importance_sampling_cap", "2.5"]), world_size=1)
+    assert (args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_cap) == (2.5, None)
+
+
 def test_prompts_are_whole_by_default_as_trl_1_16():
     assert grpo.Args().max_prompt_length is None
     assert utils.loading.cut_prompts([[[1, 2, 3]], None], None) == [[[1, 2, 3]], None]

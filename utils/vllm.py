@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -49,6 +50,32 @@ def check_args(args) -> None:
             f"--use_vllm needs vLLM, which could not be imported ({error}); "
             "install it with `pip install -r requirements-vllm.txt`."
         ) from None
+
+
+def check_importance_sampling_flags(args) -> None:
+    """TRL's checks of the --vllm_importance_sampling_* flags (even without --use_vllm); _cap: _clip_max."""
+    if args.vllm_importance_sampling_cap is not None:
+        warnings.warn(
+            "--vllm_importance_sampling_cap is deprecated; use --vllm_importance_sampling_clip_max.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_cap = (
+            args.vllm_importance_sampling_cap,
+            None,
+        )
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"--vllm_importance_sampling_clip_min {low} must be below --vllm_importance_sampling_clip_max "
+            f"{high}."
+        )
+    truncating = args.vllm_importance_sampling_mode.endswith("_truncate")
+    if args.vllm_importance_sampling_correction and truncating and low is None and high is None:
+        raise ValueError(
+            f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} needs "
+            "--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max."
+        )
 
 
 def engine_dtype(accelerator) -> torch.dtype:
