@@ -886,6 +886,8 @@ def setup(args: Args) -> Run:
     reward_names += [fn.__name__ for fn in environment_rewards]
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    # Before any model loads: it checks every model path and takes a resumed run's name.
+    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
 
     # Tokenizer and prompts
     tokenizer = utils.loading.load_tokenizer(
@@ -952,7 +954,6 @@ def setup(args: Args) -> Run:
     sampling_generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + rank)
     shuffle_generator = torch.Generator().manual_seed(args.seed + rank)
     generators = {"sampling": sampling_generator, "shuffle": shuffle_generator}
-    checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
     checkpointed = dict(models={"policy": policy}, optimizers={"policy": optimizer}, generators=generators)
     state = checkpointer.resume(**checkpointed) or {"step": 0, "generation": 0}
     drawn = state.get(
