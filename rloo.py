@@ -731,8 +731,7 @@ def setup(args: Args) -> Run:
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
     if lora is not None:
         lora.check_args(args, accelerator)
-    tools_asked = bool(args.tools or args.environment_factory)
-    if tools_asked:  # utils/tools.py is optional: imported only with these flags
+    if args.tools or args.environment_factory:  # utils/tools.py is optional: imported only with these flags
         tools_module = utils.run.optional_module(
             "utils.tools", "--tools" if args.tools else "--environment_factory"
         )
@@ -741,6 +740,8 @@ def setup(args: Args) -> Run:
     rollout_func = None  # utils/rollout_func.py is optional too: imported only with --rollout_func
     if args.rollout_func:
         rollout_func = utils.run.optional_module("utils.rollout_func", "--rollout_func").RolloutFunc(args)
+    if not args.resume_from_checkpoint:
+        utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
     if args.sft_model_path:
         policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
     else:
@@ -762,9 +763,7 @@ def setup(args: Args) -> Run:
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.num_generations_eval = args.num_generations_eval or args.rloo_k
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    overwrite = args.overwrite_output_dir or bool(args.resume_from_checkpoint)
-    utils.checkpoint.check_output_dir(args.output_dir, overwrite)
-    # The checkpointer takes the resumed run's name.
+    # Before any model loads: it checks every model path and takes a resumed run's name.
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)
     # a rollout_func's logprobs are its sampler's, never the ratio's old ones (TRL's contract)
     recompute_old_logprobs = (
@@ -781,7 +780,7 @@ def setup(args: Args) -> Run:
         tokenizer_path, tokenizer_flag = policy_path, policy_flag
     tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     tools = None
-    if tools_asked:
+    if args.tools or args.environment_factory:
         timeout, rounds = args.tool_timeout, args.max_tool_calling_iterations
         tools = tools_module.Tools(tool_fns, tokenizer, timeout, rounds, environments)
     pad_id = tokenizer.pad_token_id
