@@ -994,8 +994,8 @@ def setup(args: Args) -> Run:
     )
 
 
-def main(args: Args) -> None:
-    from tqdm import tqdm
+def main(args: Args) -> dict:
+    from tqdm.auto import tqdm
 
     run = setup(args)
     accelerator, policy, optimizer = run.accelerator, run.policy, run.optimizer
@@ -1224,6 +1224,7 @@ def main(args: Args) -> None:
     )
     run.tracker.close()
     utils.run.end_run(accelerator, run.engine)
+    return card_metrics
 
 
 def held_out_metrics(args, run, step, drawn) -> dict:

@@ -663,8 +663,8 @@ def setup(args: Args) -> Run:
     )
 
 
-def main(args: Args) -> None:
-    from tqdm import tqdm
+def main(args: Args) -> dict:
+    from tqdm.auto import tqdm
 
     run = setup(args)
     accelerator, policy, optimizer = run.accelerator, run.policy, run.optimizer
@@ -678,7 +678,9 @@ def main(args: Args) -> None:
     schedule = utils.run.lr_schedule(args, args.num_total_batches)
     updates_per_epoch = len(run.prompt_ids) // args.batch_size
     start_time, metrics, window = time.time(), {}, []  # window: the metrics of the updates since the last log
-    progress = tqdm(range(start + 1, args.num_total_batches + 1), disable=not accelerator.is_main_process)
+    progress = tqdm(
+        range(start + 1, args.num_total_batches + 1), disable=not accelerator.is_local_main_process
+    )
     if args.eval_on_start and start == 0 and run.eval_prompt_ids is not None:
         run.tracker.log(held_out_table(args, run, 0, None), 0)
     for update in progress:
@@ -863,6 +865,7 @@ def main(args: Args) -> None:
     )
     run.tracker.close()
     utils.run.end_run(accelerator)
+    return metrics
 
 
 if __name__ == "__main__":

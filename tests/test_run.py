@@ -346,3 +346,35 @@ def test_a_copy_without_zero3_runs_all_but_zero3(tmp_path):
     assert proc.returncode == 0, proc.stderr
     said = "a DeepSpeed ZeRO-3 launch needs utils/zero3.py, which this copy lacks"
     assert proc.stdout.startswith(said), proc
+
+
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        ("grpo", dict(max_completion_length=6, num_generations=2, max_steps=1)),
+        ("online_dpo", dict(max_new_tokens=6, max_steps=1)),
+    ],
+)
+def test_main_returns_the_metrics_of_its_model_card(script, flags, world, tmp_path):
+    """As every sibling's main(): a notebook or a sweep gets the run's final metrics back."""
+    import importlib
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    module = importlib.import_module(script)
+    args = module.Args(
+        model_name_or_path=str(world / "policy"), reward_model_path=str(world / "reward"),
+        dataset_name=str(world / "dataset"), dataset_train_split="sft", per_device_train_batch_size=4,
+        output_dir=str(tmp_path / "out"), logging_dir=str(tmp_path / "runs"), run_name="r", **flags,
+    )  # fmt: skip
+    try:
+        metrics = module.main(args)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    logged = [json.loads(line) for line in open(tmp_path / "runs" / "r" / "metrics.jsonl")]
+    shared = set(logged[-1]) & set(metrics)  # the last logged line's metrics are the returned ones
+    assert "loss" in " ".join(shared) and {k: metrics[k] for k in shared} == {
+        k: logged[-1][k] for k in shared
+    }
+    assert (tmp_path / "out" / "README.md").exists()
