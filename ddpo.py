@@ -843,7 +843,7 @@ def setup(args: Args) -> Run:
     return run
 
 
-def main(args: Args) -> None:
+def main(args: Args) -> dict:
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
@@ -979,8 +979,9 @@ def main(args: Args) -> None:
     if run.executor is not None:
         run.executor.shutdown()
     accelerator.wait_for_everyone()
+    final_metrics = {name: float(value) for name, value in final_metrics.items()}
     if is_main:
-        save(run, args, {name: float(value) for name, value in final_metrics.items()})
+        save(run, args, final_metrics)
         writer.close()
         card = (
             "README.md, curves.png"
@@ -993,6 +994,7 @@ def main(args: Args) -> None:
 
             wandb.finish()
     utils.run.end_run(accelerator)
+    return final_metrics
 
 
 if __name__ == "__main__":

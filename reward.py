@@ -555,7 +555,7 @@ def normalize(args: Args, run: Run, step: int) -> dict:
     return stats
 
 
-def main(args: Args) -> None:
+def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
     run = setup(args)
@@ -656,6 +656,7 @@ def main(args: Args) -> None:
         print(f"reward model written to {args.output_dir}")
     run.tracker.close()
     utils.run.end_run(accelerator)
+    return final_metrics
 
 
 if __name__ == "__main__":

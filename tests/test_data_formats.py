@@ -318,9 +318,13 @@ def test_reward_on_standard_implicit_prompts_without_an_sft_split(world, tmp_pat
         model_name_or_path=str(world / "policy"), dataset_name=standard_implicit_pairs(world, tmp_path),
         max_length=128, per_device_train_batch_size=4, total_steps=2, eval_steps=0, **common(tmp_path, "rm"),
     )  # fmt: skip
-    reward.main(args)
+    returned = reward.main(args)
     metrics = json.loads((tmp_path / "rm" / "metrics.json").read_text())
-    assert "eval/accuracy" in metrics and not any(k.startswith("normalize/") for k in metrics)
+    assert (
+        returned == metrics
+        and "eval/accuracy" in metrics
+        and not any(k.startswith("normalize/") for k in metrics)
+    )
 
 
 def test_reward_on_conversational_implicit_pairs_normalized_on_conversational_references(
