@@ -842,13 +842,13 @@ def reward_name(spec: str) -> str:
 
 
 def setup(args: Args) -> Run:
-    """Flags, data, tokenizer, models, optimizer, vLLM engine, scorers, resume and tracker."""
+    """Flags, data, tokenizer, models, optimizer, scorers, vLLM engine, resume and tracker."""
     from transformers import AutoModelForCausalLM
 
     utils.loading.use_model_flags(args)
     # Checks before any model is loaded.
     accelerator = utils.run.make_accelerator(
-        args, args.gradient_accumulation_steps, args.per_device_train_batch_size
+        args, args.gradient_accumulation_steps, micro_batch_size=args.per_device_train_batch_size
     )
     fill_sizes(args, accelerator.num_processes)
     utils.evaluation.check_args(args)
@@ -915,14 +915,13 @@ def setup(args: Args) -> Run:
         utils.loading.disable_dropout(policy)
     # TRL 1.16 stops at the tokenizer's EOS and at every EOS id of the policy's generation_config.
     eos_ids = torch.tensor(utils.generation.eos_token_ids(policy, tokenizer), device=accelerator.device)
-    ref_policy = reward_model = None
+    ref_policy = None
     if args.beta > 0 and lora is None:  # LoRA: the policy with its adapter off
         ref_policy = utils.loading.from_pretrained(
             AutoModelForCausalLM, args.model_name_or_path, "--model_name_or_path"
         )
         utils.loading.disable_dropout(ref_policy)
-    if args.reward_model_path:
-        reward_model = utils.scoring.load_reward_model(args.reward_model_path)
+    reward_model = utils.scoring.load_reward_model(args.reward_model_path) if args.reward_model_path else None
     if args.gradient_checkpointing:
         utils.loading.enable_gradient_checkpointing(policy)
     optimizer = utils.run.trainer_optimizer(policy, args)
