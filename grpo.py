@@ -944,6 +944,8 @@ def setup(args: Args) -> Run:
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
     weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])  # TRL's 1
     weights = torch.tensor(weights, device=accelerator.device)
+    for scorer in scorers:  # which path scores, as its siblings say
+        accelerator.print(scorer.describe())
 
     # Resume: weights, optimizer, random generators; the prompt order is replayed.
     rank = accelerator.process_index

@@ -385,6 +385,11 @@ def test_ratio_is_one_at_learning_rate_zero(lab, world, tmp_path):
     ]  # fmt: skip
     proc = run_script(["grpo.py", *flags], timeout=300)
     assert "generation 1" in proc.stdout  # the sample table
+    said = [
+        line for line in proc.stdout.splitlines() if line.startswith("scores: ")
+    ]  # the model's, then the function's
+    assert said == ["scores: the reward model shares the policy's tokenizer; it reads the policy's token ids",
+                    "scores: the reward function, on the decoded prompts and completions"]  # fmt: skip
     lines = read_metrics(tmp_path / "runs" / "invariant")
     assert [m["step"] for m in lines] == [1, 2, 3, 4] and [m["episode"] for m in lines] == [16, 16, 16, 16]
     for metrics in lines:
