@@ -41,6 +41,16 @@ def world(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """After a test that runs a script's main() in this process: accelerate's process-wide state starts over."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def run_script(
     args: list[str], cwd: Path | None = None, timeout: int = 300, env: dict | None = None, check=True
 ):

@@ -36,15 +36,6 @@ def plain_tokenizer(world):
     return AutoTokenizer.from_pretrained(world / "tokenizer")
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Formats, prompts, templates
 # ----------------------------------------------------------------------------------------------------------------

@@ -140,12 +140,12 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(moment, last_line, world,
 @pytest.mark.parametrize(
     "script, extra", [("ppo", {}), ("rloo", {}), ("grpo", {"max_completion_length": 8}), ("online_dpo", {})]
 )
-def test_a_missing_reward_model_is_named_before_any_model_loads(script, extra, world, tmp_path, monkeypatch):
+def test_a_missing_reward_model_is_named_before_any_model_loads(
+    script, extra, world, tmp_path, monkeypatch, fresh_accelerate_state
+):
     """The Checkpointer, built before any model loads, checks every model path: a missing --reward_model_path
     stops the run in one sentence without the policy having been loaded first."""
     import importlib
-
-    from accelerate.state import AcceleratorState, GradientState
 
     module = importlib.import_module(script)
     loaded = []
@@ -156,10 +156,6 @@ def test_a_missing_reward_model_is_named_before_any_model_loads(script, extra, w
         dataset_name=str(world / "dataset"), dataset_train_split="sft", output_dir=str(tmp_path / "out"),
         logging_dir=str(tmp_path / "runs"), **extra,
     )  # fmt: skip
-    try:
-        with pytest.raises(ValueError, match=f"--reward_model_path {tmp_path / 'missing'} does not exist"):
-            module.main(args)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    with pytest.raises(ValueError, match=f"--reward_model_path {tmp_path / 'missing'} does not exist"):
+        module.main(args)
     assert loaded == []

@@ -498,15 +498,6 @@ def test_two_processes(world, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------- bad input
-@pytest.fixture
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def in_process_args(world, tmp_path, **overrides):
     base = dict(
         sft_model_path=str(world / "policy"), dataset_name=str(world / "dataset"), dataset_train_split="sft",

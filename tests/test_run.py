@@ -355,11 +355,9 @@ def test_a_copy_without_zero3_runs_all_but_zero3(tmp_path):
         ("online_dpo", dict(max_new_tokens=6, max_steps=1)),
     ],
 )
-def test_main_returns_the_metrics_of_its_model_card(script, flags, world, tmp_path):
+def test_main_returns_the_metrics_of_its_model_card(script, flags, world, tmp_path, fresh_accelerate_state):
     """As every sibling's main(): a notebook or a sweep gets the run's final metrics back."""
     import importlib
-
-    from accelerate.state import AcceleratorState, GradientState
 
     module = importlib.import_module(script)
     args = module.Args(
@@ -367,11 +365,7 @@ def test_main_returns_the_metrics_of_its_model_card(script, flags, world, tmp_pa
         dataset_name=str(world / "dataset"), dataset_train_split="sft", per_device_train_batch_size=4,
         output_dir=str(tmp_path / "out"), logging_dir=str(tmp_path / "runs"), run_name="r", **flags,
     )  # fmt: skip
-    try:
-        metrics = module.main(args)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    metrics = module.main(args)
     logged = [json.loads(line) for line in open(tmp_path / "runs" / "r" / "metrics.jsonl")]
     shared = set(logged[-1]) & set(metrics)  # the last logged line's metrics are the returned ones
     assert "loss" in " ".join(shared) and {k: metrics[k] for k in shared} == {
