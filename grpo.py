@@ -708,9 +708,8 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     vllm_flags = utils.run.extra_module("utils.vllm")  # TRL checks these flags even without --use_vllm
     if vllm_flags is not None:
         vllm_flags.check_importance_sampling_flags(args)
-    rare = rare_flag(
-        args
-    )  # utils/loss_variants.py is optional; vespo's checks once (the 2nd call: same flags)
+    # utils/loss_variants.py is optional; vespo's checks once (the 2nd call: same flags)
+    rare = rare_flag(args)
     if rare:
         utils.run.optional_module("utils.loss_variants", rare).check_flags(args, not args.world_size)
     if args.model_name_or_path is None:
@@ -957,9 +956,8 @@ def setup(args: Args) -> Run:
     generators = {"sampling": sampling_generator, "shuffle": shuffle_generator}
     checkpointed = dict(models={"policy": policy}, optimizers={"policy": optimizer}, generators=generators)
     state = checkpointer.resume(**checkpointed) or {"step": 0, "generation": 0}
-    drawn = state.get(
-        "prompt_batches", state["generation"]
-    )  # --filter_groups draws more than one a generation
+    # --filter_groups draws more than one prompt batch a generation
+    drawn = state.get("prompt_batches", state["generation"])
     for _ in range(drawn):
         next(batches)
     tracker = utils.tracking.Tracker(args, checkpointer)

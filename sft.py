@@ -486,9 +486,7 @@ def setup(args: Args) -> Run:
     optimizer = utils.run.adamw(params, args.learning_rate, eps=args.adam_epsilon, weight_decay=decay)
     warmup_steps = math.ceil(args.warmup_ratio * args.total_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, args.total_steps)
-    policy, optimizer = accelerator.prepare(
-        policy, optimizer
-    )  # the scheduler is stepped by hand, once per step
+    policy, optimizer = accelerator.prepare(policy, optimizer)  # the scheduler is stepped by hand, each step
     set_seed(args.seed + accelerator.process_index)  # different dropout masks on each process
     print(utils.run.describe_sharding(policy, accelerator), flush=True)
     resumed = checkpointer.resume({"model": policy}, {"model": optimizer}) or {"step": 0, "num_tokens": 0}
