@@ -44,6 +44,7 @@ from PIL import Image, ImageDraw
 import utils.checkpoint
 import utils.run
 import utils.tracking
+from utils.run import UsageError
 
 ANIMALS = (
     "cat dog horse cow pig sheep goat rabbit fox wolf bear lion tiger zebra giraffe elephant monkey panda "
@@ -340,7 +341,7 @@ def make_reward_fn(args: Args, device: torch.device):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not callable(getattr(module, name, None)):
-        raise ValueError(f"--reward_fn: {path} defines no function named '{name}'.")
+        raise UsageError(f"--reward_fn: {path} defines no function named '{name}'.")
     return getattr(module, name)
 
 
@@ -418,11 +419,11 @@ def read_prompts(args: Args) -> list[str]:
     if args.prompt_file is None:
         return list(ANIMALS)
     if not os.path.isfile(args.prompt_file):
-        raise ValueError(f"--prompt_file {args.prompt_file} does not exist.")
+        raise UsageError(f"--prompt_file {args.prompt_file} does not exist.")
     with open(args.prompt_file, encoding="utf-8") as f:
         prompts = [line.strip() for line in f if line.strip()]
     if not prompts:
-        raise ValueError(f"--prompt_file {args.prompt_file} has no prompts (expected one prompt per line).")
+        raise UsageError(f"--prompt_file {args.prompt_file} has no prompts (expected one prompt per line).")
     return prompts
 
 
@@ -435,13 +436,13 @@ def find_checkpoint(path: str, output_dir: str) -> str | None:
     if os.path.isfile(os.path.join(path, "checkpoint.pt")):
         problem = checkpoint_problem(path)
         if problem:
-            raise ValueError(
+            raise UsageError(
                 f"--resume_from_checkpoint {path} is damaged: {problem}; pass an earlier checkpoint."
             )
         return path
     names = [n for n in os.listdir(path) if re.fullmatch(r"checkpoint_\d+", n)] if os.path.isdir(path) else []
     if not names and not latest:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {path} is neither a checkpoint nor a folder of checkpoint_<epoch>."
         )
     found = None
@@ -479,7 +480,7 @@ def check_resumable(args: Args) -> None:
         saved = json.load(f).get("run")
     mismatch = guards.definition_mismatch(saved, guards.run_definition(args))
     if mismatch:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {args.resume_from_checkpoint} belongs to another run ({mismatch}); "
             "resume with its flags, or start over with --overwrite_output_dir or another --output_dir."
         )
@@ -499,10 +500,10 @@ def holds_something(output_dir: str) -> bool:
 def fill_sizes(args: Args, world_size: int | None = None) -> Args:
     """Check the flags and fill in the sizes (the per-epoch ones once the world size is known)."""
     if args.sample_eta <= 0:
-        raise ValueError(f"--sample_eta must be > 0 (got {args.sample_eta}): an eta-0 step has no log-prob.")
+        raise UsageError(f"--sample_eta must be > 0 (got {args.sample_eta}): an eta-0 step has no log-prob.")
     args.num_train_timesteps = int(args.sample_num_steps * args.train_timestep_fraction)
     if not (args.train_timestep_fraction <= 1 and args.num_train_timesteps >= 1):
-        raise ValueError("--train_timestep_fraction must be <= 1 and keep at least one denoising step.")
+        raise UsageError("--train_timestep_fraction must be <= 1 and keep at least one denoising step.")
     sizes = (
         "num_epochs",
         "sample_num_steps",
@@ -514,17 +515,17 @@ def fill_sizes(args: Args, world_size: int | None = None) -> Args:
     )
     for flag in sizes:
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     samples = args.sample_batch_size * args.sample_num_batches_per_epoch
     if samples % args.train_batch_size:
-        raise ValueError(f"the {samples} samples per epoch must be divisible by --train_batch_size.")
+        raise UsageError(f"the {samples} samples per epoch must be divisible by --train_batch_size.")
     if (samples // args.train_batch_size) % args.train_gradient_accumulation_steps:
         msg = f"the {samples // args.train_batch_size} training batches per epoch must be divisible by"
-        raise ValueError(f"{msg} --train_gradient_accumulation_steps.")
+        raise UsageError(f"{msg} --train_gradient_accumulation_steps.")
     if args.per_prompt_stat_tracking_min_count > args.per_prompt_stat_tracking_buffer_size:
-        raise ValueError("--per_prompt_stat_tracking_min_count must not exceed its buffer size.")
+        raise UsageError("--per_prompt_stat_tracking_min_count must not exceed its buffer size.")
     if min(args.save_steps, args.save_total_limit, args.max_workers, args.lora_rank) < 1:
-        raise ValueError("--save_steps, --save_total_limit, --max_workers and --lora_rank must be >= 1.")
+        raise UsageError("--save_steps, --save_total_limit, --max_workers and --lora_rank must be >= 1.")
     if world_size is not None:
         args.world_size = world_size
         args.samples_per_epoch = samples * world_size
@@ -536,21 +537,21 @@ def check_args(args: Args) -> list[str]:
     fill_sizes(args)
     head = args.aesthetic_head_path
     if args.reward_fn == "aesthetic" and not (head and os.path.isfile(head)):
-        raise ValueError(f"--reward_fn aesthetic needs --aesthetic_head_path, a .pth file (got {head}).")
+        raise UsageError(f"--reward_fn aesthetic needs --aesthetic_head_path, a .pth file (got {head}).")
     path, _, name = args.reward_fn.rpartition(":")
     builtin = args.reward_fn in ("jpeg_compressibility", "jpeg_incompressibility", "aesthetic")
     if not builtin and not (path.endswith(".py") and name and os.path.isfile(path)):
-        raise ValueError(f"--reward_fn {args.reward_fn} is no built-in reward nor existing file.py:function.")
+        raise UsageError(f"--reward_fn {args.reward_fn} is no built-in reward nor existing file.py:function.")
     if args.pretrained_model.startswith(("/", ".", "~")) and not os.path.isdir(args.pretrained_model):
-        raise ValueError(f"--pretrained_model {args.pretrained_model} does not exist.")
+        raise UsageError(f"--pretrained_model {args.pretrained_model} does not exist.")
     if args.train_use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError("--train_use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes).")
+        raise UsageError("--train_use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes).")
     if args.resume_from_checkpoint is not None:
         args.resume_from_checkpoint = find_checkpoint(args.resume_from_checkpoint, args.output_dir)
     if args.resume_from_checkpoint is not None:
         check_resumable(args)
     elif holds_something(args.output_dir) and not args.overwrite_output_dir:
-        raise ValueError(f"--output_dir {args.output_dir} is not empty: pass --overwrite_output_dir.")
+        raise UsageError(f"--output_dir {args.output_dir} is not empty: pass --overwrite_output_dir.")
     return read_prompts(args)
 
 
@@ -603,11 +604,11 @@ def load_checkpoint(run, directory: str) -> tuple[int, int]:
     accelerator = run.accelerator
     rng_path = os.path.join(directory, f"rng_state_{accelerator.process_index}.json")
     if not os.path.isfile(rng_path):
-        raise ValueError(f"{directory} lacks {rng_path}: resume with as many processes.")
+        raise UsageError(f"{directory} lacks {rng_path}: resume with as many processes.")
     state = torch.load(os.path.join(directory, "checkpoint.pt"), map_location="cpu", weights_only=True)
     params = dict(accelerator.unwrap_model(run.unet).named_parameters())
     if set(state["trained"]) != {n for n, p in params.items() if p.requires_grad}:
-        raise ValueError(f"{directory} holds other weights than those trained here (see --use_lora).")
+        raise UsageError(f"{directory} holds other weights than those trained here (see --use_lora).")
     with torch.no_grad():
         for name, value in state["trained"].items():
             params[name].copy_(value)
@@ -714,7 +715,7 @@ def setup(args: Args) -> Run:
     prompts = check_args(args)
     local = os.path.isdir(args.pretrained_model)
     if local and not os.path.exists(os.path.join(args.pretrained_model, "model_index.json")):
-        raise ValueError(
+        raise UsageError(
             f"--pretrained_model {args.pretrained_model} holds no diffusers pipeline (no model_index.json); pass "
             "a local Stable-Diffusion directory (e.g. from benchmark/tiny/tiny_diffusion.py) or a hub id."
         )
@@ -754,7 +755,7 @@ def setup(args: Args) -> Run:
             trust_remote_code=args.trust_remote_code,
         )
     except OSError as error:
-        raise ValueError(
+        raise UsageError(
             f"Could not load the pipeline {args.pretrained_model} ({type(error).__name__}): pass "
             "--pretrained_model a local Stable-Diffusion directory (e.g. from benchmark/tiny/tiny_diffusion.py)."
         ) from None
@@ -762,9 +763,9 @@ def setup(args: Args) -> Run:
     scheduler.set_timesteps(args.sample_num_steps, device=device)
     config = scheduler.config
     if config.thresholding or config.prediction_type not in ("epsilon", "v_prediction"):
-        raise ValueError("ddpo.py supports DDIM with epsilon or v prediction and without thresholding.")
+        raise UsageError("ddpo.py supports DDIM with epsilon or v prediction and without thresholding.")
     if (ddim_step_coefficients(scheduler, scheduler.timesteps)[2] <= 0).any():
-        raise ValueError("a DDIM step of this scheduler has zero variance: set set_alpha_to_one to False.")
+        raise UsageError("a DDIM step of this scheduler has zero variance: set set_alpha_to_one to False.")
 
     run_dir = os.path.join("runs", args.run_name)  # TensorBoard, and a PNG grid of samples per epoch
     writer = None
@@ -891,7 +892,7 @@ def main(args: Args) -> dict:
         )
         local_prompts = [p for b in batches for p in b["prompts"]]
         if len(local_rewards) != len(local_prompts):
-            raise ValueError(f"--reward_fn {args.reward_fn} must return one number per image.")
+            raise UsageError(f"--reward_fn {args.reward_fn} must return one number per image.")
         all_rewards = accelerator.gather(torch.tensor(local_rewards, device=device)).cpu().numpy()
         utils.tracking.check_finite(global_step, rewards=torch.as_tensor(all_rewards))  # on every process
         metrics = {"objective/reward_mean": all_rewards.mean(), "objective/reward_std": all_rewards.std()}

@@ -43,6 +43,7 @@ import utils.logprobs
 import utils.run
 import utils.saving
 import utils.tracking
+from utils.run import UsageError
 
 
 @dataclass
@@ -305,7 +306,7 @@ def tokenize_dataset(dataset, tokenizer, args: Args, where: str) -> tuple[list[d
             counts["sequences_truncated"] += len(row[f"{side}_prompt"] + row[side]) < len(prompt + completion)
         rows.append({"index": len(rows), **row})
     if not rows:
-        raise ValueError(
+        raise UsageError(
             f"{where}: no prompt leaves room for a completion under --max_length {args.max_length} "
             "(--truncation_mode keep_start drops a pair whose prompt fills it, as TRL 1.16 does); raise "
             "--max_length, or pass --truncation_mode keep_end or a --max_prompt_length under it."
@@ -380,26 +381,26 @@ logging_steps max_length""".split()
 def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
     """Check the flags; with the number of training pairs, fill in the batch size and the steps."""
     if args.beta <= 0:
-        raise ValueError(f"--beta must be positive, got {args.beta}.")
+        raise UsageError(f"--beta must be positive, got {args.beta}.")
     if not 0 <= args.label_smoothing < 0.5:
-        raise ValueError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
+        raise UsageError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
     if args.label_smoothing > 0 and args.loss_type in ("ipo", "hinge"):
-        raise ValueError(f"--label_smoothing has no effect with --loss_type {args.loss_type}; leave it at 0.")
+        raise UsageError(f"--label_smoothing has no effect with --loss_type {args.loss_type}; leave it at 0.")
     if args.max_prompt_length is not None and not 0 < args.max_prompt_length < args.max_length:
-        raise ValueError(f"--max_prompt_length must be in [1, --max_length - 1 = {args.max_length - 1}].")
+        raise UsageError(f"--max_prompt_length must be in [1, --max_length - 1 = {args.max_length - 1}].")
     if args.max_completion_length is not None and args.max_completion_length < 1:
-        raise ValueError(
+        raise UsageError(
             f"--max_completion_length must be at least 1 (or None), got {args.max_completion_length}."
         )
     for flag in POSITIVE_FLAGS:
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
-        raise ValueError("set --max_steps > 0 or --num_train_epochs > 0.")
+        raise UsageError("set --max_steps > 0 or --num_train_epochs > 0.")
     if num_rows is not None:
         micro, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
         if num_rows // (micro * world_size) < ga:
-            raise ValueError(
+            raise UsageError(
                 f"the training split has {num_rows} pairs, fewer than one batch of {micro * ga * world_size} "
                 "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
             )

@@ -46,6 +46,7 @@ import utils.run
 import utils.saving
 import utils.scoring
 import utils.tracking
+from utils.run import UsageError
 
 
 @dataclass
@@ -336,7 +337,7 @@ def group_advantages(
         std = nanstd(rewards) if batch_std is None else batch_std
         centered = centered / (std + ADVANTAGE_EPS)
     elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
+        raise UsageError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
     # NaN becomes 0 only in a group with an unscored completion; an overflow elsewhere stops the run.
     partly_scored = grouped.isnan().any(0, keepdim=True)
     return centered.masked_fill(partly_scored & centered.isnan(), 0.0).flatten()
@@ -457,7 +458,7 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
         return total / (mask.sum().clamp(min=1) if num_items is None else max(num_items, 1))
     if loss_type == "luspo":
         return total / per_token_loss.size(0)
-    raise ValueError(f"unknown loss_type {loss_type!r}.")
+    raise UsageError(f"unknown loss_type {loss_type!r}.")
 
 
 def groups_with_spread(values: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -676,17 +677,17 @@ def reward_metrics(rewards_per_func, rewards, num_generations, names, num_proces
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags and fill in the batch sizes; ValueError with one sentence."""
+    """Check the flags and fill in the batch sizes; UsageError with one sentence."""
     if args.num_generations < 2:
-        raise ValueError(
+        raise UsageError(
             f"--num_generations must be at least 2 (a group needs a mean), got {args.num_generations}."
         )
     positive = "per_device_train_batch_size gradient_accumulation_steps num_iterations max_completion_length"
     for flag in f"{positive} local_rollout_forward_batch_size logging_steps".split():
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     if args.temperature <= 0:
-        raise ValueError(
+        raise UsageError(
             f"--temperature must be positive (GRPO needs sampled completions), got {args.temperature}."
         )
     # TRL's GRPOConfig reads True as group and False as none.
@@ -694,17 +695,17 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         args.scale_rewards.lower(), args.scale_rewards
     )
     if args.scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(
+        raise UsageError(
             f"--scale_rewards takes group, batch, none, True or False, got {args.scale_rewards!r}."
         )
     if args.epsilon_high is None:
         args.epsilon_high = args.epsilon
     if not 0 < args.epsilon < 1 or args.epsilon_high <= 0:
-        raise ValueError("--epsilon must lie in (0, 1) and --epsilon_high must be positive.")
+        raise UsageError("--epsilon must lie in (0, 1) and --epsilon_high must be positive.")
     if args.delta is not None and args.delta <= 1 + args.epsilon_high:
-        raise ValueError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
+        raise UsageError(f"--delta must exceed 1 + epsilon_high = {1 + args.epsilon_high}, got {args.delta}.")
     if args.beta < 0:
-        raise ValueError(f"--beta must be at least 0, got {args.beta}.")
+        raise UsageError(f"--beta must be at least 0, got {args.beta}.")
     vllm_flags = utils.run.extra_module("utils.vllm")  # TRL checks these flags even without --use_vllm
     if vllm_flags is not None:
         vllm_flags.check_importance_sampling_flags(args)
@@ -713,39 +714,39 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     if rare:
         utils.run.optional_module("utils.loss_variants", rare).check_flags(args, not args.world_size)
     if args.model_name_or_path is None:
-        raise ValueError("pass the policy to train with --model_name_or_path.")
+        raise UsageError("pass the policy to train with --model_name_or_path.")
     num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
     if num_rewards == 0 and not args.environment_factory:  # an environment's get_reward() may be it
-        raise ValueError(
+        raise UsageError(
             "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
         )
     names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
     if args.filter_groups_metric not in ("reward", *names):
-        raise ValueError(
+        raise UsageError(
             f"--filter_groups_metric {args.filter_groups_metric!r} is neither reward nor one of the rewards "
             f"{names}."
         )
     if not 0 <= args.top_entropy_quantile <= 1:
-        raise ValueError(f"--top_entropy_quantile must lie in [0, 1], got {args.top_entropy_quantile}.")
+        raise UsageError(f"--top_entropy_quantile must lie in [0, 1], got {args.top_entropy_quantile}.")
     if args.max_num_gen_batches < 0:
-        raise ValueError(f"--max_num_gen_batches must be at least 0, got {args.max_num_gen_batches}.")
+        raise UsageError(f"--max_num_gen_batches must be at least 0, got {args.max_num_gen_batches}.")
     if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
-        raise ValueError(
+        raise UsageError(
             f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the reward "
             "model, then the --reward_funcs)."
         )
     if args.max_steps == 0 or args.max_steps < -1 or (args.max_steps == -1 and args.num_train_epochs <= 0):
-        raise ValueError("set --max_steps to a positive number, or -1 with a positive --num_train_epochs.")
+        raise UsageError("set --max_steps to a positive number, or -1 with a positive --num_train_epochs.")
     if not args.world_size:  # the first call sees the flags as given
         given = (args.generation_batch_size, args.steps_per_generation)
         global_micro_batch = args.per_device_train_batch_size * world_size
         if None not in given:
-            raise ValueError(
+            raise UsageError(
                 "give --generation_batch_size or --steps_per_generation, not both (each sets the other)."
             )
         if args.generation_batch_size is not None:
             if args.generation_batch_size < 1 or args.generation_batch_size % global_micro_batch:
-                raise ValueError(
+                raise UsageError(
                     f"--generation_batch_size {args.generation_batch_size} must be a positive multiple of "
                     f"per_device_train_batch_size * processes = {global_micro_batch}."
                 )
@@ -754,7 +755,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
             args.steps_per_generation = args.gradient_accumulation_steps
         args.generation_batch_size = args.steps_per_generation * global_micro_batch
     if args.steps_per_generation < 1 or args.steps_per_generation % args.gradient_accumulation_steps:
-        raise ValueError(
+        raise UsageError(
             f"--steps_per_generation {args.steps_per_generation} (micro-batches per process per generation) "
             "must be a positive multiple of --gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps}."
@@ -762,7 +763,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     args.world_size = world_size
     args.local_generation_batch_size = args.per_device_train_batch_size * args.steps_per_generation
     if args.local_generation_batch_size % args.num_generations:
-        raise ValueError(
+        raise UsageError(
             f"--num_generations {args.num_generations} must divide the completions per process per "
             "generation, per_device_train_batch_size * steps_per_generation = "
             f"{args.local_generation_batch_size}, so that groups stay whole on one process; change one of "
@@ -773,14 +774,14 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         args.steps_per_generation // args.gradient_accumulation_steps * args.num_iterations
     )
     if args.save_steps % args.steps_per_generation_round:
-        raise ValueError(
+        raise UsageError(
             f"--save_steps {args.save_steps} must be a multiple of the {args.steps_per_generation_round} "
             "optimizer steps made from one generation (checkpoints fall between generations)."
         )
     if num_prompts is not None:
         prompts_per_generation = args.local_prompts_per_generation * world_size
         if num_prompts < prompts_per_generation:
-            raise ValueError(
+            raise UsageError(
                 f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_generation} of one "
                 "generation; "
                 "lower the batch flags or use a larger split."
@@ -853,7 +854,7 @@ def setup(args: Args) -> Run:
     utils.evaluation.check_args(args)
     args.num_generations_eval = args.num_generations_eval or args.num_generations  # TRL 1.16's
     if args.num_generations_eval < 1:
-        raise ValueError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
+        raise UsageError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
     if args.use_vllm:  # utils/vllm.py is optional: imported only with --use_vllm
         utils.run.optional_module("utils.vllm", "--use_vllm").check_args(args)
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None

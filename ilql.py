@@ -47,6 +47,7 @@ import utils.run
 import utils.saving
 import utils.stats
 import utils.tracking
+from utils.run import UsageError
 
 HEADS_FILE = "ilql_heads.safetensors"  # the heads, beside the causal-LM weights of --output_dir
 
@@ -330,7 +331,7 @@ class ILQLModel(nn.Module):
 
         heads_path = os.path.join(path, HEADS_FILE)
         if not os.path.isfile(heads_path):
-            raise ValueError(f"{path} has no {HEADS_FILE}; it was not written by ilql.py.")
+            raise UsageError(f"{path} has no {HEADS_FILE}; it was not written by ilql.py.")
         with safe_open(heads_path, "pt") as f:
             meta = json.loads(f.metadata()["ilql"])
         model = cls(AutoModelForCausalLM.from_pretrained(path, **kwargs), two_qs=meta["two_qs"])
@@ -465,7 +466,7 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
     utils.data.check_columns(dataset, ["prompt", "completion", "reward"], where)
     rewards = [float(r) for r in utils.data.column(dataset, "reward")]
     if not all(math.isfinite(r) for r in rewards):
-        raise ValueError(f"{where}: the reward column holds a NaN or infinite value.")
+        raise UsageError(f"{where}: the reward column holds a NaN or infinite value.")
     prompt_texts, completion_texts = utils.examples.prompt_completion_texts(dataset, tokenizer, where)
     prompts = utils.chat.encode(tokenizer, prompt_texts, leading=True)
     completions = utils.chat.encode(tokenizer, completion_texts, leading=False)
@@ -483,7 +484,7 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
         counts["completions_truncated"] += len(completion) > room
         rows.append({"prompt": prompt, "completion": completion[:room], "reward": reward})
     if not rows:
-        raise ValueError(
+        raise UsageError(
             f"{where}: no row leaves room for a completion under --max_length {args.max_length}."
         )
     return rows, counts
@@ -509,13 +510,13 @@ def collate(rows: list[dict], pad_token_id: int, reward_mean: float, reward_std:
 def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
     """Check the flags and fill in the sizes (the run length once the rows are known)."""
     if not 0 < args.tau < 1:
-        raise ValueError(f"--tau must be in (0, 1), got {args.tau}.")
+        raise UsageError(f"--tau must be in (0, 1), got {args.tau}.")
     if not 0 < args.alpha <= 1:
-        raise ValueError(f"--alpha must be in (0, 1], got {args.alpha}.")
+        raise UsageError(f"--alpha must be in (0, 1], got {args.alpha}.")
     if not 0 <= args.gamma <= 1:
-        raise ValueError(f"--gamma must be in [0, 1], got {args.gamma}.")
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}.")
     if min(args.cql_scale, args.awac_scale, args.beta, args.temperature, args.top_k) < 0:
-        raise ValueError("--cql_scale, --awac_scale, --beta, --temperature and --top_k must not be negative.")
+        raise UsageError("--cql_scale, --awac_scale, --beta, --temperature and --top_k must not be negative.")
     for flag in (
         "per_device_train_batch_size",
         "per_device_eval_batch_size",
@@ -526,18 +527,18 @@ def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args
         "max_length",
     ):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     if args.max_prompt_length is not None and not 0 < args.max_prompt_length < args.max_length:
-        raise ValueError(f"--max_prompt_length must be in [1, --max_length - 1 = {args.max_length - 1}].")
+        raise UsageError(f"--max_prompt_length must be in [1, --max_length - 1 = {args.max_length - 1}].")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
-        raise ValueError("set --max_steps > 0 or --num_train_epochs > 0.")
+        raise UsageError("set --max_steps > 0 or --num_train_epochs > 0.")
     if args.eval_steps < 0 or not 0 <= args.warmup_ratio <= 1:
-        raise ValueError("--eval_steps must be at least 0 and --warmup_ratio in [0, 1].")
+        raise UsageError("--eval_steps must be at least 0 and --warmup_ratio in [0, 1].")
     args.world_size = world_size
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     if num_rows is not None:
         if num_rows < args.batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"the training split has {num_rows} rows, fewer than one step of {args.batch_size}."
             )
         steps_per_epoch = num_rows // args.batch_size

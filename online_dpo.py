@@ -49,6 +49,7 @@ import utils.run
 import utils.saving
 import utils.scoring
 import utils.tracking
+from utils.run import UsageError
 
 
 @dataclass
@@ -315,7 +316,7 @@ def online_dpo_loss(logp_c, logp_r, ref_c, ref_r, beta: float, loss_type: str):
     elif loss_type == "hinge":
         losses = hinge_loss(h, beta)
     else:
-        raise ValueError(f"unknown --loss_type {loss_type!r}; use sigmoid, ipo or hinge.")
+        raise UsageError(f"unknown --loss_type {loss_type!r}; use sigmoid, ipo or hinge.")
     return losses, beta * ratio_c.detach(), beta * ratio_r.detach()
 
 
@@ -454,40 +455,40 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags and compute the derived batch sizes; ValueError with one sentence on a bad value."""
+    """Check the flags and compute the derived batch sizes; UsageError with one sentence on a bad value."""
     annotators = [args.reward_model_path, args.reward_fn, args.judge]
     if sum(a is not None for a in annotators) != 1:
-        raise ValueError("pass exactly one of --reward_model_path, --reward_fn and --judge.")
+        raise UsageError("pass exactly one of --reward_model_path, --reward_fn and --judge.")
     if args.model_name_or_path is None:
-        raise ValueError("pass the policy to train with --model_name_or_path.")
+        raise UsageError("pass the policy to train with --model_name_or_path.")
     positive = "per_device_train_batch_size gradient_accumulation_steps max_new_tokens "
     positive += "local_rollout_forward_batch_size logging_steps"
     for flag in positive.split():
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     if args.temperature <= 0:
-        raise ValueError(
+        raise UsageError(
             f"--temperature must be positive (online DPO samples its pairs), got {args.temperature}."
         )
     if not args.beta or any(b <= 0 for b in args.beta):
-        raise ValueError(f"--beta must be one or more positive values, got {args.beta}.")
+        raise UsageError(f"--beta must be one or more positive values, got {args.beta}.")
     if not 0 <= args.warmup_ratio < 1:
-        raise ValueError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}.")
+        raise UsageError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}.")
     if args.max_steps is not None and args.max_steps < 1:
-        raise ValueError(f"--max_steps must be at least 1, got {args.max_steps}.")
+        raise UsageError(f"--max_steps must be at least 1, got {args.max_steps}.")
     if args.max_steps is None and args.num_train_epochs <= 0:
-        raise ValueError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
+        raise UsageError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
     if args.reward_tokenizer_path is not None and args.reward_model_path is None:
-        raise ValueError(
+        raise UsageError(
             "--reward_tokenizer_path is the reward model's tokenizer; pass --reward_model_path too."
         )
     if args.max_length is not None and args.max_length <= args.max_new_tokens:
-        raise ValueError(
+        raise UsageError(
             f"--max_length {args.max_length} must exceed --max_new_tokens {args.max_new_tokens}, "
             "or no prompt token would be left in the logprob forward passes."
         )
     if args.missing_eos_penalty is not None and args.judge is not None:
-        raise ValueError(
+        raise UsageError(
             "--missing_eos_penalty changes scores; a --judge gives none, so leave the penalty out."
         )
     args.world_size = world_size
@@ -495,7 +496,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     args.batch_size = args.local_batch_size * world_size
     if num_prompts is not None:
         if num_prompts < args.batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"the dataset has {num_prompts} prompts, fewer than the {args.batch_size} of one update; "
                 "lower --per_device_train_batch_size or --gradient_accumulation_steps, or use a larger split."
             )

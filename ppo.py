@@ -49,6 +49,7 @@ import utils.saving
 import utils.scoring
 import utils.stats
 import utils.tracking
+from utils.run import UsageError
 
 
 @dataclass
@@ -291,7 +292,7 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
         return torch.expm1(log_ratio) - log_ratio
     if estimator == "abs":
         return log_ratio.abs()
-    raise ValueError(f"unknown kl_estimator {estimator!r}; use k1, k2, k3, abs (or full with the logits).")
+    raise UsageError(f"unknown kl_estimator {estimator!r}; use k1, k2, k3, abs (or full with the logits).")
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -612,23 +613,23 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     )
     for name in positive.split() + ["total_episodes"] * (args.total_episodes is not None):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}.")
+            raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}.")
     if (args.reward_model_path is None) == (args.reward_fn is None):
-        raise ValueError("pass exactly one of --reward_model_path and --reward_fn.")
+        raise UsageError("pass exactly one of --reward_model_path and --reward_fn.")
     if args.temperature <= 0:
-        raise ValueError(f"--temperature must be positive for PPO's sampling, got {args.temperature}.")
+        raise UsageError(f"--temperature must be positive for PPO's sampling, got {args.temperature}.")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise ValueError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}.")
+        raise UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}.")
     if min(args.cliprange, args.cliprange_value, args.target_kl) <= 0:
-        raise ValueError("--cliprange, --cliprange_value and --target_kl must be positive.")
+        raise UsageError("--cliprange, --cliprange_value and --target_kl must be positive.")
     if args.use_score_norm and not args.use_score_scaling:
-        raise ValueError("--use_score_norm needs --use_score_scaling.")
+        raise UsageError("--use_score_norm needs --use_score_scaling.")
     if args.score_clip is not None and args.score_clip <= 0:
-        raise ValueError(f"--score_clip must be positive, got {args.score_clip}.")
+        raise UsageError(f"--score_clip must be positive, got {args.score_clip}.")
     if args.num_sample_generations < 0:
-        raise ValueError(f"--num_sample_generations must be >= 0, got {args.num_sample_generations}.")
+        raise UsageError(f"--num_sample_generations must be >= 0, got {args.num_sample_generations}.")
     if not (args.sft_model_path or args.model_name_or_path):
-        raise ValueError("pass the policy with --sft_model_path or --model_name_or_path.")
+        raise UsageError("pass the policy with --sft_model_path or --model_name_or_path.")
     utils.evaluation.check_args(args)
     if num_prompts is None:
         return args
@@ -649,7 +650,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     )
     for name, value in given.items():
         if value and value != getattr(args, name):
-            raise ValueError(
+            raise UsageError(
                 f"--{name} {value} does not match per_device_train_batch_size * "
                 f"gradient_accumulation_steps * num_mini_batches (* world_size) = {getattr(args, name)}; "
                 "change those flags instead."
@@ -659,7 +660,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         args.total_episodes = int(args.num_train_epochs * num_prompts)
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
     if num_prompts < args.batch_size:
-        raise ValueError(
+        raise UsageError(
             f"the train split has {num_prompts} prompts, fewer than batch_size {args.batch_size}; "
             "lower --per_device_train_batch_size, --gradient_accumulation_steps or --num_mini_batches."
         )
@@ -668,7 +669,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
             asked = f"--total_episodes {args.total_episodes}"
         else:
             asked = f"--num_train_epochs {args.num_train_epochs} ({args.total_episodes} episodes)"
-        raise ValueError(
+        raise UsageError(
             f"{asked} is fewer than the {args.batch_size} episodes of one update "
             "(per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches * processes); "
             "ask for more or lower those flags."
@@ -755,12 +756,12 @@ def setup(args: Args) -> Run:
     tokenizer = utils.loading.load_tokenizer(tokenizer_path, tokenizer_flag, args.chat_template_path)
     if args.stop_token == "eos":
         if args.stop_token_id is not None and args.stop_token_id != tokenizer.eos_token_id:
-            raise ValueError(f"--stop_token eos (id {tokenizer.eos_token_id}) and --stop_token_id disagree.")
+            raise UsageError(f"--stop_token eos (id {tokenizer.eos_token_id}) and --stop_token_id disagree.")
         args.stop_token_id = tokenizer.eos_token_id
     prompt_texts = utils.data.prompt_texts(dataset, tokenizer, where)
     prompt_ids = utils.chat.tokenize_prompts(tokenizer, prompt_texts, args.max_prompt_length)
     if any(len(ids) == 0 for ids in prompt_ids):
-        raise ValueError(f"the train split has {sum(len(ids) == 0 for ids in prompt_ids)} empty prompt(s).")
+        raise UsageError(f"the train split has {sum(len(ids) == 0 for ids in prompt_ids)} empty prompt(s).")
     eval_texts = utils.data.prompt_texts(eval_dataset, tokenizer, "the test split")
     # The reward reads the dataset's own prompts (text or messages), as in TRL.
     raw_prompts = utils.data.column(dataset, "prompt")
@@ -796,7 +797,7 @@ def setup(args: Args) -> Run:
     )
     critic_rows, policy_rows = (m.get_input_embeddings().num_embeddings for m in (critic, policy))
     if critic_rows < policy_rows:  # the critic reads the policy's ids: they would index past its embedding
-        raise ValueError(
+        raise UsageError(
             f"{critic_flag} {critic_path} has {critic_rows} token embeddings, fewer than the policy's "
             f"{policy_rows}; the critic reads the policy's tokens, so give it the policy's tokenizer."
         )

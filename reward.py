@@ -42,6 +42,7 @@ import utils.reward_model
 import utils.run
 import utils.saving
 import utils.tracking
+from utils.run import UsageError
 
 PROMPT, CHOSEN, REJECTED, MARGIN, COMPLETION = "prompt", "chosen", "rejected", "margin", "completion"
 
@@ -379,9 +380,9 @@ def load_data(args: Args, tokenizer) -> dict:
             utils.data.check_columns(dataset, [group_by], where)
         data[key] = tokenize_rows(tokenizer, dataset, columns, args.max_length, group_by, where)
         if not data[key][0]:
-            raise ValueError(f"{where}: every row is longer than --max_length {args.max_length}; raise it.")
+            raise UsageError(f"{where}: every row is longer than --max_length {args.max_length}; raise it.")
         if key == "normalize" and args.normalize_std and len(data[key][0]) < 2:
-            raise ValueError(f"{where}: --normalize_std needs at least two reference completions.")
+            raise UsageError(f"{where}: --normalize_std needs at least two reference completions.")
     return data
 
 
@@ -389,21 +390,21 @@ def load_data(args: Args, tokenizer) -> dict:
 def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
     """Check the flags and fill in the batch size; with the number of training pairs, the steps too."""
     if args.max_length < 2:
-        raise ValueError(f"--max_length must be at least 2 (a prompt token and EOS), got {args.max_length}.")
+        raise UsageError(f"--max_length must be at least 2 (a prompt token and EOS), got {args.max_length}.")
     if min(args.per_device_train_batch_size, args.per_device_eval_batch_size) < 1:
-        raise ValueError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1.")
+        raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1.")
     total_steps = 1 if args.total_steps is None else args.total_steps
     if min(args.num_train_epochs, args.gradient_accumulation_steps, total_steps) < 1:
-        raise ValueError("--num_train_epochs, --total_steps and --gradient_accumulation_steps must be >= 1.")
+        raise UsageError("--num_train_epochs, --total_steps and --gradient_accumulation_steps must be >= 1.")
     if args.logging_steps < 1 or args.eval_steps < 0:
-        raise ValueError("--logging_steps must be at least 1 and --eval_steps at least 0.")
+        raise UsageError("--logging_steps must be at least 1 and --eval_steps at least 0.")
     if args.eval_group_by and not args.dataset_test_split:
-        raise ValueError("--eval_group_by needs a --dataset_test_split to evaluate on.")
+        raise UsageError("--eval_group_by needs a --dataset_test_split to evaluate on.")
     args.world_size = world_size
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     if num_rows is not None:
         if num_rows // (args.per_device_train_batch_size * world_size) < args.gradient_accumulation_steps:
-            raise ValueError(
+            raise UsageError(
                 f"the training split has {num_rows} pairs, fewer than one batch of {args.batch_size} "
                 "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
             )
@@ -444,14 +445,14 @@ def setup(args: Args) -> Run:
         args.model_name_or_path, "--model_name_or_path", args.chat_template_path
     )
     if tokenizer.eos_token is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
+        raise UsageError(f"the tokenizer of {args.model_name_or_path} has no EOS token to read the score at.")
     data = load_data(args, tokenizer)
     longest = max(len(s) for rows, _, _ in data.values() for row in rows for s in row["sequences"])
     utils.loading.check_context_length(args.model_name_or_path, longest, "--max_length")
     config = utils.loading.from_pretrained(AutoConfig, args.model_name_or_path, "--model_name_or_path")
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if is_classifier and config.num_labels != 1:
-        raise ValueError(
+        raise UsageError(
             f"--model_name_or_path {args.model_name_or_path} is a classifier with {config.num_labels} "
             "labels; a reward model has exactly one (num_labels=1)."
         )
@@ -540,7 +541,7 @@ def normalize(args: Args, run: Run, step: int) -> dict:
     before = gather_scores(ScoreModel(trained), norm_loader, accelerator)[0][:, 0]
     mean, std = before.mean().item(), before.std().item()
     if args.normalize_std and not std > 0:
-        raise ValueError("the reference completions all score the same: --normalize_std cannot scale.")
+        raise UsageError("the reference completions all score the same: --normalize_std cannot scale.")
     normalize_score_head(trained, mean, std if args.normalize_std else 1.0)
     if accelerator.is_main_process:
         save_reward_model(trained, args.output_dir)

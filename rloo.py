@@ -46,6 +46,7 @@ import utils.saving
 import utils.scoring
 import utils.stats
 import utils.tracking
+from utils.run import UsageError
 
 
 @dataclass
@@ -586,7 +587,7 @@ def read_trl_flags(args: Args) -> Args:
         return args
     clip = args.reward_clip_range
     if clip is not None and (len(clip) not in (1, 2) or (len(clip) == 2 and clip[0] > clip[1])):
-        raise ValueError(f"--reward_clip_range takes one value or two (min <= max), got {clip}.")
+        raise UsageError(f"--reward_clip_range takes one value or two (min <= max), got {clip}.")
     two_values = clip is not None and len(clip) == 2
     choice = "1.16" if args.trl_defaults == "auto" and two_values else args.trl_defaults
     newer = trl1_flags_given(args)
@@ -602,42 +603,42 @@ def read_trl_flags(args: Args) -> Args:
 
 
 def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> Args:
-    """Check the flags and fill in the batch sizes; ValueError with one sentence."""
+    """Check the flags and fill in the batch sizes; UsageError with one sentence."""
     read_trl_flags(args)
     if args.rloo_k < 2:
         k = flag(args, "rloo_k")
-        raise ValueError(
+        raise UsageError(
             f"{k} must be at least 2 (the baseline is the mean of the other k-1), got {args.rloo_k}."
         )
     positive = "per_device_train_batch_size gradient_accumulation_steps num_mini_batches num_ppo_epochs"
     for name in f"{positive} response_length local_rollout_forward_batch_size".split():
         if getattr(args, name) < 1:
-            raise ValueError(f"{flag(args, name)} must be at least 1, got {getattr(args, name)}.")
+            raise UsageError(f"{flag(args, name)} must be at least 1, got {getattr(args, name)}.")
     if min(args.temperature, args.cliprange, args.epsilon_high or 1) <= 0:
-        raise ValueError(
+        raise UsageError(
             "--temperature and the clip ranges must be positive (RLOO needs sampled completions)."
         )
     num_rewards = (args.reward_model_path is not None) + len(args.reward_funcs or [])
     if args.dialect == "0.19" and num_rewards != 1:
-        raise ValueError("pass exactly one of --reward_model_path and --reward_fn.")
+        raise UsageError("pass exactly one of --reward_model_path and --reward_fn.")
     if num_rewards == 0 and not args.environment_factory:  # an environment's get_reward() may be it
-        raise ValueError("pass a reward: --reward_model_name_or_path and/or --reward_funcs.")
+        raise UsageError("pass a reward: --reward_model_name_or_path and/or --reward_funcs.")
     if (args.tools or args.environment_factory or args.rollout_func) and (
         args.dialect == "0.19" or args.token_level_kl
     ):
-        raise ValueError(
+        raise UsageError(
             "--tools, --environment_factory and --rollout_func take TRL 1.16's flags, with neither --trl_defaults "
             "0.19 nor --token_level_kl (which puts the score on the last token, maybe an inserted one)."
         )
     if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
-        raise ValueError(
+        raise UsageError(
             f"--reward_weights has {len(args.reward_weights)} values for {num_rewards} rewards (the reward "
             "model, then the --reward_funcs)."
         )
     if args.sft_model_path is None and args.model_name_or_path is None:
-        raise ValueError("pass the policy to train with --sft_model_path or --model_name_or_path.")
+        raise UsageError("pass the policy to train with --sft_model_path or --model_name_or_path.")
     if args.stop_token is not None and args.stop_token_id is not None:
-        raise ValueError("pass only one of --stop_token and --stop_token_id.")
+        raise UsageError("pass only one of --stop_token and --stop_token_id.")
     args.world_size = world_size
     if args.generation_batch_size is not None:  # TRL 1.16
         trl_flags = utils.run.optional_module("utils.trl_flags", "--generation_batch_size (a TRL 1.16 flag)")
@@ -650,7 +651,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     args.mini_batch_size = args.batch_size // args.num_mini_batches
     if args.local_batch_size % args.rloo_k:
         k = flag(args, "rloo_k")
-        raise ValueError(
+        raise UsageError(
             f"{k} {args.rloo_k} must divide the completions per process per update, "
             f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = "
             f"{args.local_batch_size}; change {k} or "
@@ -660,7 +661,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
     if num_prompts is not None:
         prompts_per_update = args.local_dataloader_batch_size * world_size
         if num_prompts < prompts_per_update:
-            raise ValueError(
+            raise UsageError(
                 f"the dataset has {num_prompts} prompts, fewer than the {prompts_per_update} of one update; "
                 "lower the batch flags or use a larger split."
             )
@@ -675,7 +676,7 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         if args.total_episodes is None:
             args.total_episodes = num_prompts * args.rloo_k
         if args.total_episodes < 1:
-            raise ValueError(f"--total_episodes must be at least 1, got {args.total_episodes}.")
+            raise UsageError(f"--total_episodes must be at least 1, got {args.total_episodes}.")
         args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
     return args
 

@@ -44,6 +44,7 @@ import utils.logprobs
 import utils.run
 import utils.saving
 import utils.tracking
+from utils.run import UsageError
 
 IGNORE_INDEX = -100  # label of the tokens that carry no loss (prompt, padding)
 
@@ -303,7 +304,7 @@ def tokenize_split(dataset, tokenizer, args: Args, where: str) -> tuple[list[dic
         if status != "dropped":
             rows.append({"input_ids": ids, "loss_mask": mask})
     if not rows:
-        raise ValueError(
+        raise UsageError(
             f"{where}: all {counts['dropped']} examples were dropped: none has a loss token within "
             f"--max_length {args.max_length}; raise it."
         )
@@ -360,22 +361,22 @@ per_device_eval_batch_size lora_r response_length""".split()
 def fill_sizes(args: Args, world_size: int, num_rows: int | None = None) -> Args:
     """Check the flags and fill in the batch size; with the number of training rows, the steps too."""
     if args.max_prompt_length is not None and not 1 <= args.max_prompt_length < args.max_length:
-        raise ValueError(
+        raise UsageError(
             f"--max_prompt_length ({args.max_prompt_length}) must be at least 1 and smaller than "
             f"--max_length ({args.max_length}), to leave room for the completion."
         )
     for flag in POSITIVE_FLAGS:
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
     if args.num_train_epochs <= 0 if args.total_steps is None else args.total_steps < 1:
-        raise ValueError("--num_train_epochs must be positive (or --total_steps at least 1).")
+        raise UsageError("--num_train_epochs must be positive (or --total_steps at least 1).")
     if not 0 <= args.warmup_ratio <= 1 or args.eval_steps < 0 or args.num_samples < 0:
-        raise ValueError("--warmup_ratio must be in [0, 1], --eval_steps and --num_samples at least 0.")
+        raise UsageError("--warmup_ratio must be in [0, 1], --eval_steps and --num_samples at least 0.")
     args.world_size = world_size
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     if num_rows is not None:
         if num_rows < args.batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"the training split has {num_rows} sequences, fewer than one batch of {args.batch_size} "
                 "(per_device_train_batch_size x gradient_accumulation_steps x processes); lower those flags."
             )
@@ -424,7 +425,7 @@ def setup(args: Args) -> Run:
 
     tokenizer = utils.loading.from_pretrained(AutoTokenizer, args.model_name_or_path, "--model_name_or_path")
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no EOS token; SFT appends one.")
+        raise UsageError(f"the tokenizer of {args.model_name_or_path} has no EOS token; SFT appends one.")
     if args.eos_token is not None:
         utils.chat.set_eos_token(tokenizer, args.eos_token)
     if tokenizer.pad_token_id is None:  # e.g. Pythia: pad with EOS (every mask here comes from lengths)
@@ -469,7 +470,7 @@ def setup(args: Args) -> Run:
         from peft import LoraConfig, get_peft_model
 
         if deepspeed is not None and deepspeed.zero_stage == 3:
-            raise ValueError("--use_peft merges the adapters when saving, which ZeRO-3 cannot; use ZeRO-2.")
+            raise UsageError("--use_peft merges the adapters when saving, which ZeRO-3 cannot; use ZeRO-2.")
         if args.gradient_checkpointing:
             policy.enable_input_require_grads()  # frozen embeddings must still pass gradients to checkpoints
         targets = args.lora_target_modules

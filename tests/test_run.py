@@ -69,7 +69,7 @@ def test_aliases_and_negations_are_known_flags():
     assert run.parse_args(sft.Args, ["--max_steps", "7", "--bf16", "False"]).total_steps == 7
 
 
-def test_run_cli_turns_value_errors_into_one_line(tmp_path):
+def test_run_cli_turns_usage_errors_into_one_line_and_shows_other_value_errors(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text(
         textwrap.dedent(f"""
@@ -84,7 +84,9 @@ def test_run_cli_turns_value_errors_into_one_line(tmp_path):
             \"\"\"a number\"\"\"
 
         def main(args):
-            raise ValueError(f"--n must be even, got {{args.n}}.")
+            if args.n == 3:
+                raise run.UsageError(f"--n must be even, got {{args.n}}.")
+            int("not a number")  # a bug, not a mistake in the command line
 
         run.run_cli(Args, main)
         """)
@@ -93,6 +95,9 @@ def test_run_cli_turns_value_errors_into_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "bad.py: error: --n must be even, got 3."
     assert "Traceback" not in proc.stderr
+    proc = run_script([str(script), "--n", "4"], check=False)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "ValueError: invalid literal for int()" in proc.stderr
 
 
 class Accel(SimpleNamespace):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from utils.run import UsageError
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer settings: chat template, EOS, BOS
@@ -26,10 +28,10 @@ def set_chat_template(tokenizer, path: str | None, trust_remote_code: bool = Fal
 
         template = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).chat_template
         if template is None:
-            raise ValueError(f"--chat_template_path {path}: that tokenizer has no chat template.")
+            raise UsageError(f"--chat_template_path {path}: that tokenizer has no chat template.")
         tokenizer.chat_template = template
         return
-    raise ValueError(
+    raise UsageError(
         f"--chat_template_path {path} does not exist; pass a Jinja file or a tokenizer directory."
     )
 
@@ -37,7 +39,7 @@ def set_chat_template(tokenizer, path: str | None, trust_remote_code: bool = Fal
 def require_chat_template(tokenizer, where: str) -> None:
     """Refuse conversational data with a tokenizer that has no chat template."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise UsageError(
             f"{where} is conversational but the tokenizer has no chat template; pass --chat_template_path "
             "(a Jinja file or a tokenizer directory) or a tokenizer that has one."
         )
@@ -47,7 +49,7 @@ def set_eos_token(tokenizer, token: str) -> None:
     """Make `token` (sft.py's --eos_token), one known token, the EOS."""
     ids = tokenizer.convert_tokens_to_ids([token])
     if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id and token != tokenizer.unk_token:
-        raise ValueError(f"--eos_token {token!r} is not a token of the tokenizer's vocabulary.")
+        raise UsageError(f"--eos_token {token!r} is not a token of the tokenizer's vocabulary.")
     tokenizer.eos_token = token
 
 
@@ -90,7 +92,7 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
     """The template's text of `messages` (and the assistant's opening when `generation_prompt`)."""
     for message in messages:
         if message.get("role") not in ROLES:
-            raise ValueError(
+            raise UsageError(
                 f"a message has role {message.get('role')!r}; the roles are {', '.join(ROLES)}: fix the dataset."
             )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -108,7 +110,7 @@ def split_rendering(tokenizer, prompt: list[dict], completion: list[dict]) -> tu
     prompt_text = render(tokenizer, prompt, generation_prompt=completion[0]["role"] == "assistant")
     whole = render(tokenizer, prompt + completion)
     if not whole.startswith(prompt_text):
-        raise ValueError(
+        raise UsageError(
             "the chat template does not render a conversation's prompt as the beginning of the whole "
             "conversation, so the completion cannot be told apart; use another --chat_template_path."
         )
@@ -127,7 +129,7 @@ def turn_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
             else done
         )
         if not (head.startswith(done) and full.startswith(head)):
-            raise ValueError(
+            raise UsageError(
                 "the chat template does not render a conversation turn by turn (each part the beginning of the "
                 "next), which --assistant_only_loss needs; use another --chat_template_path."
             )

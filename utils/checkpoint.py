@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import utils.signals
-from utils.run import TrainingInterrupted, bare, extra_module
+from utils.run import TrainingInterrupted, UsageError, bare, extra_module
 
 STATE_FILE = "trainer_state.json"
 
@@ -148,13 +148,13 @@ def safeguards():
 
 def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:
     """(checkpoint folder or None, notes for the log): `latest`, the newest (None: from scratch); a path, that
-    checkpoint, or a ValueError when it is not one. utils/safeguards.py's also skips a damaged one."""
+    checkpoint, or a UsageError when it is not one. utils/safeguards.py's also skips a damaged one."""
     if resume_from == "latest":
         found = list_checkpoints(output_dir)
         return (found[-1], []) if found else (None, [f"--resume_from_checkpoint latest: no checkpoint in "
                                                      f"{output_dir}; starting from scratch"])  # fmt: skip
     if not os.path.isfile(os.path.join(resume_from, STATE_FILE)):
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume_from} is not a checkpoint (no {STATE_FILE}); pass a "
             "checkpoint-N folder or `latest`."
         )
@@ -176,7 +176,7 @@ class Checkpointer:
         self.save_steps = getattr(args, "save_steps", None) or 0
         self.limit = getattr(args, "save_total_limit", None)
         if self.save_steps < 0 or (self.limit is not None and self.limit < 1):
-            raise ValueError("--save_steps must be >= 0 and --save_total_limit >= 1.")
+            raise UsageError("--save_steps must be >= 0 and --save_total_limit >= 1.")
         self.guards = guards = safeguards()
         self.definition = guards.run_definition(args) if guards else None
         self.resume_path, self.started = None, time.time()
@@ -200,13 +200,13 @@ class Checkpointer:
             with open(os.path.join(self.resume_path, STATE_FILE)) as f:
                 saved = json.load(f)
             if saved["world_size"] != accelerator.num_processes:
-                raise ValueError(
+                raise UsageError(
                     f"{self.resume_path} was written by {saved['world_size']} processes; resume it with as many "
                     f"(this run has {accelerator.num_processes})."
                 )
             mismatch = guards and guards.definition_mismatch(saved.get("run"), self.definition)
             if mismatch:
-                raise ValueError(
+                raise UsageError(
                     f"--resume_from_checkpoint {self.resume_path} belongs to another run ({mismatch}); resume with "
                     "its flags, or start over with --overwrite_output_dir or another --output_dir."
                 )
@@ -260,7 +260,7 @@ class Checkpointer:
             ValueError,
         ) as error:  # another model
             reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-            raise ValueError(
+            raise UsageError(
                 f"--resume_from_checkpoint {path} could not be loaded into this run's models ({reason})."
             ) from None
         with open(os.path.join(path, STATE_FILE)) as f:
@@ -369,10 +369,10 @@ class Checkpointer:
 # The output folder: refused when full, moved aside on --overwrite_output_dir
 # ----------------------------------------------------------------------------------------------------------------
 def check_output_dir(output_dir: str, overwrite: bool = False) -> None:
-    """ValueError for a non-empty `output_dir` without `overwrite`; unfinished checkpoints do not count."""
+    """UsageError for a non-empty `output_dir` without `overwrite`; unfinished checkpoints do not count."""
     held = [n for n in os.listdir(output_dir) if not re.fullmatch(r"tmp[-_]checkpoint[-_]\d+", n)] if (
         output_dir and os.path.isdir(output_dir)) else []  # fmt: skip
     if held and not overwrite:
-        raise ValueError(
+        raise UsageError(
             f"--output_dir {output_dir} exists and is not empty; pass another one or --overwrite_output_dir."
         )

@@ -13,7 +13,7 @@ import sys
 import types
 import typing
 
-from utils.run import normalize_bool_flags
+from utils.run import UsageError, normalize_bool_flags
 
 
 def known_flags(args_class) -> set[str]:
@@ -35,11 +35,11 @@ def check_flags(args_class, argv: list[str]) -> None:
     for token in argv:
         name = _flag_name(token)
         if name and name not in known and name in TRL_REFUSED:
-            raise ValueError(f"--{name} (a TRL flag) means nothing here: {TRL_REFUSED[name]}.")
+            raise UsageError(f"--{name} (a TRL flag) means nothing here: {TRL_REFUSED[name]}.")
         if name and name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"did you mean --{close[0]}?" if close else "see --help for the flags it takes."
-            raise ValueError(f"unknown flag --{name}; {hint}")
+            raise UsageError(f"unknown flag --{name}; {hint}")
 
 
 RUNTIME_GROUP = "Filled in at runtime"  # the Args group of derived sizes: shown in --help, not flags
@@ -185,18 +185,18 @@ def flag_values(argv: list[str], i: int) -> tuple[list[str], int]:
 
 
 def check_values(args_class, argv: list[str]) -> None:
-    """A ValueError in one sentence for a value the flag cannot take, or a computed size given as a flag."""
+    """A UsageError in one sentence for a value the flag cannot take, or a computed size given as a flag."""
     hints, runtime = typing.get_type_hints(args_class), runtime_fields(args_class)
     i = 0
     while i < len(argv):
         name = _flag_name(argv[i])
         values, end = flag_values(argv, i)
         if name in runtime:
-            raise ValueError(f"--{name} is computed from the other flags at runtime, not set; see --help.")
+            raise UsageError(f"--{name} is computed from the other flags at runtime, not set; see --help.")
         if name in hints and hints[name] is not bool:
             problem = _value_problem(name, hints[name], values)
             if problem:
-                raise ValueError(problem)
+                raise UsageError(problem)
         i = end
 
 
@@ -261,7 +261,7 @@ def translate_trl_flags(args_class, argv: list[str], notes: list[str] | None = N
             except ValueError:
                 fraction = -1.0
             if not 0 <= fraction < 1:
-                raise ValueError(
+                raise UsageError(
                     f"--warmup_steps {value}: give the warmup as a fraction of training, --warmup_ratio "
                     "(or --warmup_steps below 1, which is read as that fraction)."
                 )

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from utils.loading import cut_from_left, load_kwargs, say_once
 from utils.paths import check_source
-from utils.run import inner_model
+from utils.run import UsageError, inner_model
 
 POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
@@ -27,7 +27,7 @@ def config_positions(config) -> int | None:
 
 def model_positions(name_or_path: str, flag: str | None = None) -> int | None:
     """The model's positions from its config alone (config_positions); None when unknown. With the `flag` that
-    names it, a path that holds no model is a ValueError (check_source) first."""
+    names it, a path that holds no model is a UsageError (check_source) first."""
     from transformers import AutoConfig
 
     if flag is not None:
@@ -42,11 +42,11 @@ def model_positions(name_or_path: str, flag: str | None = None) -> int | None:
 def check_context_length(
     name_or_path: str, length: int, flags: str, flag: str = "--model_name_or_path"
 ) -> None:
-    """ValueError naming `flags` when sequences of `length` tokens exceed the model's positions (a rotary
+    """UsageError naming `flags` when sequences of `length` tokens exceed the model's positions (a rotary
     model would train silently on unseen positions). Reads the config only: call it before loading."""
     positions = model_positions(name_or_path, flag)
     if positions is not None and length > positions:
-        raise ValueError(
+        raise UsageError(
             f"this run's sequences reach {length} tokens, more than the {positions} positions of {flag} "
             f"{name_or_path}; lower {flags} so that they fit, or pass --context_overflow cut."
         )
@@ -98,12 +98,12 @@ def fit_prompts(
         return splits
     room = positions - length
     if room < 1:
-        raise ValueError(
+        raise UsageError(
             f"{completion_flag} {length} leaves no room for a prompt in the {positions} positions of {flag} "
             f"{model}; lower {completion_flag}."
         )
     if args.context_overflow != "cut":
-        raise ValueError(
+        raise UsageError(
             f"this run's sequences reach {longest} tokens, more than the {positions} positions of {flag} "
             f"{model}; lower --max_prompt_length or {completion_flag} so that they fit, or pass "
             f"--context_overflow cut to keep each prompt's last {room} tokens."
@@ -125,7 +125,7 @@ def fit_positions(model: nn.Module, prompt_ids: Sequence[Sequence[int]], new_tok
         return list(prompt_ids)
     room = positions - new_tokens
     if room < 1:
-        raise ValueError(
+        raise UsageError(
             f"{new_tokens} new tokens leave no room for a prompt in the model's {positions} positions."
         )
     line = (

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from utils.chat import render, require_chat_template
-from utils.run import extra_module
+from utils.run import UsageError, extra_module
 
 FORMATS = (
     "language modeling (text or messages), prompt-only (prompt), prompt-completion (prompt, completion), "
@@ -49,13 +49,13 @@ def is_local(name_or_path: str) -> bool:
     )
 
 
-def missing_path(name_or_path: str, flag: str) -> ValueError:
+def missing_path(name_or_path: str, flag: str) -> UsageError:
     """The error for a local path that does not exist; utils/paths.py's also names its first missing part."""
     paths = extra_module("utils.paths")
     return (
         paths.missing_path(name_or_path, flag)
         if paths
-        else ValueError(f"{flag} {name_or_path} does not exist.")
+        else UsageError(f"{flag} {name_or_path} does not exist.")
     )
 
 
@@ -68,18 +68,18 @@ def hub_offline() -> bool:
 def load_split(name_or_path: str, split: str, config: str | None = None, flag: str = "--dataset_name"):
     """A `datasets.Dataset` from a hub id, a `save_to_disk` folder, a folder of `{split}.jsonl` files or one
     json/jsonl/parquet/csv file (split 'train' only). `config` is a sub-folder for a local folder. Anything
-    missing or empty is a ValueError (utils/paths.py, when there, says more exactly why)."""
+    missing or empty is a UsageError (utils/paths.py, when there, says more exactly why)."""
     import datasets
 
     paths = extra_module("utils.paths")
     if config is not None and os.path.exists(name_or_path):
         if not os.path.isdir(name_or_path):
-            raise ValueError(
+            raise UsageError(
                 f"--dataset_config {config!r} needs a hub id or a folder of configurations, not a file."
             )
         found = sorted(d for d in os.listdir(name_or_path) if os.path.isdir(os.path.join(name_or_path, d)))
         if config not in found:
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path} has no configuration {config!r} (--dataset_config); found {found}."
             )
         name_or_path, config = os.path.join(name_or_path, config), None
@@ -87,14 +87,14 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
     if os.path.isfile(name_or_path):
         ext = os.path.splitext(name_or_path)[1]
         if os.path.getsize(name_or_path) == 0:
-            raise ValueError(f"{flag} {name_or_path} is empty.")
+            raise UsageError(f"{flag} {name_or_path} is empty.")
         if ext not in builders:
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path}: unknown file type {ext!r}; use json, jsonl, parquet or csv."
             )
         stem = os.path.splitext(os.path.basename(name_or_path))[0]
         if split not in ("train", stem):  # never evaluate on the training rows
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path} is one file, whose only split is 'train' (or {stem!r}), not {split!r}; "
                 "turn evaluation off (--eval_strategy no or --dataset_test_split None) or pass a folder of "
                 f"{{split}}.jsonl files."
@@ -102,14 +102,14 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
         if ext in (".json", ".jsonl", ".csv"):
             with open(name_or_path, errors="replace") as f:
                 if not any(line.strip() for line in f):
-                    raise ValueError(f"{flag} {name_or_path} holds only blank lines: no rows.")
+                    raise UsageError(f"{flag} {name_or_path} holds only blank lines: no rows.")
         try:
             dataset = datasets.load_dataset(builders[ext], data_files=name_or_path, split="train")
         except datasets.exceptions.DatasetGenerationError:
             bad = paths.bad_json_line(name_or_path) if paths and ext in (".json", ".jsonl") else None
             if bad is None:
                 raise
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path}: line {bad[0]} is not valid JSON ({bad[1]}); fix or remove that line."
             ) from None
     elif os.path.isdir(name_or_path):
@@ -117,7 +117,7 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
         if os.path.exists(os.path.join(name_or_path, "dataset_dict.json")):
             dataset_dict = _load_from_disk(name_or_path, flag)
             if split not in dataset_dict:
-                raise ValueError(
+                raise UsageError(
                     f"{flag} {name_or_path} has no split {split!r}; its splits are {list(dataset_dict)}."
                 )
             dataset = dataset_dict[split]
@@ -130,7 +130,7 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
             if holds == "holds a dataset":
                 found = sorted(n for n in os.listdir(name_or_path) if n.endswith(tuple(builders)))
                 holds = f"has no {split}.jsonl (it holds {', '.join(found) or 'other files'})"
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path} {holds}; pass a dataset saved with save_to_disk or a folder of "
                 "{split}.jsonl files."
             )
@@ -144,12 +144,12 @@ def load_split(name_or_path: str, split: str, config: str | None = None, flag: s
             dataset = datasets.load_dataset(name_or_path, config, split=split)
         except (ConnectionError, OSError) as error:
             why = "HF_HUB_OFFLINE is set" if hub_offline() else type(error).__name__
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path}{f' ({config})' if config else ''} is not a local folder and not reachable "
                 f"on the hub ({why}); {instead}."
             ) from None
     if len(dataset) == 0:  # else an index error later
-        raise ValueError(f"{flag} {name_or_path}: split {split!r} has no rows.")
+        raise UsageError(f"{flag} {name_or_path}: split {split!r} has no rows.")
     return dataset
 
 
@@ -181,24 +181,24 @@ def has_split(name_or_path: str, split: str, config: str | None = None) -> bool:
 
 
 def _load_from_disk(path: str, flag: str):
-    """`datasets.load_from_disk`; a ValueError for a split with no rows (datasets raises IndexError)."""
+    """`datasets.load_from_disk`; a UsageError for a split with no rows (datasets raises IndexError)."""
     import datasets
 
     try:
         return datasets.load_from_disk(path)
     except IndexError:
-        raise ValueError(f"{flag} {path} has a split with no rows (saved with save_to_disk).") from None
+        raise UsageError(f"{flag} {path} has a split with no rows (saved with save_to_disk).") from None
 
 
 def check_columns(dataset, required: Sequence[str], where: str) -> None:
-    """ValueError naming expected and found columns when `dataset` lacks one of `required`."""
+    """UsageError naming expected and found columns when `dataset` lacks one of `required`."""
     missing = [c for c in required if c not in dataset.column_names]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"{where} is missing column(s) {missing}: expected {list(required)}, found {dataset.column_names}."
         )
     if len(dataset) == 0:
-        raise ValueError(f"{where} is empty.")
+        raise UsageError(f"{where} is empty.")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,11 +227,11 @@ def detect_format(
     dataset, where: str, text_field: str = "text", accepted: Sequence[str] | None = None
 ) -> tuple[str, bool]:
     """(type, conversational) from the columns and first row; type is a key of TYPE_COLUMNS. Only the columns
-    of the first `accepted` type that fits are read, so an ignored column decides nothing. ValueError when
+    of the first `accepted` type that fits are read, so an ignored column decides nothing. UsageError when
     none fits or the columns mix strings and conversations."""
     columns = set(dataset.column_names)
     if len(dataset) == 0:
-        raise ValueError(f"{where} is empty.")
+        raise UsageError(f"{where} is empty.")
     kind, keys = None, []
     for name, needed in TYPE_COLUMNS.items():
         if name == "language_modeling":
@@ -242,13 +242,13 @@ def detect_format(
     if kind is None and accepted is not None:
         check_type(dataset, "", accepted, where, text_field)
     if kind is None:
-        raise ValueError(
+        raise UsageError(
             f"{where} matches none of TRL's dataset types {FORMATS}; found columns {sorted(columns)}."
         )
     first = dataset[0]
     conversational = [is_conversation(first[k]) for k in keys]
     if not all(conversational) and not all(isinstance(first[k], str) for k in keys):
-        raise ValueError(
+        raise UsageError(
             f"{where}: columns {keys} must all be strings (standard) or all lists of {{role, content}} messages "
             "(conversational)."
         )
@@ -256,7 +256,7 @@ def detect_format(
 
 
 def check_type(dataset, kind: str, accepted: Sequence[str], where: str, text_field: str = "text") -> None:
-    """ValueError naming missing, expected and found columns when `kind` is not `accepted`."""
+    """UsageError naming missing, expected and found columns when `kind` is not `accepted`."""
     if kind in accepted:
         return
     required = {
@@ -270,7 +270,7 @@ def check_type(dataset, kind: str, accepted: Sequence[str], where: str, text_fie
     found = list(dataset.column_names)
     missing = [c for c in options[0] if c not in found]
     others = " or ".join(str(o) for o in options[1:])
-    raise ValueError(
+    raise UsageError(
         f"{where} is missing column(s) {missing}: expected {options[0]}{f' (or {others})' if others else ''}, "
         f"found {found}."
     )

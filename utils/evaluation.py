@@ -15,16 +15,17 @@ import torch
 
 from utils import data
 from utils.loading import say_once
+from utils.run import UsageError
 
 EVAL_KEY = 0  # the evaluation's noise key; the scripts key training's by the update (from 1)
 
 
 def check_args(args) -> None:
-    """One-sentence ValueErrors for the evaluation flags (before any model is loaded)."""
+    """One-sentence UsageErrors for the evaluation flags (before any model is loaded)."""
     if args.eval_steps is not None and args.eval_steps < 1:
-        raise ValueError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
+        raise UsageError(f"--eval_steps must be at least 1, got {args.eval_steps}.")
     if args.per_device_eval_batch_size < 1:
-        raise ValueError(
+        raise UsageError(
             f"--per_device_eval_batch_size must be at least 1, got {args.per_device_eval_batch_size}."
         )
 
@@ -38,7 +39,7 @@ def named_on_command_line(flag: str) -> bool:
 def load_test_split(args, script: str, default: str | None = None):
     """The held-out prompts (a dataset with a `prompt` column), or None: --eval_strategy no, no
     --dataset_test_split, or the script's `default` split left unnamed and absent (one line, as TRL evaluates
-    nothing by default). A split named on the command line that the dataset lacks is a one-sentence ValueError
+    nothing by default). A split named on the command line that the dataset lacks is a one-sentence UsageError
     (utils.data.load_split): call this before any model is loaded."""
     split = args.dataset_test_split
     if args.eval_strategy == "no" or not split:

@@ -10,11 +10,12 @@ import torch
 
 from utils.chat import encode, end_at_eos, render, split_rendering, turn_segments
 from utils.data import column, detect_format, format_of
+from utils.run import UsageError
 
 
 def shared_prefix(chosen, rejected):
     """(prompt, chosen rest, rejected rest): the longest shared beginning, whole messages or (strings) up to
-    the first differing word, so completions keep their leading space. ValueError if none or nothing left."""
+    the first differing word, so completions keep their leading space. UsageError if none or nothing left."""
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
@@ -24,7 +25,7 @@ def shared_prefix(chosen, rejected):
         while n > 0 and chosen[n - 1].isspace():
             n -= 1
     if n == 0 or n == len(chosen) or n == len(rejected):
-        raise ValueError(
+        raise UsageError(
             "an implicit-prompt pair must share a beginning (the prompt) and differ after it; found "
             f"{'no shared prompt' if n == 0 else 'a completion that is empty'}."
         )
@@ -54,7 +55,7 @@ def _raw_preference_rows(dataset, kind: str, where: str) -> list[tuple]:
             try:
                 prompt, chosen, rejected = shared_prefix(chosen, rejected)
             except ValueError as error:
-                raise ValueError(f"{where} row {i}: {error}") from None
+                raise UsageError(f"{where} row {i}: {error}") from None
         rows.append((prompt, chosen, rejected))
     return rows
 
@@ -126,7 +127,7 @@ def sft_examples(
         dataset, tokenizer, where, ["prompt_completion", "language_modeling"], text_field
     )
     if assistant_only_loss and not conversational:
-        raise ValueError(f"{where} is standard (text) data; --assistant_only_loss needs conversational data.")
+        raise UsageError(f"{where} is standard (text) data; --assistant_only_loss needs conversational data.")
     eos, rows = tokenizer.eos_token_id, []
 
     def with_eos(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
@@ -144,7 +145,7 @@ def sft_examples(
             ids, mask, ends = _encode_pieces(tokenizer, turn_segments(tokenizer, prompt + completion))
             cut = ends.get(prompt_chars)
             if cut is None:
-                raise ValueError("the chat template renders a prompt that does not end where a turn does.")
+                raise UsageError("the chat template renders a prompt that does not end where a turn does.")
             rows.append((ids[:cut], *with_eos(ids[cut:], mask[cut:])))
     elif not conversational:
         name = text_field if text_field in dataset.column_names else "messages"

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.run import extra_module, inner_model
+from utils.run import UsageError, extra_module, inner_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -25,7 +25,7 @@ def pad(
 ) -> torch.Tensor:
     """Lists as a tensor [B, width] (None: the longest list's length) of `dtype`, padded on `side`."""
     if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
+        raise UsageError(f"side must be 'left' or 'right', got {side!r}.")
     width = max((len(s) for s in sequences), default=0) if width is None else width
     out = torch.full((len(sequences), width), pad_value, dtype=dtype)
     for i, seq in enumerate(sequences):
@@ -109,7 +109,7 @@ SAMPLING_KNOBS = {"top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty":
 
 def sampling_knobs(args) -> dict:
     """The flags among SAMPLING_KNOBS that shape sampling, --generation_kwargs (a JSON object of the same names)
-    over them, those left off left out; a ValueError for a value out of range or another name."""
+    over them, those left off left out; a UsageError for a value out of range or another name."""
     import json
 
     knobs = {name: getattr(args, name, off) for name, off in SAMPLING_KNOBS.items()}
@@ -118,14 +118,14 @@ def sampling_knobs(args) -> dict:
         extra = json.loads(extra) if isinstance(extra, str) else extra
         unknown = sorted(set(extra) - set(SAMPLING_KNOBS))
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"--generation_kwargs takes {', '.join(SAMPLING_KNOBS)} here, not {', '.join(unknown)}."
             )
         knobs.update(extra)
     if knobs["top_k"] < 0 or not 0 < knobs["top_p"] <= 1 or knobs["repetition_penalty"] <= 0:
-        raise ValueError("--top_k must be >= 0, --top_p in (0, 1] and --repetition_penalty > 0.")
+        raise UsageError("--top_k must be >= 0, --top_p in (0, 1] and --repetition_penalty > 0.")
     if knobs["min_p"] is not None and not 0 <= knobs["min_p"] <= 1:
-        raise ValueError(f"--min_p must be in [0, 1], got {knobs['min_p']}.")
+        raise UsageError(f"--min_p must be in [0, 1], got {knobs['min_p']}.")
     return {name: value for name, value in knobs.items() if value != SAMPLING_KNOBS[name]}
 
 

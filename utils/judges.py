@@ -17,16 +17,16 @@ from collections.abc import Callable
 
 import torch
 
-from utils.run import optional_module
+from utils.run import UsageError, optional_module
 
 
 def call_judge(judge: Callable, prompts: list[str], pairs: list[tuple[str, str]]) -> torch.Tensor:
     """Ask a pairwise judge and check its answer: one verdict in {0, 1, -1} per pair. Returns [P] long."""
     verdicts = [int(v) for v in judge(prompts, pairs)]
     if len(verdicts) != len(pairs):
-        raise ValueError(f"the judge returned {len(verdicts)} verdicts for {len(pairs)} pairs.")
+        raise UsageError(f"the judge returned {len(verdicts)} verdicts for {len(pairs)} pairs.")
     if any(v not in (0, 1, -1) for v in verdicts):
-        raise ValueError(
+        raise UsageError(
             "the judge must answer 0 (first better), 1 (second better) or -1 (tie) for each pair."
         )
     return torch.tensor(verdicts, dtype=torch.long)
@@ -47,7 +47,7 @@ def openai_judge(args, seed: int) -> Callable:
     judge's position bias does not become the policy's; an unparseable answer or a failed request is a tie."""
     client_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark/tldr")
     if not os.path.isfile(os.path.join(client_dir, "judge_tldr.py")):
-        raise ValueError(f"--judge openai needs benchmark/tldr/judge_tldr.py beside utils/ ({client_dir}).")
+        raise UsageError(f"--judge openai needs benchmark/tldr/judge_tldr.py beside utils/ ({client_dir}).")
     if client_dir not in sys.path:
         sys.path.insert(0, client_dir)
     import judge_tldr

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from utils.chat import set_chat_template
 from utils.data import hub_offline, is_local, missing_path
-from utils.run import extra_module, main_process, optional_module
+from utils.run import UsageError, extra_module, main_process, optional_module
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -101,7 +101,7 @@ def check_model_paths(args) -> None:
 
 
 def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
-    """`cls.from_pretrained` with the run's model flags (load_kwargs), with a ValueError for a missing path, a
+    """`cls.from_pretrained` with the run's model flags (load_kwargs), with a UsageError for a missing path, a
     folder without a model, an unreachable hub or an attention implementation that transformers refuses; with
     utils/paths.py, checked before it loads (what is missing, what the folder holds instead)."""
     paths = extra_module("utils.paths")
@@ -115,20 +115,20 @@ def from_pretrained(cls, name_or_path: str, flag: str, **kwargs):
     except (ImportError, ValueError) as error:
         reason = " ".join(str(error).split())
         if "attn_implementation" in kwargs and (isinstance(error, ImportError) or "attn" in str(error)):
-            raise ValueError(
+            raise UsageError(
                 f"--attn_implementation {kwargs['attn_implementation']} cannot load {flag} {name_or_path}: {reason}"
             ) from None
         if isinstance(error, ImportError) or not os.path.isdir(name_or_path):
             raise
-        raise ValueError(f"{flag} {name_or_path} could not be loaded: {reason[:300]}") from None
+        raise UsageError(f"{flag} {name_or_path} could not be loaded: {reason[:300]}") from None
     except OSError as error:
         if os.path.isdir(name_or_path):  # a folder with a config.json but not what `cls` needs
             reason = " ".join(str(error).split())
-            raise ValueError(f"{flag} {name_or_path} could not be loaded: {reason[:300]}") from None
+            raise UsageError(f"{flag} {name_or_path} could not be loaded: {reason[:300]}") from None
         if os.path.exists(name_or_path):
             raise
         why = "HF_HUB_OFFLINE is set and the hub cache has no copy" if hub_offline() else type(error).__name__
-        raise ValueError(
+        raise UsageError(
             f"{flag} {name_or_path} is not a local folder and not reachable on the hub ({why}); without network "
             "pass a local directory saved with save_pretrained."
         ) from None
@@ -192,7 +192,7 @@ def _context(args=None):
 def check_context_length(
     name_or_path: str, length: int, flags: str, flag: str = "--model_name_or_path"
 ) -> None:
-    """ValueError naming `flags` when sequences of `length` tokens exceed the model's positions
+    """UsageError naming `flags` when sequences of `length` tokens exceed the model's positions
     (utils/context.py; without it, trusted). Reads the config only: call it before loading."""
     context = _context()
     if context is not None:

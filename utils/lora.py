@@ -11,21 +11,21 @@ import os
 import torch
 import torch.nn as nn
 
-from utils.run import bare, inner_model, zero_stage
+from utils.run import UsageError, bare, inner_model, zero_stage
 
 
 def check_args(args, accelerator) -> None:
     """The LoRA flags a run cannot honour, refused before any model is loaded."""
     if zero_stage(accelerator) == 3:
-        raise ValueError(
+        raise UsageError(
             "--use_peft merges the adapter into the saved model, which ZeRO-3 cannot; use ZeRO-2."
         )
     if getattr(args, "use_vllm", False) and args.use_dora:
-        raise ValueError(
+        raise UsageError(
             "--use_dora with --use_vllm: the engine gets merged LoRA weights, written here for LoRA only."
         )
     if args.lora_r < 1:
-        raise ValueError(f"--lora_r {args.lora_r}: the rank must be at least 1.")
+        raise UsageError(f"--lora_r {args.lora_r}: the rank must be at least 1.")
 
 
 def add_adapter(model: nn.Module, args, seed: int, task_type: str = "CAUSAL_LM") -> nn.Module:

@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from utils.run import UsageError
+
 LOSSES = ("cispo", "sapo", "vespo")  # the --loss_type values this file writes
 
 
@@ -118,14 +120,14 @@ def check_flags(args, first_check: bool) -> None:
     """TRL's constraints of the sapo and vespo flags (vespo's once: `first_check`), and a phi that has its peak
     and decay (TRL clamps lambda >= 1e-4)."""
     if args.loss_type == "sapo" and min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
-        raise ValueError("--sapo_temperature_pos and --sapo_temperature_neg must be positive.")
+        raise UsageError("--sapo_temperature_pos and --sapo_temperature_neg must be positive.")
     if args.loss_type != "vespo" or not first_check:
         return
     if min(args.vespo_k_pos, args.vespo_k_neg) < 0 or min(args.vespo_lambda_pos, args.vespo_lambda_neg) <= 0:
-        raise ValueError("--vespo_k_pos and --vespo_k_neg must be at least 0, the --vespo_lambda_* positive.")
+        raise UsageError("--vespo_k_pos and --vespo_k_neg must be at least 0, the --vespo_lambda_* positive.")
     mode = args.vllm_importance_sampling_mode
     if args.use_vllm and args.vllm_importance_sampling_correction and not mode.startswith("token_"):
-        raise ValueError(
+        raise UsageError(
             f"--loss_type vespo takes vLLM's weights token by token into its own sequence weight: pass "
             f"--vllm_importance_sampling_mode token_truncate or token_mask (got {mode}), as TRL 1.16 requires."
         )

@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 
 from utils.data import DATA_ENDINGS, hub_offline, is_local
+from utils.run import UsageError
 
 
-def missing_path(name_or_path: str, flag: str) -> ValueError:
+def missing_path(name_or_path: str, flag: str) -> UsageError:
     """The error for a local path that does not exist: its first missing part, and the closest names beside it."""
     import difflib
 
@@ -23,7 +24,7 @@ def missing_path(name_or_path: str, flag: str) -> ValueError:
     close = difflib.get_close_matches(missing, names, n=3, cutoff=0.6)
     where = f"{parent}/" if parent else "this folder"
     hint = f"; did you mean {' or '.join(close)}?" if close else "."
-    return ValueError(f"{flag} {name_or_path} does not exist: {where} has no {missing}{hint}")
+    return UsageError(f"{flag} {name_or_path} does not exist: {where} has no {missing}{hint}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
@@ -53,7 +54,7 @@ _HUB_CHECKED: dict[tuple[str, str], str | None] = {}  # (kind, name) -> why it c
 
 def check_hub_id(name: str, flag: str, kind: str, instead: str) -> None:
     """For a `name` that is not here and reads as a hub id (`org/name`): online, one request to the hub (no
-    retries) and a ValueError at once when the hub cannot be reached or has no such `kind` (model or dataset)
+    retries) and a UsageError at once when the hub cannot be reached or has no such `kind` (model or dataset)
     and the hub cache has no copy; offline, nothing (the load reads the cache, and fails at once)."""
     if hub_offline():
         return
@@ -61,7 +62,7 @@ def check_hub_id(name: str, flag: str, kind: str, instead: str) -> None:
         _HUB_CHECKED[kind, name] = _hub_problem(name, kind)
     problem = _HUB_CHECKED[kind, name]
     if problem:
-        raise ValueError(f"{flag} {name} is not a local folder and {problem}; {instead}.")
+        raise UsageError(f"{flag} {name} is not a local folder and {problem}; {instead}.")
 
 
 def _hub_problem(name: str, kind: str) -> str | None:
@@ -108,7 +109,7 @@ def bad_json_line(path: str) -> tuple[int, str] | None:
 
 
 def check_source(cls, name_or_path: str, flag: str) -> None:
-    """ValueError, before anything loads, for a path that does not exist, a folder without what `cls` reads
+    """UsageError, before anything loads, for a path that does not exist, a folder without what `cls` reads
     (a model needs config.json, a tokenizer its files) or a hub id the hub cannot give (one request, no retries)."""
     check_path(name_or_path, flag, "tokenizer" if "Tokenizer" in cls.__name__ else "model")
 
@@ -117,7 +118,7 @@ def check_path(name_or_path: str, flag: str, kind: str) -> None:
     """check_source for a `kind`: "model" (config.json), "tokenizer" (its files, or a config.json that names
     them) or "either" (a flag that may name a tokenizer alone)."""
     if os.path.isfile(name_or_path):
-        raise ValueError(f"{flag} {name_or_path} is a file; pass the folder saved with save_pretrained.")
+        raise UsageError(f"{flag} {name_or_path} is a file; pass the folder saved with save_pretrained.")
     if os.path.isdir(name_or_path):
         names = set(os.listdir(name_or_path))
         model, tokenizer = names & {"config.json", "adapter_config.json"}, names & set(TOKENIZER_FILES)
@@ -128,7 +129,7 @@ def check_path(name_or_path: str, flag: str, kind: str) -> None:
         }
         if not found[kind]:
             needed = "tokenizer.json" if kind == "tokenizer" else "config.json"
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {name_or_path} {folder_holds(name_or_path)}: no {kind.replace('either', 'model')} saved "
                 f"with save_pretrained there (no {needed}){saved_models_near(name_or_path)}."
             )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from utils import data
+from utils.run import UsageError
 from utils.scoring import TrainerState
 
 TRL_BUILTIN_REWARDS = (
@@ -62,18 +63,18 @@ def load_function(spec: str, flag: str = "--reward_fn") -> Callable:
             module = importlib.import_module(module_name)
         except Exception as error:  # noqa: BLE001 - any failure of the user's module becomes one sentence
             sentence = import_failure(spec, error, flag)
-            raise ValueError(
+            raise UsageError(
                 sentence or f"{flag} {spec}: module {module_name!r} cannot be imported ({error})."
             ) from None
         finally:
             sys.path.pop(0)
         if not callable(getattr(module, name, None)):
-            raise ValueError(f"{flag} {spec}: module {module_name!r} defines no function named {name!r}.")
+            raise UsageError(f"{flag} {spec}: module {module_name!r} defines no function named {name!r}.")
         return getattr(module, name)
     if not sep or not path or not name:
-        raise ValueError(f"{flag} must look like path/to/file.py:function or module.function, got {spec!r}.")
+        raise UsageError(f"{flag} must look like path/to/file.py:function or module.function, got {spec!r}.")
     if not os.path.isfile(path):
-        raise ValueError(f"{flag} file {path} does not exist.")
+        raise UsageError(f"{flag} file {path} does not exist.")
     module_name = "user_" + os.path.splitext(os.path.basename(path))[0]
     module = sys.modules.get(module_name)
     if module is None or os.path.abspath(getattr(module, "__file__", "")) != os.path.abspath(path):
@@ -87,9 +88,9 @@ def load_function(spec: str, flag: str = "--reward_fn") -> Callable:
             sentence = (
                 import_failure(spec, error, flag) or f"{flag} {spec}: {path} cannot be imported ({error})."
             )
-            raise ValueError(sentence) from None
+            raise UsageError(sentence) from None
     if not callable(getattr(module, name, None)):
-        raise ValueError(f"{flag} file {path} defines no function named {name!r}.")
+        raise UsageError(f"{flag} file {path} defines no function named {name!r}.")
     return getattr(module, name)
 
 
@@ -97,7 +98,7 @@ def load_reward_fn(spec: str, columns: Sequence[str] | None = None) -> Callable:
     """A reward function from `path/to/file.py:function` or `module.function` (load_function); with the dataset's
     `columns`, one whose required parameters are not all passed is refused."""
     if ":" not in spec and spec in TRL_BUILTIN_REWARDS:
-        raise ValueError(
+        raise UsageError(
             f"--reward_fn {spec} is one of TRL's built-in rewards, which are not shipped here; pass your own "
             "as path/to/file.py:function or module.function."
         )
@@ -114,21 +115,21 @@ NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids", COMPLETION_MESSA
 
 
 def check_reward_fn(fn: Callable, spec: str, columns: Sequence[str] | None = None) -> Callable:
-    """`fn`, or a ValueError when a parameter it requires is none of TRL's keywords and dataset `columns`."""
+    """`fn`, or a UsageError when a parameter it requires is none of TRL's keywords and dataset `columns`."""
     if fn is None or columns is None:
         return fn
     offered = {*REWARD_KEYWORDS, *(c for c in columns if c not in NOT_PASSED_COLUMNS)}
     for parameter in inspect.signature(fn).parameters.values():
         required = parameter.default is inspect.Parameter.empty
         if parameter.kind is inspect.Parameter.POSITIONAL_ONLY and required:
-            raise ValueError(
+            raise UsageError(
                 f"--reward_fn {spec}: parameter {parameter.name!r} is positional-only; reward functions are "
                 f"called by keyword, as in TRL ({', '.join(REWARD_KEYWORDS)} and the dataset's columns)."
             )
         if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
         if required and parameter.name not in offered:
-            raise ValueError(
+            raise UsageError(
                 f"--reward_fn {spec}: parameter {parameter.name!r} is none of what a reward function gets "
                 f"({', '.join(REWARD_KEYWORDS)} and the dataset's columns, here: {', '.join(columns) or 'none'})."
             )
@@ -223,7 +224,7 @@ def call_reward_fn(
         values = asyncio.run_coroutine_threadsafe(values, event_loop()).result()
     values = list(values)
     if len(values) != len(completions):
-        raise ValueError(
+        raise UsageError(
             f"the reward function returned {len(values)} values for {len(completions)} completions."
         )
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)

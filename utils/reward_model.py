@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from utils.generation import position_ids_from_mask
+from utils.run import UsageError
 
 
 def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -15,11 +16,11 @@ def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if backbone is None or head is None:
-        raise ValueError(
+        raise UsageError(
             f"{type(model).__name__} has no backbone + `score` head; load it as a sequence classifier."
         )
     if getattr(head, "out_features", 1) != 1:
-        raise ValueError(
+        raise UsageError(
             f"the reward model has {head.out_features} labels; it must have exactly one (num_labels=1)."
         )
     return backbone, head

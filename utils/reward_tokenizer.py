@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from utils.generation import lengths_to_mask, pad
 from utils.reward_model import batched_score, last_token_indices
+from utils.run import UsageError
 
 UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit report about 1e30
 
@@ -88,7 +89,7 @@ def encode(
     )
     prompts = decoded_prompts if prompts is None else list(prompts)
     if len(prompts) != len(completions):
-        raise ValueError(f"got {len(prompts)} prompts for {len(completions)} rows to score.")
+        raise UsageError(f"got {len(prompts)} prompts for {len(completions)} rows to score.")
     max_length = scorer.max_length or reward_max_length(scorer.reward_model, scorer.reward_tokenizer)
     rows = []
     for prompt, completion, done in zip(prompts, completions, finished):

@@ -37,7 +37,7 @@ import torch
 from utils.evaluation import EVAL_KEY
 from utils.generation import left_pad, pad, sampling_generator
 from utils.reward_funcs import NOT_PASSED_COLUMNS, load_function
-from utils.run import bare
+from utils.run import UsageError, bare
 from utils.scoring import TrainerState
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -67,7 +67,7 @@ def check_args(args) -> None:
         if getattr(args, flag, None)
     ]
     if clash:
-        raise ValueError(
+        raise UsageError(
             f"--rollout_func samples every rollout in your own loop, so leave out --{clash[0]} (do tool calls "
             "or a vLLM engine inside the function; --filter_groups would rebuild its prompts from the dataset)."
         )
@@ -112,12 +112,12 @@ class RolloutFunc:
         anything TRL's contract does not allow is one sentence naming what is wrong."""
         where = f"--rollout_func {self.spec}"
         if not isinstance(output, Mapping):
-            raise ValueError(
+            raise UsageError(
                 f"{where} returned a {type(output).__name__}, not a dict of {', '.join(REQUIRED)}."
             )
         missing = [key for key in REQUIRED if key not in output]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"{where} returned no {', '.join(missing)}; a rollout_func returns {', '.join(REQUIRED)}."
             )
         out = {}
@@ -131,7 +131,7 @@ class RolloutFunc:
                         if isinstance(values, (list, tuple))
                         else type(values).__name__
                     )
-                    raise ValueError(
+                    raise UsageError(
                         f"{where}: {name} has {size} for the {n} prompts it was given (each of the batch's prompts "
                         "repeated num_generations times: one entry each)."
                     )
@@ -140,13 +140,13 @@ class RolloutFunc:
                 out[name] = [values] * n
         for i, ids in enumerate(out["completion_ids"]):
             if not ids or len(ids) > self.args.max_completion_length:
-                raise ValueError(
+                raise UsageError(
                     f"{where}: completion_ids[{i}] has {len(ids)} ids; each must have 1 to --max_completion_length "
                     f"{self.args.max_completion_length}."
                 )
             for name in ("logprobs", MASK):
                 if out.get(name) is not None and len(out[name][i]) != len(ids):
-                    raise ValueError(
+                    raise UsageError(
                         f"{where}: {name}[{i}] has {len(out[name][i])} values for the {len(ids)} ids of "
                         f"completion_ids[{i}]."
                     )

@@ -1,7 +1,7 @@
 """Plumbing every script shares, skippable on a first read: the command line, the accelerator (DDP,
 DeepSpeed ZeRO-2/3; ZeRO-3's own parts in utils/zero3.py), frozen models, gradient clipping, the end of a run.
 
-`run_cli(Args, main)` turns a ValueError of ours into `script.py: error: <sentence>` (exit 2);
+`run_cli(Args, main)` turns a UsageError (ours, a ValueError) into `script.py: error: <sentence>` (exit 2);
 RLHF_TRACEBACK=1 shows the traceback."""
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn as nn
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or its inputs, said in one sentence: run_cli prints it and exits 2."""
 
 
 class NonFiniteError(RuntimeError):
@@ -55,7 +59,7 @@ def normalize_bool_flags(args_class, argv: list[str]) -> list[str]:
             elif not eq:
                 value = "true"
             if value.lower() not in TRUE_WORDS | FALSE_WORDS:
-                raise ValueError(f"--{name} takes true or false, got {value!r}.")
+                raise UsageError(f"--{name} takes true or false, got {value!r}.")
             token = f"--{name}" if value.lower() in TRUE_WORDS else f"--no_{name}"
         out.append(token)
         i += 1
@@ -75,9 +79,9 @@ def parse_args(args_class, argv: list[str] | None = None):
 
 
 def exact_div(numerator: int, denominator: int, what: str) -> int:
-    """`numerator // denominator`, or a ValueError naming the flags `what`."""
+    """`numerator // denominator`, or a UsageError naming the flags `what`."""
     if denominator <= 0 or numerator % denominator != 0:
-        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}; change one of these flags.")
+        raise UsageError(f"{what}: {numerator} is not divisible by {denominator}; change one of these flags.")
     return numerator // denominator
 
 
@@ -88,22 +92,10 @@ def check_flag_values(args) -> None:
     for name, value in vars(args).items():
         if name.endswith("learning_rate") and isinstance(value, int | float):
             if not math.isfinite(value) or value < 0:
-                raise ValueError(f"--{name} must be a finite number >= 0, got {value}.")
+                raise UsageError(f"--{name} must be a finite number >= 0, got {value}.")
     max_prompt_length = getattr(args, "max_prompt_length", None)
     if isinstance(max_prompt_length, int) and max_prompt_length < 1:
-        raise ValueError(f"--max_prompt_length must be at least 1 (or left unset), got {max_prompt_length}.")
-
-
-def raised_here(error: BaseException, script: str) -> bool:
-    """Whether `error` came from the script or utils/ (a message) rather than a library (a bug)."""
-    frame = error.__traceback__
-    while frame is not None and frame.tb_next is not None:
-        frame = frame.tb_next
-    if frame is None:
-        return False
-    filename = os.path.abspath(frame.tb_frame.f_code.co_filename)
-    utils_dir = os.path.dirname(os.path.abspath(__file__))
-    return filename == os.path.abspath(script) or filename.startswith(utils_dir + os.sep)
+        raise UsageError(f"--max_prompt_length must be at least 1 (or left unset), got {max_prompt_length}.")
 
 
 def optional_module(name: str, flag: str):
@@ -118,7 +110,7 @@ def optional_module(name: str, flag: str):
             raise
         name = error.name  # this file, or another utils file it builds on
     path = name.replace(".", "/") + ".py"
-    raise ValueError(
+    raise UsageError(
         f"{flag} needs {path}, which this copy lacks: copy it from the repository this script came from "
         f"into {os.path.dirname(path)}/ beside run.py."
     )
@@ -158,8 +150,8 @@ def run_cli(args_class, main: Callable) -> None:
             signals.say(f"interrupted: {late} received after the last step; the run finished and its output "
                         "is saved.")  # fmt: skip
             raise SystemExit(signals.exit_code(late))
-    except ValueError as error:
-        if show_traceback or not raised_here(error, sys.argv[0]):
+    except UsageError as error:  # any other ValueError is a bug: its traceback shows
+        if show_traceback:
             raise
         end_progress_bars()
         print(f"{script}: error: {error}", file=sys.stderr)
@@ -224,7 +216,7 @@ def make_accelerator(
 
     problem = launch_without_process_group(os.environ)
     if problem:
-        raise ValueError(problem)
+        raise UsageError(problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
     launched, on_cpu = world_size > 1, not torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and on_cpu else []
@@ -239,7 +231,7 @@ def make_accelerator(
     if launched and (
         accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != world_size
     ):
-        raise ValueError(
+        raise UsageError(
             f"launched as {world_size} processes, but accelerate set up {accelerator.num_processes} without "
             "distributed training; on a machine without GPUs launch with --cpu (or ACCELERATE_USE_CPU=true)."
         )
@@ -276,7 +268,7 @@ def trainer_optimizer(model: nn.Module, args) -> torch.optim.AdamW:
     """AdamW as TRL's Trainer builds it: --weight_decay on every trained weight but biases and norms (transformers'
     own rule), betas (--adam_beta1, --adam_beta2), --adam_epsilon, fused unless --optim adamw_torch."""
     if args.optim not in OPTIMIZERS:
-        raise ValueError(f"--optim {args.optim}: only {' and '.join(OPTIMIZERS)} are written here.")
+        raise UsageError(f"--optim {args.optim}: only {' and '.join(OPTIMIZERS)} are written here.")
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in trained], "weight_decay": 0.0}]
     if args.weight_decay:  # one group when there is no decay: the optimizer state of older checkpoints fits
@@ -299,12 +291,12 @@ def lr_schedule(args, total_steps: int) -> Callable[[int], float]:
     from transformers import get_scheduler
 
     if args.lr_scheduler_type not in LR_SCHEDULES:
-        raise ValueError(
+        raise UsageError(
             f"--lr_scheduler_type must be one of {', '.join(LR_SCHEDULES)}; got {args.lr_scheduler_type}."
         )
     steps, ratio = getattr(args, "warmup_steps", 0.0) or 0.0, getattr(args, "warmup_ratio", 0.0) or 0.0
     if steps < 0 or ratio < 0 or (steps and ratio):
-        raise ValueError("give the warmup once, as --warmup_steps (steps, or below 1 a fraction) >= 0.")
+        raise UsageError("give the warmup once, as --warmup_steps (steps, or below 1 a fraction) >= 0.")
     warmup = int(steps) if steps >= 1 else math.ceil(total_steps * (steps or ratio))
     if not args.learning_rate:
         return lambda step: 0.0
@@ -453,6 +445,7 @@ def grad_norm_after_step(model: nn.Module, measured: float | None) -> float | No
 
 __all__ = [
     "NonFiniteError",
+    "UsageError",
     "TrainingInterrupted",
     "bare",
     "clip_grad_norm",

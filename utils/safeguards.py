@@ -21,7 +21,7 @@ import zipfile
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from utils.checkpoint import STATE_FILE, leftovers, list_checkpoints, move_aside, set_rng_state
-from utils.run import gathered
+from utils.run import UsageError, gathered
 
 # Flags that change where a run writes or what it logs, not what it computes.
 NOT_DEFINING = frozenset(
@@ -107,7 +107,7 @@ def checkpoint_problem(path: str) -> str | None:
 
 def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list[str]]:
     """(checkpoint folder or None, notes for the log). `latest`: the newest complete one (None: from scratch);
-    a path: that checkpoint, or a ValueError when it is not one or is damaged."""
+    a path: that checkpoint, or a UsageError when it is not one or is damaged."""
     if resume_from == "latest":
         notes = []
         for path in reversed(list_checkpoints(output_dir)):
@@ -123,13 +123,13 @@ def find_checkpoint(resume_from: str, output_dir: str) -> tuple[str | None, list
         )
         return None, notes
     if not os.path.isfile(os.path.join(resume_from, STATE_FILE)):
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume_from} is not a checkpoint (no {STATE_FILE}); pass a "
             "checkpoint-N folder or `latest`."
         )
     problem = checkpoint_problem(resume_from)
     if problem is not None:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume_from} is damaged: {problem}; pass an earlier checkpoint-N or `latest`."
         )
     return resume_from, []
@@ -148,7 +148,7 @@ def file_sizes(path: str) -> dict[str, int]:
 
 
 def check_writable(output_dir: str) -> None:
-    """ValueError, before training, for an --output_dir this user cannot write (probes the nearest folder)."""
+    """UsageError, before training, for an --output_dir this user cannot write (probes the nearest folder)."""
     import tempfile
 
     where = os.path.abspath(output_dir)
@@ -163,7 +163,7 @@ def check_writable(output_dir: str) -> None:
         except OSError as error:
             reason = f"{where}: {error.strerror or error}"
     if reason is not None:
-        raise ValueError(
+        raise UsageError(
             f"--output_dir {output_dir} cannot be written ({reason}); pass a folder this user can write to."
         )
 

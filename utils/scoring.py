@@ -22,7 +22,7 @@ import torch.nn as nn
 from utils import data
 from utils.loading import disable_dropout, from_pretrained
 from utils.reward_model import batched_score, score_head
-from utils.run import optional_module
+from utils.run import UsageError, optional_module
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def load_reward_model(name_or_path: str, flag: str = "--reward_model_path") -> n
     missing = sorted(set(info.get("missing_keys") or ()) & head_names)
     if missing:
         architectures = ", ".join(getattr(model.config, "architectures", None) or ["unknown"])
-        raise ValueError(
+        raise UsageError(
             f"{flag} {name_or_path} has no trained score head ({architectures}; {missing[0]} would be initialised "
             "at random); pass a reward model trained with reward.py."
         )
@@ -127,7 +127,7 @@ class RewardScorer:
         max_length: int | None = None,
     ):
         if (reward_model is None) == (reward_fn is None):
-            raise ValueError("pass exactly one of a reward model and a reward function.")
+            raise UsageError("pass exactly one of a reward model and a reward function.")
         self.reward_model, self.reward_fn = reward_model, reward_fn
         self.policy_tokenizer = policy_tokenizer
         self.reward_tokenizer = reward_tokenizer if reward_tokenizer is not None else policy_tokenizer

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from utils.run import UsageError
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `values` where `mask` is true, over `dim` or everything."""
@@ -20,7 +22,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     if unbiased:
         count = mask.sum()
         if count < 2:
-            raise ValueError("masked_var with unbiased=True needs at least two unmasked values.")
+            raise UsageError("masked_var with unbiased=True needs at least two unmasked values.")
         var = var * count / (count - 1)
     return var
 

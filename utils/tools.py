@@ -46,7 +46,7 @@ from utils.context import config_positions, model_positions
 from utils.data import column, columns, is_conversation
 from utils.generation import left_pad, pad, truncate_response
 from utils.reward_funcs import COMPLETION_MESSAGES, event_loop, is_async, load_function
-from utils.run import inner_model
+from utils.run import UsageError, inner_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -55,18 +55,18 @@ from utils.run import inner_model
 def check_args(args) -> None:
     """Refuse impossible tool flags before any model is loaded."""
     if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
-        raise ValueError(
+        raise UsageError(
             f"--max_tool_calling_iterations must be at least 0, got {args.max_tool_calling_iterations}."
         )
     if args.tool_timeout is not None and args.tool_timeout <= 0:
-        raise ValueError(f"--tool_timeout must be positive (or None: no limit), got {args.tool_timeout}.")
+        raise UsageError(f"--tool_timeout must be positive (or None: no limit), got {args.tool_timeout}.")
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_tensor_parallel_size", 1) > 1:
-        raise ValueError(
+        raise UsageError(
             "--tools samples each process's later turns on its own, which a tensor-parallel vLLM engine shared by "
             "several processes cannot; use --vllm_tensor_parallel_size 1."
         )
     if getattr(args, "environment_factory", None) and getattr(args, "filter_groups", False):
-        raise ValueError(
+        raise UsageError(
             "--filter_groups would keep the groups of several sampling rounds, each round's environments reset "
             "over the last's; leave it out with --environment_factory."
         )
@@ -79,7 +79,7 @@ def check_schema(tool: Callable, where: str) -> None:
     try:
         get_json_schema(tool)
     except Exception as error:  # noqa: BLE001 - transformers' reason, in one sentence
-        raise ValueError(
+        raise UsageError(
             f"{where}: no JSON schema for it ({error}); a tool needs type hints and a docstring with an "
             "Args: section naming every argument."
         ) from None
@@ -89,7 +89,7 @@ def check_names(tools: Sequence[Callable], where: str) -> None:
     """Refuse two tools of one name: a call names its tool."""
     names = [tool.__name__ for tool in tools]
     if len(set(names)) != len(names):
-        raise ValueError(
+        raise UsageError(
             f"{where}: two tools have the same name ({', '.join(names)}); a call names its tool."
         )
 
@@ -116,15 +116,15 @@ def check_tokenizer(tokenizer, flag: str = "--tools") -> None:
     ]
     fix = "pass --chat_template_path with a tokenizer folder (or Jinja file) that does"
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"{flag} needs conversational prompts and a chat template; {fix}.")
+        raise UsageError(f"{flag} needs conversational prompts and a chat template; {fix}.")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses the tool role
         text = ""
     if not all(s in text for s in ("tool_name_x1", "key_x2", "value_x3", "answer_x4")):
-        raise ValueError(f"{flag}: the chat template does not render tool calls and tool answers; {fix}.")
+        raise UsageError(f"{flag}: the chat template does not render tool calls and tool answers; {fix}.")
     if getattr(tokenizer, "response_template", None) is None:
-        raise ValueError(
+        raise UsageError(
             f"{flag}: the tokenizer has no response_template, so tool calls cannot be parsed from samples; set one "
             "(transformers' response parsing: tokenizer.response_template = {...}; save_pretrained keeps it) or "
             "use a tokenizer that has one."
@@ -134,7 +134,7 @@ def check_tokenizer(tokenizer, flag: str = "--tools") -> None:
         messages, tokenize=True, return_dict=False, add_generation_prompt=True
     )
     if after[: len(before)] != before:
-        raise ValueError(
+        raise UsageError(
             f"{flag}: the chat template renders an assistant turn differently once a tool answer follows it, so "
             f"sampled tokens would change between turns; {fix} not."
         )
@@ -150,13 +150,13 @@ def parse_turn(tokenizer, ids: list[int], prefix: list[int], tools: list[Callabl
     try:
         message = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
         if message is None:
-            raise ValueError("nothing parsed")
+            raise UsageError("nothing parsed")
         content = message.get("content")
         message["content"] = content.removesuffix(tokenizer.eos_token) if isinstance(content, str) else ""
         for call in message.get("tool_calls") or []:  # a call without arguments gets {}
             function = call.get("function", call) if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ValueError("a tool call without a name")
+                raise UsageError("a tool call without a name")
             if function.get("arguments") is None:
                 function["arguments"] = {}
     except (ValueError, TypeError):
@@ -223,9 +223,9 @@ def call_tools(
             name = function.get("name", "unknown") if function is not None else call.get("name", "unknown")
             try:
                 if function is None:
-                    raise ValueError(f"Unsupported tool call type: {call.get('type')}")
+                    raise UsageError(f"Unsupported tool call type: {call.get('type')}")
                 if name not in row_tools:
-                    raise ValueError(f"Tool {name} not found.")
+                    raise UsageError(f"Tool {name} not found.")
                 arguments = function.get("arguments", {})  # bad ones: the call's TypeError, as TRL
                 if is_async(row_tools[name]):
                     waiting.append((r, c, name, run_async(row_tools[name](**arguments), name, timeout)))
@@ -264,7 +264,7 @@ def tool_answer_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
     if eos:  # a template's whitespace after its end of turn belongs to what follows
         before = before[: eos[-1] + 1]
     if after[: len(before)] != before:
-        raise ValueError(
+        raise UsageError(
             "the chat template renders an assistant turn differently once a tool answer follows it."
         )
     return after[len(before) :]
@@ -292,7 +292,7 @@ class Rollout:
         token of the completion, tool_mask only the sampled ones."""
         lengths = [len(ids) for ids in self.completion_ids]
         if max(lengths, default=0) > width:
-            raise ValueError(f"a completion of {max(lengths)} tokens is longer than {width}.")
+            raise UsageError(f"a completion of {max(lengths)} tokens is longer than {width}.")
         responses = pad(self.completion_ids, pad_id, width=width)
         response_mask = pad([[True] * n for n in lengths], False, width=width, dtype=torch.bool)
         tool_mask = pad(self.tool_mask, False, width=width, dtype=torch.bool)
@@ -341,7 +341,7 @@ class Tools:
         prompts = column(dataset, "prompt")
         if prompts and not is_conversation(prompts[0]):
             flag = "--tools" if self.environments is None else "--environment_factory"
-            raise ValueError(
+            raise UsageError(
                 f"{where}: {flag} needs conversational prompts (lists of messages), as TRL's tools."
             )
         names = [None] * len(prompts)
@@ -558,13 +558,13 @@ def load_factories(specs: Sequence[str]) -> dict[str | None, tuple[str, Callable
     parts = [spec.partition("=") if "=" in spec.split(":")[0] else ("", "", spec) for spec in specs]
     named = [bool(sep) for _, sep, _ in parts]
     if len(specs) > 1 and not all(named):
-        raise ValueError(
+        raise UsageError(
             f"{flag} takes one path/to/file.py:Class, or several name=path/to/file.py:Class (each row's "
             f"environment column picks one); got {' '.join(specs)}."
         )
     names = [name if sep else None for name, sep, _ in parts]
     if any(name == "" for name in names) or len(set(names)) != len(names):
-        raise ValueError(f"{flag}: each environment needs a name of its own (name=path/to/file.py:Class).")
+        raise UsageError(f"{flag}: each environment needs a name of its own (name=path/to/file.py:Class).")
     return {name: (spec, load_function(spec, flag)) for name, (_, _, spec) in zip(names, parts)}
 
 
@@ -589,7 +589,7 @@ class Environments:
             probe = self.make(name)
             self.pools[False][name] = [probe]
             if not callable(getattr(type(probe), "reset", None)):
-                raise ValueError(
+                raise UsageError(
                     f"--environment_factory {spec}: {type(probe).__name__} has no reset method; an environment "
                     "needs reset(**row), returning None or a string to join to the prompt's last message."
                 )
@@ -610,20 +610,20 @@ class Environments:
         try:
             return factory()
         except Exception as error:  # noqa: BLE001 - the user's class, in one sentence
-            raise ValueError(f"--environment_factory {spec}: making an instance raised {error!r}.") from None
+            raise UsageError(f"--environment_factory {spec}: making an instance raised {error!r}.") from None
 
     def route(self, routes: list | None, n: int, where: str) -> list[str | None]:
         """The environment of each of `n` rows: None with one factory, else the row's `environment` value."""
         if not self.multi:
             return [None] * n
         if routes is None:
-            raise ValueError(
+            raise UsageError(
                 f"{where} has no environment column, which several --environment_factory name=... need to pick "
                 "each row's environment (TRL's dict of factories)."
             )
         unknown = sorted({str(r) for r in routes} - {str(name) for name in self.factories})
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"{where}: a row has environment={unknown[0]!r}, which is none of --environment_factory's "
                 f"{', '.join(map(str, self.factories))}."
             )
@@ -644,7 +644,7 @@ class Environments:
         if self.room is None or longest <= self.room:
             return prompt_ids
         if not self.cut:
-            raise ValueError(
+            raise UsageError(
                 f"an environment's reset made a prompt of {longest} tokens, more than the {self.room} that the "
                 f"{self.positions} positions of {self.model} leave beside --max_completion_length; lower "
                 "--max_prompt_length or --max_completion_length, or pass --context_overflow cut."
@@ -676,12 +676,12 @@ class Environments:
         try:
             observation = environment.reset(**row)
         except Exception as error:  # noqa: BLE001 - the user's reset, in one sentence
-            raise ValueError(f"--environment_factory {spec}: reset raised {error!r} on {where}.") from None
+            raise UsageError(f"--environment_factory {spec}: reset raised {error!r} on {where}.") from None
         prompt = list(row["prompt"])
         if observation is None:
             return prompt
         if not isinstance(observation, str) or not isinstance(prompt[-1].get("content"), str):
-            raise ValueError(
+            raise UsageError(
                 f"--environment_factory {spec}: reset returned {type(observation).__name__} on {where}; it must "
                 "return None or a string (joined to the prompt's last message, whose content must be text)."
             )
@@ -718,7 +718,7 @@ def load_environments(
     )
     environments.check_reset()
     if not (args.reward_funcs or args.reward_model_path or environments.rewards):
-        raise ValueError(
+        raise UsageError(
             "pass a reward: --reward_funcs file.py:function, --reward_model_path, or an --environment_factory "
             "class with a get_reward() method."
         )

@@ -7,6 +7,8 @@ imports it only for a command line with a 1.x flag (TRL 0.x's flags alone need n
 import math
 from collections.abc import Iterable
 
+from utils.run import UsageError
+
 
 def given(value) -> bool:
     """Whether a flag was set: not None, nor False for a switch."""
@@ -35,13 +37,13 @@ def newer_flags(args, renamed: dict[str, str], new_only: Iterable[str]) -> list[
 def resolve(
     args, renamed: dict[str, str], defaults: dict[str, tuple], version: str, versions: tuple[str, str]
 ):
-    """Merge each `renamed` pair into its 0.x name (ValueError on two values), fill `defaults` still None from
+    """Merge each `renamed` pair into its 0.x name (UsageError on two values), fill `defaults` still None from
     (0.x default, 1.x default), and copy back to the 1.x names so the logged flags agree. Returns the
     (name, 0.x default, 1.x default) filled in with the 1.x one where the two differ."""
     for old, new in renamed.items():
         a, b = getattr(args, old), getattr(args, new)
         if given(a) and given(b) and a != b:
-            raise ValueError(
+            raise UsageError(
                 f"--{old} {shown(a)} and --{new} {shown(b)} are one setting under TRL 0.x's and TRL 1.x's names, "
                 "given two values; pass one of them."
             )
@@ -76,7 +78,7 @@ def read_sizes(args) -> None:
     """Refuse two flags for one size (0.x: --total_episodes, --num_mini_batches; 1.x: --max_steps,
     --num_train_epochs, --steps_per_generation, --generation_batch_size); set --num_mini_batches."""
     if args.total_episodes is not None and (args.max_steps is not None or args.num_train_epochs is not None):
-        raise ValueError(
+        raise UsageError(
             "--total_episodes (TRL 0.x) and --max_steps / --num_train_epochs (TRL 1.x) both set the length of the "
             "run; pass one."
         )
@@ -84,28 +86,28 @@ def read_sizes(args) -> None:
         args.generation_batch_size is not None
         and (args.steps_per_generation, args.num_mini_batches) != (None,) * 2
     ):
-        raise ValueError(
+        raise UsageError(
             "--generation_batch_size, --steps_per_generation and --num_mini_batches all set the size of an update; "
             "pass one."
         )
     spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
     if spg is not None and (spg < 1 or spg % ga):
-        raise ValueError(
+        raise UsageError(
             f"--steps_per_generation {spg} must be a positive multiple of --gradient_accumulation_steps {ga}."
         )
     if spg is not None and args.num_mini_batches not in (None, spg // ga):
-        raise ValueError(
+        raise UsageError(
             f"--steps_per_generation {spg} with --gradient_accumulation_steps {ga} means --num_mini_batches "
             f"{spg // ga}, not {args.num_mini_batches}; pass one."
         )
     if spg is not None:
         args.num_mini_batches = spg // ga
     if args.max_steps is not None and (args.max_steps == 0 or args.max_steps < -1):
-        raise ValueError(
+        raise UsageError(
             f"--max_steps must be positive, or -1 to use --num_train_epochs, got {args.max_steps}."
         )
     if args.num_train_epochs is not None and args.num_train_epochs <= 0:
-        raise ValueError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
+        raise UsageError(f"--num_train_epochs must be positive, got {args.num_train_epochs}.")
 
 
 def mini_batches(args, world_size: int) -> int:
@@ -114,7 +116,7 @@ def mini_batches(args, world_size: int) -> int:
         return args.num_mini_batches
     micro_batches, rest = divmod(args.generation_batch_size, args.per_device_train_batch_size * world_size)
     if rest or micro_batches % args.gradient_accumulation_steps:
-        raise ValueError(
+        raise UsageError(
             f"--generation_batch_size {args.generation_batch_size} must be a multiple of per_device_train_batch_size "
             "* gradient_accumulation_steps * processes."
         )
@@ -136,22 +138,22 @@ def read_rloo_flags(args, newer: list[str], choice: str, two_values: bool, renam
     version = speaks(args, renamed, new_only, choice, versions)
     read_sizes(args)
     if args.normalize_advantage and args.normalize_advantages:
-        raise ValueError(
+        raise UsageError(
             "--normalize_advantage (TRL 0.19) and --normalize_advantages (TRL 1.16) normalize the "
             "advantages two ways (sqrt(var + 1e-8) against std + 1e-4); pass one."
         )
     if two_values and args.normalize_reward:
-        raise ValueError(
+        raise UsageError(
             "--reward_clip_range with two values clamps the reward (TRL 1.16); with --normalize_reward "
             "it takes one, the clip range of the normalized scores."
         )
     if args.mask_truncated_completions and args.token_level_kl:
-        raise ValueError(
+        raise UsageError(
             "--mask_truncated_completions (TRL 1.16, a loss per completion) does not go with "
             "--token_level_kl."
         )
     if args.reward_fn is not None and args.reward_funcs not in (None, [args.reward_fn]):
-        raise ValueError(
+        raise UsageError(
             "--reward_fn (TRL 0.19, one function) and --reward_funcs (TRL 1.16) both name reward "
             "functions; put them all in --reward_funcs."
         )

@@ -22,7 +22,7 @@ import torch.nn as nn
 from utils.generation import pad
 from utils.loading import load_kwargs
 from utils.logprobs import batched_response_logprobs
-from utils.run import gathered_for_generation
+from utils.run import UsageError, gathered_for_generation
 
 CPU_KV_CACHE_GIB = (
     "1"  # KV cache of a CPU engine unless VLLM_CPU_KVCACHE_SPACE says otherwise (vLLM takes 11 GiB)
@@ -34,19 +34,19 @@ def check_args(args) -> None:
     if not getattr(args, "use_vllm", False):
         return
     if args.vllm_mode != "colocate":
-        raise ValueError(f"--vllm_mode {args.vllm_mode} is not provided; use --vllm_mode colocate.")
+        raise UsageError(f"--vllm_mode {args.vllm_mode} is not provided; use --vllm_mode colocate.")
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        raise ValueError(
+        raise UsageError(
             f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}."
         )
     if args.vllm_tensor_parallel_size < 1:
-        raise ValueError(
+        raise UsageError(
             f"--vllm_tensor_parallel_size must be at least 1, got {args.vllm_tensor_parallel_size}."
         )
     try:
         import vllm  # noqa: F401
     except ImportError as error:
-        raise ValueError(
+        raise UsageError(
             f"--use_vllm needs vLLM, which could not be imported ({error}); "
             "install it with `pip install -r requirements-vllm.txt`."
         ) from None
@@ -66,13 +66,13 @@ def check_importance_sampling_flags(args) -> None:
         )
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low >= high:
-        raise ValueError(
+        raise UsageError(
             f"--vllm_importance_sampling_clip_min {low} must be below --vllm_importance_sampling_clip_max "
             f"{high}."
         )
     truncating = args.vllm_importance_sampling_mode.endswith("_truncate")
     if args.vllm_importance_sampling_correction and truncating and low is None and high is None:
-        raise ValueError(
+        raise UsageError(
             f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} needs "
             "--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max."
         )
@@ -90,7 +90,7 @@ class Engine:
         check_args(args)
         world, rank, tp = accelerator.num_processes, accelerator.process_index, args.vllm_tensor_parallel_size
         if world % tp:
-            raise ValueError(
+            raise UsageError(
                 f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world})."
             )
         # in this process, not a subprocess: the weight sync hands over tensors
@@ -277,7 +277,7 @@ def importance_weights(
     if mode.endswith("_truncate"):
         return weights.clamp(min=clip_min, max=clip_max)
     if not mode.endswith("_mask"):
-        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}.")
+        raise UsageError(f"unknown vllm_importance_sampling_mode {mode!r}.")
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return weights.masked_fill((weights < low) | (weights > high), 0.0)
