@@ -720,12 +720,6 @@ def fill_sizes(args: Args, world_size: int, num_prompts: int | None = None) -> A
         raise UsageError(
             "pass at least one reward: --reward_funcs file.py:function and/or --reward_model_path."
         )
-    names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
-    if args.filter_groups_metric not in ("reward", *names):
-        raise UsageError(
-            f"--filter_groups_metric {args.filter_groups_metric!r} is neither reward nor one of the rewards "
-            f"{names}."
-        )
     if not 0 <= args.top_entropy_quantile <= 1:
         raise UsageError(f"--top_entropy_quantile must lie in [0, 1], got {args.top_entropy_quantile}.")
     if args.max_num_gen_batches < 0:
@@ -836,11 +830,6 @@ class Run:
     start_prompt_batches: int
 
 
-def reward_name(spec: str) -> str:
-    """A reward's logged name: the function's, or the reward model folder's."""
-    return spec.rpartition(":")[2] if ":" in spec else os.path.basename(os.path.normpath(spec))
-
-
 def setup(args: Args) -> Run:
     """Flags, data, tokenizer, models, optimizer, scorers, vLLM engine, resume and tracker."""
     from transformers import AutoModelForCausalLM
@@ -871,19 +860,24 @@ def setup(args: Args) -> Run:
         rollout_func = utils.run.optional_module("utils.rollout_func", "--rollout_func").RolloutFunc(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    reward_names = [reward_name(s) for s in [args.reward_model_path, *(args.reward_funcs or [])] if s]
-    num_given = len(reward_names)  # the reward model and --reward_funcs; the environments' rewards follow
+    num_given = (args.reward_model_path is not None) + len(args.reward_funcs or [])  # environments' follow
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     eval_dataset = utils.evaluation.load_test_split(args, "grpo.py")
     environments = None
     if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
         environments = tools_module.load_environments(args, tool_fns, dataset, eval_dataset)
-    environment_rewards = environments.rewards if environments else []
     reward_fns = utils.rollout.reward_fns(args, dataset, environments, rollout_func)
     raw_prompts, columns = utils.rollout.reward_rows(dataset, bool(reward_fns))
     eval_raw_prompts, eval_columns = utils.rollout.reward_rows(eval_dataset, bool(reward_fns))
-    reward_names += [fn.__name__ for fn in environment_rewards]
+    reward_names = [getattr(fn, "__name__", "reward") for fn in reward_fns]  # TRL's: the function's name
+    if args.reward_model_path:  # TRL's order: the reward model first, named by its folder
+        reward_names.insert(0, os.path.basename(os.path.normpath(args.reward_model_path)))
+    if args.filter_groups_metric not in ("reward", *reward_names):
+        raise UsageError(
+            f"--filter_groups_metric {args.filter_groups_metric!r} is neither reward nor one of the rewards "
+            f"{reward_names}."
+        )
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     # Before any model loads: it checks every model path and takes a resumed run's name.

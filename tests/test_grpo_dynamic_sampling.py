@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import grpo
-from conftest import make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
+from conftest import ROOT, make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
 from utils import loss_variants
 
 # Half the prompts (even length) get 1.0 whatever the completion: their groups never have a spread. The others get
@@ -71,19 +71,31 @@ def test_picked_groups_stay_whole_and_completion_major():
     assert grpo.take_groups(tokens, picked, G)[:, 0].tolist() == [10, 100, 110, 11, 101, 111]
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        (["--filter_groups_metric", "accuracy"], "neither reward nor one of the rewards ['mixed']"),
-        (["--max_num_gen_batches", "-1"], "--max_num_gen_batches must be at least 0"),
-    ],
-)
-def test_bad_filter_flags_are_one_sentence(flags, message):
-    args = grpo.Args(model_name_or_path="m", reward_funcs=["r.py:mixed"], filter_groups=True)
-    for flag, value in zip(flags[::2], flags[1::2]):
-        setattr(args, flag[2:], type(getattr(args, flag[2:]))(value))
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+def test_bad_filter_flags_are_one_sentence():
+    args = grpo.Args(
+        model_name_or_path="m", reward_funcs=["r.py:mixed"], filter_groups=True, max_num_gen_batches=-1
+    )
+    with pytest.raises(ValueError, match="--max_num_gen_batches must be at least 0"):
         grpo.fill_sizes(args, 1)
+
+
+def test_rewards_are_named_as_trl_names_them(lab, tmp_path):
+    """TRL logs a reward function under its __name__, whatever path named it: `module.alias` (TRL's dotted form) of
+    `alias = mixed` logs rewards/mixed/mean, and --filter_groups_metric takes that name; another name is one line,
+    before any model loads."""
+    (tmp_path / "lab_rewards.py").write_text(MIXED_REWARD + "alias = mixed\n")
+    flags = flags_for(lab, tmp_path, "named")
+    flags[flags.index("--reward_funcs") + 1] = "lab_rewards.alias"
+    grpo_py = str(ROOT / "grpo.py")
+    run_script([grpo_py, *flags, "--max_steps", "1", "--filter_groups_metric", "mixed"], cwd=tmp_path)
+    (metrics,) = read_metrics(tmp_path / "runs" / "named")
+    assert "rewards/mixed/mean" in metrics and not any("lab_rewards" in key for key in metrics)
+    flags[flags.index("--output_dir") + 1] = str(tmp_path / "refused")
+    proc = run_script([grpo_py, *flags, "--filter_groups_metric", "alias"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and not (tmp_path / "refused").exists()
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "grpo.py: error: --filter_groups_metric 'alias' is neither reward nor one of the rewards ['mixed']."
+    )
 
 
 @pytest.fixture(scope="module")

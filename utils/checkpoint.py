@@ -253,12 +253,7 @@ class Checkpointer:
                     optimizer.load_state_dict(state)
             with open(os.path.join(path, f"rng-{self.accelerator.process_index}.json")) as f:
                 set_rng_state(json.load(f), generators)
-        except (
-            OSError,
-            RuntimeError,
-            KeyError,
-            ValueError,
-        ) as error:  # another model
+        except (OSError, RuntimeError, KeyError, ValueError) as error:  # another model's checkpoint
             reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise UsageError(
                 f"--resume_from_checkpoint {path} could not be loaded into this run's models ({reason})."
