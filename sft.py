@@ -566,9 +566,7 @@ def main(args: Args) -> dict:
         batches = [collate([run.train_rows[i] for i in rows], pad_id) for rows in local_rows]
 
         # 2. Loss: sum(nll) / sum(loss tokens) of the optimizer batch; accelerate and DDP divide by ga * world
-        every_row = step_rows(
-            len(run.train_rows), step, args.batch_size, args.seed
-        )  # counted here: no collective
+        every_row = step_rows(len(run.train_rows), step, args.batch_size, args.seed)  # here: no collective
         global_loss_tokens = float(sum(loss_tokens[i] for i in every_row))
         per_micro_batch = max(global_loss_tokens, 1.0) / (ga * world)
         for cpu_batch in batches:

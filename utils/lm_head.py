@@ -161,9 +161,8 @@ def chunked_token_logprobs(
     Gradients equal the plain computation's. `with_stats` adds entropy and mean logit [N] (no gradient).
     Temperature 0 (greedy) scores the plain logits."""
     inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
-    if (
-        type(head) is nn.Linear
-    ):  # not a subclass (a quantized layer) nor a wrapper (LoRA): its weight is the head
+    # not a subclass (a quantized layer) nor a wrapper (LoRA): its weight is the head
+    if type(head) is nn.Linear:
         device = hidden.device.type
         autocast = torch.is_autocast_enabled(device) and hidden.is_floating_point()
         compute_dtype = torch.get_autocast_dtype(device) if autocast else head.weight.dtype
@@ -235,9 +234,8 @@ def swapped_head_logprobs(model, run_forward, score_mask, targets, temperature, 
     # the same tensor unless the forward transformed it; comparing values would wait for the GPU
     same = "out" in scored and (output.logits is scored["out"] or torch.equal(output.logits, scored["out"]))
     if not same:
-        inner_model(
-            model
-        )._plain_logprobs = True  # the forward transformed the head's output: plain from now on
+        # the forward transformed the head's output: plain from now on
+        inner_model(model)._plain_logprobs = True
         return None
     logprobs = output.logits[:, :-1]
     if not with_stats:

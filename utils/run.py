@@ -300,9 +300,8 @@ def lr_schedule(args, total_steps: int) -> Callable[[int], float]:
     warmup = int(steps) if steps >= 1 else math.ceil(total_steps * (steps or ratio))
     if not args.learning_rate:
         return lambda step: 0.0
-    probe = torch.optim.SGD(
-        [torch.zeros(1, requires_grad=True)], lr=args.learning_rate
-    )  # polynomial reads it
+    # the polynomial schedule reads the optimizer's rate
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
     factor = get_scheduler(args.lr_scheduler_type, probe, warmup, total_steps).lr_lambdas[0]
     return lambda step: args.learning_rate * factor(step)
 

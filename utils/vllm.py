@@ -216,9 +216,7 @@ class Engine:
         with gathered_for_generation(model, accelerator) as bare:
             policy = getattr(bare, attribute) if attribute else bare
             state = policy.state_dict()
-            if hasattr(
-                policy, "peft_config"
-            ):  # LoRA (utils/lora.py): the adapter merged in, the base's names
+            if hasattr(policy, "peft_config"):  # LoRA (utils/lora.py): adapter merged in, the base's names
                 from utils.lora import merged_state_dict
 
                 state = merged_state_dict(policy)
