@@ -866,7 +866,8 @@ def setup(args: Args) -> Run:
     eval_dataset = utils.evaluation.load_test_split(args, "grpo.py")
     environments = None
     if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
-        environments = tools_module.load_environments(args, tool_fns, dataset, eval_dataset)
+        environments_module = utils.run.optional_module("utils.environments", "--environment_factory")
+        environments = environments_module.load_environments(args, tool_fns, dataset, eval_dataset)
     reward_fns = utils.rollout.reward_fns(args, dataset, environments, rollout_func)
     raw_prompts, columns = utils.rollout.reward_rows(dataset, bool(reward_fns))
     eval_raw_prompts, eval_columns = utils.rollout.reward_rows(eval_dataset, bool(reward_fns))

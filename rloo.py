@@ -753,7 +753,8 @@ def setup(args: Args) -> Run:
     eval_dataset = utils.evaluation.load_test_split(args, "rloo.py")
     environments = None
     if args.environment_factory:  # one per rollout, reset on its row; a class with get_reward() is a reward
-        environments = tools_module.load_environments(
+        environments_module = utils.run.optional_module("utils.environments", "--environment_factory")
+        environments = environments_module.load_environments(
             args, tool_fns, dataset, eval_dataset, policy_path, policy_flag
         )
     environment_rewards = environments.rewards if environments else []

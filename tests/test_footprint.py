@@ -63,6 +63,7 @@ def test_vllm_is_optional_for_the_scripts_that_sample_with_it():
 OPTIONAL_MODULES = (
     "utils/cli.py",
     "utils/context.py",
+    "utils/environments.py",
     "utils/lm_head.py",
     "utils/judges.py",
     "utils/lora.py",
@@ -234,23 +235,37 @@ def test_each_copy_with_its_core_alone_trains_and_resumes_exactly(world, tmp_pat
     assert straight.keys() == resumed.keys() and all(straight[k].equal(resumed[k]) for k in straight)
 
 
+TOOLS = [
+    "utils/tools.py",
+    "utils/reward_funcs.py",
+    "utils/context.py",
+    "utils/paths.py",
+]  # and what tools.py imports
+
+
 @pytest.mark.parametrize(
-    "script, asked, module",
+    "script, asked, module, extra",
     [
-        ("grpo", ["--loss_type", "vespo"], "utils/loss_variants.py"),
-        ("grpo", ["--top_entropy_quantile", "0.5"], "utils/loss_variants.py"),
-        ("online_dpo", ["--judge", "judge.py:first"], "utils/judges.py"),
+        ("grpo", ["--loss_type", "vespo"], "utils/loss_variants.py", []),
+        ("grpo", ["--top_entropy_quantile", "0.5"], "utils/loss_variants.py", []),
+        ("grpo", ["--environment_factory", "env.py:Env"], "utils/tools.py", []),
+        ("grpo", ["--environment_factory", "env.py:Env"], "utils/environments.py", TOOLS),
+        ("online_dpo", ["--judge", "judge.py:first"], "utils/judges.py", []),
     ],
 )
-def test_copy_without_an_optional_module_names_it_before_loading(world, tmp_path, script, asked, module):
-    """A script copied with its core alone, asked for a rarer loss or mask (grpo.py) or a judge (online_dpo.py):
-    exit 2 with one line naming the file to copy, before any model loads or --output_dir is made."""
+def test_copy_without_an_optional_module_names_it_before_loading(
+    world, tmp_path, script, asked, module, extra
+):
+    """A script copied with its core alone (and `extra` optional files), asked for a rarer loss or mask or an
+    environment (grpo.py) or a judge (online_dpo.py): exit 2 with one line naming the file to copy, before any
+    model loads or --output_dir is made."""
     (tmp_path / "utils").mkdir()
     shutil.copy(ROOT / f"{script}.py", tmp_path / f"{script}.py")
-    for core in readability.footprint(ROOT, ROOT / f"{script}.py"):
-        shutil.copy(ROOT / core, tmp_path / core)
+    for copied in [*readability.footprint(ROOT, ROOT / f"{script}.py"), *extra]:
+        shutil.copy(ROOT / copied, tmp_path / copied)
     assert not (tmp_path / module).exists()
     (tmp_path / "judge.py").write_text("def first(prompts, pairs):\n    return [0] * len(pairs)\n")
+    (tmp_path / "env.py").write_text("class Env:\n    def reset(self, **row):\n        return None\n")
     reward = [] if script == "online_dpo" else ["--reward_model_path", str(world / "reward")]
     flags = ["--model_name_or_path", str(world / "policy"), *reward, "--dataset_name", str(world / "dataset"),
              "--dataset_train_split", "sft", "--output_dir", str(tmp_path / "out")]  # fmt: skip

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import utils.environments
 import utils.reward_funcs
 import utils.tools
 from conftest import read_metrics, run_script
@@ -545,7 +546,7 @@ def ours_with_environments(world, tokenizer, max_iterations=2, budget=200):
 
     vault_factory.made = -1
     dataset = env_dataset()
-    environments = utils.tools.Environments(
+    environments = utils.environments.Environments(
         {None: ("tests:vault_factory", vault_factory)}, [], utils.data.columns(dataset)
     )
     box = utils.tools.Tools(
@@ -740,7 +741,7 @@ def test_bad_environments_are_one_sentence_before_any_model(tmp_path, spec, says
         max_prompt_length=None, context_overflow="refuse", max_completion_length=8, model_name_or_path=str(tmp_path),
     )  # fmt: skip
     with pytest.raises(ValueError, match="^[^\n]*$") as caught:  # one line
-        utils.tools.load_environments(args, [], env_dataset())
+        utils.environments.load_environments(args, [], env_dataset())
     assert says in str(caught.value)
 
 
@@ -758,7 +759,7 @@ def test_environments_routed_by_row_and_checked_against_the_tools(tmp_path):
         reward_model_path=None, max_prompt_length=None, context_overflow="refuse", max_completion_length=8,
         model_name_or_path=str(tmp_path),
     )  # fmt: skip
-    environments = utils.tools.load_environments(args, [], Dataset.from_list(rows))
+    environments = utils.environments.load_environments(args, [], Dataset.from_list(rows))
     assert [t.__name__ for t in environments.tools["a"]] == [] and [
         t.__name__ for t in environments.tools["b"]
     ] == ["lookup"]
@@ -772,14 +773,16 @@ def test_environments_routed_by_row_and_checked_against_the_tools(tmp_path):
     ]
     assert len({id(e) for e in environments.current}) == 5  # one instance a rollout, each of its row's class
     with pytest.raises(ValueError, match="environment='c', which is none of --environment_factory's a, b"):
-        utils.tools.load_environments(args, [], Dataset.from_list(rows + [{**rows[0], "environment": "c"}]))
+        utils.environments.load_environments(
+            args, [], Dataset.from_list(rows + [{**rows[0], "environment": "c"}])
+        )
     assert environments.rewards[0](environments=environments.current) == [None, 1.0, 1.0, None, 1.0]
     with pytest.raises(ValueError, match="two tools have the same name"):
-        utils.tools.load_environments(args, [lookup], Dataset.from_list(rows))
+        utils.environments.load_environments(args, [lookup], Dataset.from_list(rows))
     args.environment_factory.append(f"c={tmp_path}/envs.py:Shelf")  # two names of one class: one reward
-    assert [r.__name__ for r in utils.tools.load_environments(args, [], Dataset.from_list(rows)).rewards] == [
-        "Shelf"
-    ]
+    assert [
+        r.__name__ for r in utils.environments.load_environments(args, [], Dataset.from_list(rows)).rewards
+    ] == ["Shelf"]
 
 
 def test_grpo_refuses_a_bad_environment_in_one_line_and_a_copy_without_utils_tools_names_it(world, tmp_path):
@@ -832,7 +835,9 @@ def test_tiny_tools_environment_and_demonstrations_are_what_grpo_samples_from(wo
         reward_model_path=None, max_prompt_length=None, context_overflow="refuse", max_completion_length=80,
         model_name_or_path=str(world / "policy_tools"),
     )  # fmt: skip
-    desk = utils.tools.Tools([], tokenizer, environments=utils.tools.load_environments(args, [], every))
+    desk = utils.tools.Tools(
+        [], tokenizer, environments=utils.environments.load_environments(args, [], every)
+    )
     desk_ids = desk.reset([0, 1])
     assert [e.code() for e in desk.environments.current] == every["answer"][:2]
     assert "Tools: code()" in tokenizer.decode(desk_ids[0])

@@ -658,5 +658,5 @@ def test_an_optional_module_missing_the_optional_file_it_builds_on_names_that_fi
     )
     lines = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                            check=True).stdout.splitlines()  # fmt: skip
-    assert lines[0].startswith("ValueError --tools needs utils/reward_funcs.py, which this copy lacks"), lines
+    assert lines[0].startswith("UsageError --tools needs utils/reward_funcs.py, which this copy lacks"), lines
     assert lines[1] == "ModuleNotFoundError No module named 'a_library_not_installed'", lines
