@@ -931,11 +931,9 @@ def setup(args: Args) -> Run:
         ref_policy = lora.AdapterOff(policy)
     if reward_model is not None:
         reward_model = utils.run.bare(utils.run.prepare_frozen(reward_model, accelerator))
+    reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
     if reward_model is not None:  # TRL's order: the reward model first
-        reward_tokenizer = utils.scoring.load_reward_tokenizer(
-            args.reward_tokenizer_path, args.reward_model_path
-        )
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
     weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])  # TRL's 1
     weights = torch.tensor(weights, device=accelerator.device)

@@ -743,6 +743,7 @@ def setup(args: Args) -> Run:
         rollout_func = utils.run.optional_module("utils.rollout_func", "--rollout_func").RolloutFunc(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    num_given = (args.reward_model_path is not None) + len(args.reward_funcs or [])  # environments' follow
     if args.sft_model_path:
         policy_path, policy_flag = args.sft_model_path, "--sft_model_path"
     else:
@@ -757,11 +758,13 @@ def setup(args: Args) -> Run:
         environments = environments_module.load_environments(
             args, tool_fns, dataset, eval_dataset, policy_path, policy_flag
         )
-    environment_rewards = environments.rewards if environments else []
     asked = "--reward_fn" if args.reward_fn else "--reward_funcs"
     reward_fns = utils.rollout.reward_fns(args, dataset, environments, rollout_func, asked)
     raw_prompts, columns = utils.rollout.reward_rows(dataset, bool(reward_fns))
     eval_raw_prompts, eval_columns = utils.rollout.reward_rows(eval_dataset, bool(reward_fns))
+    reward_names = [getattr(fn, "__name__", "reward") for fn in reward_fns]  # TRL's: the function's name
+    if args.reward_model_path:  # TRL's order: the reward model first, named by its folder
+        reward_names.insert(0, os.path.basename(os.path.normpath(args.reward_model_path)))
     fill_sizes(args, accelerator.num_processes, len(dataset))
     args.num_generations_eval = args.num_generations_eval or args.rloo_k
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -830,13 +833,11 @@ def setup(args: Args) -> Run:
     reward_model = utils.run.prepare_frozen(reward_model, accelerator) if reward_model is not None else None
     reward_tokenizer = utils.scoring.load_reward_tokenizer(args.reward_tokenizer_path, args.reward_model_path)
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
-    reward_names = [getattr(fn, "__name__", "reward") for fn in reward_fns]
     if reward_model is not None:  # TRL's order: the reward model first
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
-        reward_names.insert(0, os.path.basename(os.path.normpath(args.reward_model_path)))
-    given = args.reward_weights or [1.0] * (len(scorers) - len(environment_rewards))
-    weights = torch.tensor(given + [1.0] * len(environment_rewards), device=accelerator.device)  # as TRL
-    for scorer in scorers:
+    weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])  # TRL's 1
+    weights = torch.tensor(weights, device=accelerator.device)
+    for scorer in scorers:  # which path scores, as its siblings say
         accelerator.print(scorer.describe())
 
     # Resume: weights, optimizer, shuffling generator; the prompt order is replayed.
