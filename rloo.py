@@ -766,7 +766,9 @@ def setup(args: Args) -> Run:
     if args.reward_model_path:  # TRL's order: the reward model first, named by its folder
         reward_names.insert(0, os.path.basename(os.path.normpath(args.reward_model_path)))
     fill_sizes(args, accelerator.num_processes, len(dataset))
-    args.num_generations_eval = args.num_generations_eval or args.rloo_k
+    args.num_generations_eval = args.num_generations_eval or args.rloo_k  # TRL 1.16's
+    if args.num_generations_eval < 1:
+        raise UsageError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     # Before any model loads: it checks every model path and takes a resumed run's name.
     checkpointer = utils.checkpoint.Checkpointer(accelerator, args)

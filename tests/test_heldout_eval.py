@@ -285,6 +285,21 @@ def test_a_missing_split_stops_or_is_skipped_in_one_line(lab, capsys, monkeypatc
     assert utils.evaluation.load_test_split(args, "rloo.py") is None
 
 
+@pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])
+def test_a_negative_num_generations_eval_is_one_line(world, tmp_path, script):
+    """--num_generations_eval below 1 (0 is TRL's unset: the group size) stops in one line before any model loads."""
+    policy = "--sft_model_path" if script == "rloo.py" else "--model_name_or_path"
+    flags = [script, policy, str(world / "policy"), "--reward_model_path", str(world / "reward"), "--dataset_name",
+             str(world / "dataset"), "--dataset_train_split", "sft", "--dataset_test_split", "validation",
+             "--num_generations_eval", "-1", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = run_script(flags, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == f"{script}: error: --num_generations_eval must be at least 1, got -1."
+    )
+
+
 # ---- grpo.py ---------------------------------------------------------------------------------------------------
 OWN_ROW_REWARD = """
 
