@@ -97,6 +97,9 @@ CASES = [
     # a causal LM whose config says num_labels=1: it would score with a freshly initialised head
     ("rloo.py", ["--reward_model_path", "{lm1}"], ["--reward_model_path", "no trained score head"]),
     ("online_dpo.py", ["--reward_model_path", "{lm1}"], ["--reward_model_path", "no trained score head"]),
+    # a TRL 1.16 generation of no completions divided by zero
+    ("rloo.py", ["--reward_model_path", "{world}/reward", "--generation_batch_size", "0"],
+     ["--generation_batch_size 0", "positive multiple"]),
     # an attention implementation transformers refuses: the message is transformers' own, on one line
     ("sft.py", ["--attn_implementation", "foo"], ["--attn_implementation foo cannot load --model_name_or_path",
                                                   "not supported"]),
@@ -107,6 +110,10 @@ FLAG_CASES = [  # impossible flag values, refused before main() does anything: c
     *[(script, ["--learning_rate", "-1e-4"], ["--learning_rate", ">= 0"])
       for script in ("sft.py", "reward.py", "dpo.py", "ppo.py", "rloo.py", "grpo.py", "online_dpo.py", "ilql.py")],
     ("ddpo.py", ["--train_learning_rate", "-1"], ["--train_learning_rate", ">= 0"]),
+    # Adam's constants and the seed out of range: torch's and NumPy's tracebacks before
+    *[(script, [flag, "-1"], [flag, want]) for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")
+      for flag, want in (("--adam_beta1", "[0, 1)"), ("--adam_beta2", "[0, 1)"), ("--adam_epsilon", ">= 0"),
+                         ("--seed", "[0, 2**32 - 1]"))],
     # --max_prompt_length 0 would mean "no truncation"
     *[(script, ["--max_prompt_length", "0"], ["--max_prompt_length", "at least 1"])
       for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")],

@@ -86,13 +86,19 @@ def exact_div(numerator: int, denominator: int, what: str) -> int:
 
 
 def check_flag_values(args) -> None:
-    """Shared checks: learning rates finite and >= 0, --max_prompt_length >= 1."""
+    """Shared checks: learning rates and Adam's epsilon finite and >= 0, Adam's betas in [0, 1), the seed one
+    that NumPy takes, --max_prompt_length >= 1."""
     import math
 
     for name, value in vars(args).items():
-        if name.endswith("learning_rate") and isinstance(value, int | float):
-            if not math.isfinite(value) or value < 0:
-                raise UsageError(f"--{name} must be a finite number >= 0, got {value}.")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if name.endswith(("learning_rate", "adam_epsilon")) and (not math.isfinite(value) or value < 0):
+            raise UsageError(f"--{name} must be a finite number >= 0, got {value}.")
+        if name.endswith(("adam_beta1", "adam_beta2")) and not 0 <= value < 1:
+            raise UsageError(f"--{name} must lie in [0, 1), got {value}.")
+        if name == "seed" and not 0 <= value < 2**32:
+            raise UsageError(f"--seed must lie in [0, 2**32 - 1], got {value}.")
     max_prompt_length = getattr(args, "max_prompt_length", None)
     if isinstance(max_prompt_length, int) and max_prompt_length < 1:
         raise UsageError(f"--max_prompt_length must be at least 1 (or left unset), got {max_prompt_length}.")

@@ -115,10 +115,10 @@ def mini_batches(args, world_size: int) -> int:
     if args.generation_batch_size is None:
         return args.num_mini_batches
     micro_batches, rest = divmod(args.generation_batch_size, args.per_device_train_batch_size * world_size)
-    if rest or micro_batches % args.gradient_accumulation_steps:
+    if rest or micro_batches < 1 or micro_batches % args.gradient_accumulation_steps:
         raise UsageError(
-            f"--generation_batch_size {args.generation_batch_size} must be a multiple of per_device_train_batch_size "
-            "* gradient_accumulation_steps * processes."
+            f"--generation_batch_size {args.generation_batch_size} must be a positive multiple of "
+            "per_device_train_batch_size * gradient_accumulation_steps * processes."
         )
     return micro_batches // args.gradient_accumulation_steps
 
