@@ -114,6 +114,9 @@ FLAG_CASES = [  # impossible flag values, refused before main() does anything: c
     *[(script, [flag, "-1"], [flag, want]) for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")
       for flag, want in (("--adam_beta1", "[0, 1)"), ("--adam_beta2", "[0, 1)"), ("--adam_epsilon", ">= 0"),
                          ("--seed", "[0, 2**32 - 1]"))],
+    # a negative weight decay: torch's traceback in the offline scripts, a silent one in the RL scripts' groups
+    *[(script, ["--weight_decay", "-1"], ["--weight_decay", ">= 0"])
+      for script in ("sft.py", "reward.py", "dpo.py", "ppo.py", "rloo.py", "grpo.py", "online_dpo.py", "ilql.py")],
     # --max_prompt_length 0 would mean "no truncation"
     *[(script, ["--max_prompt_length", "0"], ["--max_prompt_length", "at least 1"])
       for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")],

@@ -86,14 +86,15 @@ def exact_div(numerator: int, denominator: int, what: str) -> int:
 
 
 def check_flag_values(args) -> None:
-    """Shared checks: learning rates and Adam's epsilon finite and >= 0, Adam's betas in [0, 1), the seed one
-    that NumPy takes, --max_prompt_length >= 1."""
+    """Shared checks: learning rates, weight decays and Adam's epsilon finite and >= 0, Adam's betas in [0, 1),
+    the seed one that NumPy takes, --max_prompt_length >= 1."""
     import math
 
+    nonnegative = ("learning_rate", "adam_epsilon", "weight_decay")  # also ddpo.py's train_ names
     for name, value in vars(args).items():
         if not isinstance(value, int | float) or isinstance(value, bool):
             continue
-        if name.endswith(("learning_rate", "adam_epsilon")) and (not math.isfinite(value) or value < 0):
+        if name.endswith(nonnegative) and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name} must be a finite number >= 0, got {value}.")
         if name.endswith(("adam_beta1", "adam_beta2")) and not 0 <= value < 1:
             raise UsageError(f"--{name} must lie in [0, 1), got {value}.")
