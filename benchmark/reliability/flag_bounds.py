@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmark", "reliability"), os.path.join(ROOT, "benchmark", "tiny")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmark", "reliability")]
 
 import mistaken_commands  # noqa: E402  the tiny commands and the bad files
 
@@ -81,16 +81,7 @@ def run_case(script: str, base: list[str], flag: str, value: str, work: str) -> 
 
 def main(args: Args) -> None:
     work = tempfile.mkdtemp(prefix="flag_bounds_")
-    world = args.world
-    if world is None:
-        import tiny_world
-
-        world = os.path.join(work, "world")
-        sizes = dict(
-            num_sft=200, num_preference=200, num_preference_validation=40, num_validation=40, num_test=40
-        )
-        tiny_world.build(tiny_world.Args(output_dir=world, **sizes))
-    world = os.path.abspath(world)
+    world = mistaken_commands.tiny_world_in(args.world, work)
     bad = os.path.join(work, "bad")
     os.makedirs(bad)
     mistaken_commands.make_bad_files(bad)

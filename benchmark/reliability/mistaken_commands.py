@@ -178,19 +178,23 @@ def run_case(case, world: str, bad: str, env: dict) -> dict:
             "seconds": round(seconds, 1), "one_line_or_success": one_line, "note": note}  # fmt: skip
 
 
-def main(args: Args) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "benchmark", "tiny"))
-    bad = tempfile.mkdtemp(prefix="mistaken-")
-    world = args.world
+def tiny_world_in(world: str | None, folder: str) -> str:
+    """`world`, or a small tiny world built in `folder` when None; its absolute path."""
     if world is None:
+        sys.path.insert(0, os.path.join(ROOT, "benchmark", "tiny"))
         import tiny_world
 
-        world = os.path.join(bad, "world")
+        world = os.path.join(folder, "world")
         sizes = dict(
             num_sft=200, num_preference=200, num_preference_validation=40, num_validation=40, num_test=40
         )
         tiny_world.build(tiny_world.Args(output_dir=world, **sizes))
-    world = os.path.abspath(world)
+    return os.path.abspath(world)
+
+
+def main(args: Args) -> None:
+    bad = tempfile.mkdtemp(prefix="mistaken-")
+    world = tiny_world_in(args.world, bad)
     make_bad_files(bad)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
