@@ -117,6 +117,12 @@ FLAG_CASES = [  # impossible flag values, refused before main() does anything: c
     # a negative weight decay: torch's traceback in the offline scripts, a silent one in the RL scripts' groups
     *[(script, ["--weight_decay", "-1"], ["--weight_decay", ">= 0"])
       for script in ("sft.py", "reward.py", "dpo.py", "ppo.py", "rloo.py", "grpo.py", "online_dpo.py", "ilql.py")],
+    # a negative clipping norm: torch multiplied every gradient by a negative factor (gradient ascent), silently
+    *[(script, ["--max_grad_norm", "-1"], ["--max_grad_norm", "at least 0"])
+      for script in ("sft.py", "reward.py", "dpo.py", "ppo.py", "rloo.py", "grpo.py", "online_dpo.py", "ilql.py")],
+    ("ddpo.py", ["--train_max_grad_norm", "-1"], ["--train_max_grad_norm", "at least 0"]),
+    # a negative warmup ratio made a negative warmup in reward.py and dpo.py
+    *[(script, ["--warmup_ratio", "-0.5"], ["--warmup_ratio", "[0, 1]"]) for script in ("reward.py", "dpo.py")],
     # --max_prompt_length 0 would mean "no truncation"
     *[(script, ["--max_prompt_length", "0"], ["--max_prompt_length", "at least 1"])
       for script in ("ppo.py", "rloo.py", "grpo.py", "online_dpo.py")],

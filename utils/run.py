@@ -86,8 +86,8 @@ def exact_div(numerator: int, denominator: int, what: str) -> int:
 
 
 def check_flag_values(args) -> None:
-    """Shared checks: learning rates, weight decays and Adam's epsilon finite and >= 0, Adam's betas in [0, 1),
-    the seed one that NumPy takes, --max_prompt_length >= 1."""
+    """Shared checks: learning rates, weight decays and Adam's epsilon finite and >= 0, the clipping norm >= 0,
+    the warmup ratio and Adam's betas in [0, 1] and [0, 1), the seed one NumPy takes, --max_prompt_length >= 1."""
     import math
 
     nonnegative = ("learning_rate", "adam_epsilon", "weight_decay")  # also ddpo.py's train_ names
@@ -96,6 +96,10 @@ def check_flag_values(args) -> None:
             continue
         if name.endswith(nonnegative) and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name} must be a finite number >= 0, got {value}.")
+        if name.endswith("max_grad_norm") and not value >= 0:  # torch would flip every gradient's sign
+            raise UsageError(f"--{name} must be at least 0 (0: no clipping), got {value}.")
+        if name == "warmup_ratio" and not 0 <= value <= 1:
+            raise UsageError(f"--warmup_ratio must lie in [0, 1], got {value}.")
         if name.endswith(("adam_beta1", "adam_beta2")) and not 0 <= value < 1:
             raise UsageError(f"--{name} must lie in [0, 1), got {value}.")
         if name == "seed" and not 0 <= value < 2**32:
