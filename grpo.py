@@ -935,9 +935,10 @@ def setup(args: Args) -> Run:
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
     if reward_model is not None:  # TRL's order: the reward model first
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
-    weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])  # TRL's 1
+    # --reward_weights (or 1s) for the reward model and functions, 1 for each environment's reward (TRL's)
+    weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])
     weights = torch.tensor(weights, device=accelerator.device)
-    for scorer in scorers:  # which path scores, as its siblings say
+    for scorer in scorers:  # which path scores each reward
         accelerator.print(scorer.describe())
 
     # Resume: weights, optimizer, random generators; the prompt order is replayed.
