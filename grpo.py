@@ -860,7 +860,6 @@ def setup(args: Args) -> Run:
         rollout_func = utils.run.optional_module("utils.rollout_func", "--rollout_func").RolloutFunc(args)
     if not args.resume_from_checkpoint:
         utils.checkpoint.check_output_dir(args.output_dir, args.overwrite_output_dir)
-    num_given = (args.reward_model_path is not None) + len(args.reward_funcs or [])  # environments' follow
     dataset = utils.data.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     utils.data.check_columns(dataset, ["prompt"], f"--dataset_name {args.dataset_name}")
     eval_dataset = utils.evaluation.load_test_split(args, "grpo.py")
@@ -935,9 +934,9 @@ def setup(args: Args) -> Run:
     scorers = [utils.scoring.RewardScorer(None, None, tokenizer, reward_fn=fn) for fn in reward_fns]
     if reward_model is not None:  # TRL's order: the reward model first
         scorers.insert(0, utils.scoring.RewardScorer(reward_model, reward_tokenizer, tokenizer))
-    # --reward_weights (or 1s) for the reward model and functions, 1 for each environment's reward (TRL's)
-    weights = (args.reward_weights or [1.0] * num_given) + [1.0] * len(reward_names[num_given:])
-    weights = torch.tensor(weights, device=accelerator.device)
+    # --reward_weights (one per reward model and function, checked), else 1; an environment's reward 1 (TRL's)
+    given = args.reward_weights or []
+    weights = torch.tensor(given + [1.0] * (len(reward_names) - len(given)), device=accelerator.device)
     for scorer in scorers:  # which path scores each reward
         accelerator.print(scorer.describe())
 
