@@ -461,29 +461,6 @@ def aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_i
     raise UsageError(f"unknown loss_type {loss_type!r}.")
 
 
-def groups_with_spread(values: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """DAPO's dynamic-sampling filter: keep_p = max_g v_gp > min_g v_gp over group p's scored (non-NaN) values;
-    for 0/1 accuracy, 0 < |correct| < G. values [G * P] completion-major -> keep [P] bool."""
-    grouped = values.view(num_generations, -1)
-    scored = ~grouped.isnan()
-    return grouped.masked_fill(~scored, -math.inf).amax(0) > grouped.masked_fill(~scored, math.inf).amin(0)
-
-
-def pick_groups(keep: torch.Tensor, num_prompts: int) -> torch.Tensor:
-    """The groups a batch trains on, in sampling order: the first `num_prompts` with keep, then (too few
-    kept) the first without. keep [N] bool over every group sampled (round r's group p is r * P + p)."""
-    order = torch.cat([keep.nonzero()[:, 0], (~keep).nonzero()[:, 0]])
-    return order[:num_prompts].sort().values
-
-
-def take_groups(
-    rows_per_round: list[torch.Tensor], picked: torch.Tensor, num_generations: int
-) -> torch.Tensor:
-    """Rows [G * P, ...] of each round -> the picked groups' rows [G * len(picked), ...], completion-major."""
-    grouped = torch.cat([rows.view(num_generations, -1, *rows.shape[1:]) for rows in rows_per_round], 1)
-    return grouped[:, picked].flatten(0, 1)
-
-
 # ---- rollout -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sample(args, run, queries, query_mask, sync_weights=True, num_completions=None, generator=None):
@@ -585,77 +562,26 @@ def ended_at_eos(responses, response_mask, eos_ids) -> torch.Tensor:
     return torch.isin(last, eos_ids) & response_mask.any(1)
 
 
-def sample_groups(args, run, step, drawn):
-    """Phase 1 on this process: (examples [P], queries, query_mask, responses, response_mask, sampling
-    logprobs, tool_mask, rewards [B, F], filter metrics). --filter_groups (DAPO's dynamic sampling): rounds of P new
-    prompts until every process holds P groups whose --filter_groups_metric differs (all decide on every
-    process's counts, so all stop together), at most --max_num_gen_batches; each round draws its noise
-    from run.sampling_generator in turn, so a resume replays it."""
-    G, P, W = args.num_generations, args.local_prompts_per_generation, args.world_size
-    limit = args.max_num_gen_batches or len(run.prompt_ids) // (P * W)
-    rounds, keep = [], []
-    while True:
-        examples = next(run.batches)  # dataset indices
-        epoch = (drawn + len(rounds)) * P * W / len(run.prompt_ids)
-        trainer_state = utils.scoring.TrainerState(global_step=step, max_steps=args.total_steps, epoch=epoch)
-        queries, query_mask, rows, k = utils.rollout.rollout_queries(
-            run, run.prompt_ids, examples, G, state=trainer_state
-        )
-        with run.accelerator.autocast():
-            responses, _, response_mask, sampled_logprobs, tool_mask = sample(
-                args, run, queries, query_mask, not rounds, k
-            )
-            rewards_per_func = score(
-                args, run, queries, query_mask, responses, response_mask, rows, trainer_state
-            )
-        rounds.append(
-            (
-                examples,
-                queries,
-                query_mask,
-                responses,
-                response_mask,
-                sampled_logprobs,
-                tool_mask,
-                rewards_per_func,
-            )
-        )
-        if not args.filter_groups:
-            return *rounds[0], {}
-        keep.append(groups_with_spread(filter_values(args, run, rewards_per_func), G))
-        kept = run.accelerator.gather(torch.cat(keep).sum()[None])
-        if kept.min() >= P or len(rounds) >= limit:
-            break
-    keep = torch.cat(keep)
-    picked = pick_groups(keep, P)
-    if not keep[picked].all():
-        warnings.warn(
-            f"--filter_groups: {len(rounds)} generation rounds gave fewer groups with a spread than a batch "
-            "needs; groups of equal rewards (advantage 0) fill it; raise --max_num_gen_batches.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    every_example = [i for round_ in rounds for i in round_[0]]
-    examples = [every_example[i] for i in picked.tolist()]
-    queries, query_mask = utils.generation.left_pad(
-        [run.prompt_ids[i] for i in examples], run.pad_id, run.accelerator.device
+def sample_round(args, run, step, drawn, sync_weights=True):
+    """Phase 1 on this process for the next P prompts, the run's `drawn`-th prompt batch: (examples [P],
+    queries, query_mask, responses, response_mask, sampling logprobs, tool_mask, rewards [B, F]); its noise is
+    run.sampling_generator's next, so a resume replays it."""
+    P, W = args.local_prompts_per_generation, args.world_size
+    examples = next(run.batches)  # dataset indices
+    epoch = drawn * P * W / len(run.prompt_ids)
+    trainer_state = utils.scoring.TrainerState(global_step=step, max_steps=args.total_steps, epoch=epoch)
+    queries, query_mask, rows, k = utils.rollout.rollout_queries(
+        run, run.prompt_ids, examples, args.num_generations, state=trainer_state
     )
-    rows = [take_groups([round_[k] for round_ in rounds], picked, G) for k in range(3, 8)]
-    dropped = run.accelerator.reduce((~keep).sum() - (~keep[picked]).sum(), "sum")
-    metrics = {
-        "filter_groups/num_gen_batches": len(rounds),
-        "filter_groups/dropped_frac": dropped.item() / (len(rounds) * P * W),
-    }
-    return examples, queries, query_mask, *rows, metrics
-
-
-def filter_values(args, run, rewards_per_func):
-    """Per completion [B]: the weighted reward (--filter_groups_metric reward) or one reward's values."""
-    if args.filter_groups_metric != "reward":
-        return rewards_per_func[:, run.reward_names.index(args.filter_groups_metric)]
-    with warnings.catch_warnings():  # the batch's combine_rewards warns of unscored rows
-        warnings.simplefilter("ignore")
-        return combine_rewards(rewards_per_func, run.weights)
+    with run.accelerator.autocast():
+        responses, _, response_mask, sampled_logprobs, tool_mask = sample(
+            args, run, queries, query_mask, sync_weights, k
+        )
+        rewards_per_func = score(
+            args, run, queries, query_mask, responses, response_mask, rows, trainer_state
+        )
+    sampled = (responses, response_mask, sampled_logprobs, tool_mask)
+    return examples, queries, query_mask, *sampled, rewards_per_func
 
 
 def reward_metrics(rewards_per_func, rewards, num_generations, names, num_processes=1) -> dict[str, float]:
@@ -846,6 +772,8 @@ def setup(args: Args) -> Run:
         raise UsageError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")
     if args.use_vllm:  # utils/vllm.py is optional: imported only with --use_vllm
         utils.run.optional_module("utils.vllm", "--use_vllm").check_args(args)
+    if args.filter_groups:  # so is utils/dynamic_sampling.py, with --filter_groups
+        utils.run.optional_module("utils.dynamic_sampling", "--filter_groups")
     lora = utils.run.optional_module("utils.lora", "--use_peft") if args.use_peft else None
     if lora is not None:
         lora.check_args(args, accelerator)
@@ -998,6 +926,9 @@ def main(args: Args) -> dict:
     correct_vllm = args.use_vllm and args.vllm_importance_sampling_correction
     vllm_module = utils.run.optional_module("utils.vllm", "--use_vllm") if correct_vllm else None
     variants = utils.run.optional_module("utils.loss_variants", rare_flag(args)) if rare_flag(args) else None
+    dynamic = None  # utils/dynamic_sampling.py is optional: imported only with --filter_groups
+    if args.filter_groups:
+        dynamic = utils.run.optional_module("utils.dynamic_sampling", "--filter_groups")
     sample_every = max(
         1, args.total_steps // args.steps_per_generation_round // max(1, args.num_sample_generations)
     )
@@ -1013,17 +944,13 @@ def main(args: Args) -> dict:
     while step < args.total_steps:
         # 1. Sample and reward: G completions of each of P prompts, completion-major (row i <- prompt i % P);
         # --filter_groups: only groups whose rewards differ, from as many rounds as it takes (DAPO).
-        (
-            examples,
-            queries,
-            query_mask,
-            responses,
-            response_mask,
-            sampled_logprobs,
-            tool_mask,
-            rewards_per_func,
-            filtered,
-        ) = sample_groups(args, run, step, drawn)
+        sample_next = functools.partial(sample_round, args, run, step)
+        if dynamic is not None:
+            *batch, filtered = dynamic.sample_groups(args, run, sample_next, drawn, combine_rewards)
+        else:
+            batch, filtered = sample_next(drawn), {}
+        examples, queries, query_mask, *sampled, rewards_per_func = batch
+        responses, response_mask, sampled_logprobs, tool_mask = sampled
         generation += 1
         drawn += filtered.get("filter_groups/num_gen_batches", 1)
         context_length, lengths = queries.size(1), tool_mask.sum(1)  # sampled tokens (TRL's with tools)

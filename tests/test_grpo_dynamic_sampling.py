@@ -1,9 +1,10 @@
-"""grpo.py --filter_groups, DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): the group
-filter against a loop written from the paper's definition (keep a prompt when 0 < |correct| < G; for any reward,
-when not all of its G rewards are equal), the assembly of the batch from several rounds, the flag checks, and runs
-through the command line on the tiny world: groups dropped, none without a spread trained on, exact resume, 2
-processes. Also TRL 1.16's entropy and off-policy masks (--top_entropy_quantile, --off_policy_mask_threshold) against
-TRL's own functions on the same tensors (their whole updates: tests/test_update_parity_grpo.py)."""
+"""grpo.py --filter_groups, DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2;
+utils/dynamic_sampling.py): the group filter against a loop written from the paper's definition (keep a prompt
+when 0 < |correct| < G; for any reward, when not all of its G rewards are equal), the assembly of the batch from
+several rounds, the flag checks, and runs through the command line on the tiny world: groups dropped, none
+without a spread trained on, exact resume, 2 processes. Also TRL 1.16's entropy and off-policy masks
+(--top_entropy_quantile, --off_policy_mask_threshold) against TRL's own functions on the same tensors (their
+whole updates: tests/test_update_parity_grpo.py)."""
 
 import math
 import shutil
@@ -13,7 +14,7 @@ import torch
 
 import grpo
 from conftest import ROOT, make_rl_lab, read_metrics, run_deepspeed, run_script, run_torchrun, weights
-from utils import loss_variants
+from utils import dynamic_sampling, loss_variants
 
 # Half the prompts (even length) get 1.0 whatever the completion: their groups never have a spread. The others get
 # the parity of the completion's length, 0 or 1, an accuracy-like reward: a group of 4 is all equal 1 time in 8.
@@ -40,9 +41,11 @@ def test_groups_with_spread_matches_the_papers_definition(G, P):
     for _ in range(20):
         values = torch.randint(0, 2, (G * P,), generator=g).double()  # accuracies: many all-0 / all-1 groups
         values[torch.rand(G * P, generator=g) < 0.2] = math.nan  # unscored completions
-        assert grpo.groups_with_spread(values, G).tolist() == loop_groups_with_spread(values.tolist(), G)
+        assert dynamic_sampling.groups_with_spread(values, G).tolist() == loop_groups_with_spread(
+            values.tolist(), G
+        )
     dense = torch.randn(G * P, generator=g)
-    assert grpo.groups_with_spread(dense, G).all()
+    assert dynamic_sampling.groups_with_spread(dense, G).all()
 
 
 def test_groups_with_spread_by_hand():
@@ -50,8 +53,8 @@ def test_groups_with_spread_by_hand():
     # G = 3, P = 4, completion-major: prompt 0 got 0, 0, 0; prompt 1 got 1, 0, 1; prompt 2 got 1, 1, 1;
     # prompt 3 got 2, nan, nan (one scored completion: nothing to compare)
     values = torch.tensor([0.0, 1.0, 1.0, 2.0, 0.0, 0.0, 1.0, nan, 0.0, 1.0, 1.0, nan])
-    assert grpo.groups_with_spread(values, 3).tolist() == [False, True, False, False]
-    assert grpo.groups_with_spread(torch.full((6,), nan), 2).tolist() == [False] * 3
+    assert dynamic_sampling.groups_with_spread(values, 3).tolist() == [False, True, False, False]
+    assert dynamic_sampling.groups_with_spread(torch.full((6,), nan), 2).tolist() == [False] * 3
 
 
 def test_picked_groups_stay_whole_and_completion_major():
@@ -61,14 +64,14 @@ def test_picked_groups_stay_whole_and_completion_major():
     # row value = 100 * round + 10 * prompt + completion
     rounds = [torch.tensor([100 * r + 10 * p + g for g in range(G) for p in range(P)]) for r in range(2)]
     keep = torch.tensor([False, True, False, True, True, True])  # groups (0, 1), (1, 0), (1, 1), (1, 2)
-    picked = grpo.pick_groups(keep, P)
+    picked = dynamic_sampling.pick_groups(keep, P)
     assert picked.tolist() == [1, 3, 4]
-    assert grpo.take_groups(rounds, picked, G).tolist() == [10, 100, 110, 11, 101, 111]
+    assert dynamic_sampling.take_groups(rounds, picked, G).tolist() == [10, 100, 110, 11, 101, 111]
     # too few kept: the first dropped ones fill the batch, still in sampling order
-    assert grpo.pick_groups(torch.tensor([False, False, True, False]), 3).tolist() == [0, 1, 2]
+    assert dynamic_sampling.pick_groups(torch.tensor([False, False, True, False]), 3).tolist() == [0, 1, 2]
     # a 2-D tensor (rows x tokens) keeps its rows' contents
     tokens = [x[:, None].repeat(1, 4) for x in rounds]
-    assert grpo.take_groups(tokens, picked, G)[:, 0].tolist() == [10, 100, 110, 11, 101, 111]
+    assert dynamic_sampling.take_groups(tokens, picked, G)[:, 0].tolist() == [10, 100, 110, 11, 101, 111]
 
 
 def test_bad_filter_flags_are_one_sentence():

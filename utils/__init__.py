@@ -29,6 +29,7 @@ or, for the last five, whenever the file is there (a copy without it takes the p
     utils/tools.py       multi-turn rollouts with tools in grpo.py and rloo.py (with --tools; it uses
                          reward_funcs.py)
     utils/environments.py  one environment per rollout (with --environment_factory; it builds on tools.py)
+    utils/dynamic_sampling.py  DAPO's dynamic sampling in grpo.py (with --filter_groups)
     utils/rollout_func.py  TRL's rollout_func: grpo.py trains on your own loop's rollouts (with --rollout_func;
                          it uses reward_funcs.py)
     utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits (a copy without
