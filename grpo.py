@@ -580,8 +580,8 @@ def sample_round(args, run, step, drawn, sync_weights=True):
         rewards_per_func = score(
             args, run, queries, query_mask, responses, response_mask, rows, trainer_state
         )
-    sampled = (responses, response_mask, sampled_logprobs, tool_mask)
-    return examples, queries, query_mask, *sampled, rewards_per_func
+    rollout = (responses, response_mask, sampled_logprobs, tool_mask)
+    return examples, queries, query_mask, *rollout, rewards_per_func
 
 
 def reward_metrics(rewards_per_func, rewards, num_generations, names, num_processes=1) -> dict[str, float]:
@@ -949,8 +949,8 @@ def main(args: Args) -> dict:
             *batch, filtered = dynamic.sample_groups(args, run, sample_next, drawn, combine_rewards)
         else:
             batch, filtered = sample_next(drawn), {}
-        examples, queries, query_mask, *sampled, rewards_per_func = batch
-        responses, response_mask, sampled_logprobs, tool_mask = sampled
+        examples, queries, query_mask, *rollout, rewards_per_func = batch
+        responses, response_mask, sampled_logprobs, tool_mask = rollout
         generation += 1
         drawn += filtered.get("filter_groups/num_gen_batches", 1)
         context_length, lengths = queries.size(1), tool_mask.sum(1)  # sampled tokens (TRL's with tools)
@@ -974,15 +974,10 @@ def main(args: Args) -> dict:
         advantages = group_advantages(rewards, G, args.scale_rewards, batch_std)
         # ALGO LOGIC: the loss, KL and entropy see the sampled tokens only, never a tool's answer
         loss_mask = tool_mask & has_eos[:, None] if args.mask_truncated_completions else tool_mask
-        importance_weights = None
-        if correct_vllm:
-            importance_weights = vllm_module.importance_weights(
-                old_logprobs,
-                sampled_logprobs,
-                tool_mask,
-                args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_min,
-                args.vllm_importance_sampling_clip_max,
+        importance_weights, correction_metrics = None, {}
+        if correct_vllm:  # vLLM's sampler against training's forward (utils/vllm.py)
+            importance_weights, correction_metrics = vllm_module.correction(
+                args, old_logprobs, sampled_logprobs, tool_mask, accelerator
             )
         generation_metrics = {
             **reward_metrics(all_rewards_per_func, all_rewards, G, run.reward_names, args.world_size),
@@ -991,13 +986,8 @@ def main(args: Args) -> dict:
             **(run.tools.metrics(accelerator) if run.tools is not None else {}),
             **filtered,
             **utils.rollout.logged_means(accelerator, run.scorers),
+            **correction_metrics,
         }
-        if correct_vllm:
-            generation_metrics.update(
-                vllm_module.importance_sampling_metrics(
-                    old_logprobs, sampled_logprobs, importance_weights, tool_mask, accelerator
-                )
-            )
         window_generations.append(generation_metrics)
 
         # 4. Update: num_iterations shuffled passes over the generation.
@@ -1034,17 +1024,19 @@ def main(args: Args) -> dict:
                     vllm_weights = importance_weights[idx] if importance_weights is not None else None
                     vespo = args.loss_type == "vespo"  # vLLM's weights enter its sequence weight instead
                     mb_weights = 1.0 if vllm_weights is None or vespo else vllm_weights
-                    if args.off_policy_mask_threshold is not None:  # against the sampler's logprobs
-                        theirs = args.use_vllm or args.rollout_func  # vLLM's or the rollout_func's
-                        given = theirs and sampled_logprobs is not None  # a rollout_func's may be None
-                        sampled = sampled_logprobs[idx] if given else raw_old_logprobs
-                        threshold = args.off_policy_mask_threshold
-                        mb_weights = mb_weights * variants.off_policy_mask(
-                            advantages[idx], logprobs, sampled, mb_mask, threshold
+                    if variants is not None:  # the masks of their flags (utils/loss_variants.py)
+                        theirs = (args.use_vllm or args.rollout_func) and sampled_logprobs is not None
+                        sampled = sampled_logprobs[idx] if theirs else raw_old_logprobs  # the sampler's
+                        mb_weights = variants.masked_weights(
+                            args,
+                            mb_weights,
+                            advantages[idx],
+                            logprobs,
+                            entropy,
+                            sampled,
+                            mb_mask,
+                            accelerator,
                         )
-                    if args.top_entropy_quantile < 1:
-                        q = args.top_entropy_quantile
-                        mb_weights = mb_weights * variants.high_entropy_mask(entropy, mb_mask, q, accelerator)
                     per_token_loss = policy_token_loss(
                         args, logprobs, mb_old_logprobs, advantages[idx], mb_weights, mb_mask, vllm_weights
                     )

@@ -3,7 +3,7 @@
 
     check_flags(args, first_check)                      # before any model loads
     loss = token_loss(args, logprobs, old_logprobs, advantages, mask, vllm_weights)    # [B, R]
-    weights = weights * off_policy_mask(...) * high_entropy_mask(...)                  # [B, 1], [B, R]
+    weights = masked_weights(args, weights, advantages, logprobs, entropy, sampling_logprobs, mask, accelerator)
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ def high_entropy_mask(entropy, mask, quantile, accelerator) -> torch.Tensor:
     if not everyone.numel():
         return torch.zeros_like(mask, dtype=torch.bool)
     return (entropy * mask >= torch.quantile(everyone, 1 - quantile)) & mask.bool()
+
+
+def masked_weights(args, weights, advantages, logprobs, entropy, sampling_logprobs, mask, accelerator):
+    """`weights` times the masks whose flag is given: off_policy_mask (--off_policy_mask_threshold, against
+    sampling_logprobs [B, R]) and high_entropy_mask (--top_entropy_quantile)."""
+    if args.off_policy_mask_threshold is not None:
+        threshold = args.off_policy_mask_threshold
+        weights = weights * off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold)
+    if args.top_entropy_quantile < 1:
+        weights = weights * high_entropy_mask(entropy, mask, args.top_entropy_quantile, accelerator)
+    return weights
 
 
 def token_loss(args, logprobs, old_logprobs, advantages, mask, vllm_weights=None) -> torch.Tensor:

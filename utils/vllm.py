@@ -281,6 +281,15 @@ def importance_weights(
     return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
+def correction(args, old_logprobs, sampling_logprobs, mask, accelerator) -> tuple[torch.Tensor, dict]:
+    """(weights, sampling/* metrics) of a generation: importance_weights by --vllm_importance_sampling_mode and
+    its clip flags, and importance_sampling_metrics of them."""
+    clip_min, clip_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    mode = args.vllm_importance_sampling_mode
+    weights = importance_weights(old_logprobs, sampling_logprobs, mask, mode, clip_min, clip_max)
+    return weights, importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, accelerator)
+
+
 def importance_sampling_metrics(old_logprobs, sampling_logprobs, weights, mask, accelerator) -> dict:
     """TRL's sampling/* metrics: |training - vLLM| logprob (mean, max), weights (min, mean, max)."""
     mask = mask.bool()
