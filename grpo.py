@@ -767,6 +767,7 @@ def setup(args: Args) -> Run:
     )
     fill_sizes(args, accelerator.num_processes)
     utils.evaluation.check_args(args)
+    utils.generation.sampling_knobs(args)  # checks the sampling flags given (utils/sampling_knobs.py)
     args.num_generations_eval = args.num_generations_eval or args.num_generations  # TRL 1.16's
     if args.num_generations_eval < 1:
         raise UsageError(f"--num_generations_eval must be at least 1, got {args.num_generations_eval}.")

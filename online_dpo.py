@@ -544,6 +544,7 @@ def setup(args: Args) -> Run:
     utils.loading.use_model_flags(args)
     # Everything that can be checked before a model is loaded.
     fill_sizes(args, world_size=1)
+    utils.generation.sampling_knobs(args)  # checks the sampling flags given (utils/sampling_knobs.py)
     accelerator = utils.run.make_accelerator(
         args, args.gradient_accumulation_steps, micro_batch_size=2 * args.per_device_train_batch_size
     )

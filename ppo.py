@@ -715,6 +715,7 @@ def setup(args: Args) -> Run:
     utils.loading.use_model_flags(args)
     # Everything that can be checked before a model is loaded.
     fill_sizes(args, 1)
+    utils.generation.sampling_knobs(args)  # checks the sampling flags given (utils/sampling_knobs.py)
     if args.use_vllm:  # utils/vllm.py is optional: imported only with --use_vllm
         utils.run.optional_module("utils.vllm", "--use_vllm").check_args(args)
     accelerator = utils.run.make_accelerator(

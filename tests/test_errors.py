@@ -103,6 +103,11 @@ CASES = [
     # an attention implementation transformers refuses: the message is transformers' own, on one line
     ("sft.py", ["--attn_implementation", "foo"], ["--attn_implementation foo cannot load --model_name_or_path",
                                                   "not supported"]),
+    # a sampling knob out of range or unknown: refused before any model loads, not at the first sampling
+    ("rloo.py", ["--reward_model_path", "{world}/reward", "--top_p", "0"], ["--top_p in (0, 1]"]),
+    ("ppo.py", ["--reward_model_path", "{world}/reward", "--repetition_penalty", "0"], ["--repetition_penalty > 0"]),
+    ("grpo.py", ["--min_p", "2"], ["--min_p must be in [0, 1], got 2.0"]),
+    ("online_dpo.py", ["--top_k", "-1"], ["--top_k must be >= 0"]),
 ]  # fmt: skip
 
 FLAG_CASES = [  # impossible flag values, refused before main() does anything: checked in-process

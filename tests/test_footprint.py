@@ -249,6 +249,7 @@ TOOLS = [
         ("grpo", ["--loss_type", "vespo"], "utils/loss_variants.py", []),
         ("grpo", ["--top_entropy_quantile", "0.5"], "utils/loss_variants.py", []),
         ("grpo", ["--filter_groups"], "utils/dynamic_sampling.py", []),
+        ("grpo", ["--top_k", "5"], "utils/sampling_knobs.py", []),
         ("grpo", ["--environment_factory", "env.py:Env"], "utils/tools.py", []),
         ("grpo", ["--environment_factory", "env.py:Env"], "utils/environments.py", TOOLS),
         ("online_dpo", ["--judge", "judge.py:first"], "utils/judges.py", []),
@@ -258,8 +259,8 @@ def test_copy_without_an_optional_module_names_it_before_loading(
     world, tmp_path, script, asked, module, extra
 ):
     """A script copied with its core alone (and `extra` optional files), asked for a rarer loss or mask, dynamic
-    sampling or an environment (grpo.py) or a judge (online_dpo.py): exit 2 with one line naming the file to copy,
-    before any model loads or --output_dir is made."""
+    sampling, a sampling knob or an environment (grpo.py) or a judge (online_dpo.py): exit 2 with one line naming
+    the file to copy, before any model loads or --output_dir is made."""
     (tmp_path / "utils").mkdir()
     shutil.copy(ROOT / f"{script}.py", tmp_path / f"{script}.py")
     for copied in [*readability.footprint(ROOT, ROOT / f"{script}.py"), *extra]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import utils.generation as generation
+import utils.sampling_knobs as sampling_knobs
 
 
 def trl_processors(model, temperature, **knobs):
@@ -45,7 +46,7 @@ def test_warp_logits_is_transformers_generate(tiny_model, knobs, temperature):
     logits = torch.randn(6, 50, generator=generator) * 3
     seen = torch.randint(0, 50, (6, 9), generator=generator)
     theirs = trl_processors(tiny_model, temperature, **knobs)(seen, logits.clone())
-    ours = generation.warp_logits(logits, seen, temperature, **knobs)
+    ours = sampling_knobs.warp_logits(logits, seen, temperature, **knobs)
     assert torch.equal(ours.isinf(), theirs.isinf())
     kept = ~ours.isinf()
     torch.testing.assert_close(ours[kept], theirs[kept], rtol=1e-6, atol=1e-6)
@@ -84,7 +85,7 @@ def test_sampled_tokens_stay_in_the_kept_set(tiny_model):
         tiny_model, queries, mask, 1, 1.0, 4000, generation.sampling_generator(0, 2), **knobs
     )
     logits = tiny_model(query).logits[:, -1].float()
-    probs = generation.warp_logits(logits, query, 1.0, **knobs).softmax(-1)[0]
+    probs = sampling_knobs.warp_logits(logits, query, 1.0, **knobs).softmax(-1)[0]
     counts = torch.bincount(tokens[:, -1], minlength=50).double() / 4000
     assert set(counts.nonzero().flatten().tolist()) <= set(probs.nonzero().flatten().tolist())
     assert (counts - probs.double()).abs().max() < 4 * math.sqrt(0.25 / 4000)

@@ -18,6 +18,7 @@ from test_tools import tool_lab, tool_run  # noqa: F401 - the fixture: a policy 
 import fixed_completions
 import utils.generation
 import utils.logprobs
+import utils.sampling_knobs
 import utils.vllm
 from conftest import ROOT, run_deepspeed, run_script, run_torchrun
 
@@ -153,7 +154,7 @@ def test_sampling_knobs_reach_the_engine(lab):
         positions = utils.generation.position_ids_from_mask(mask.long())
         logits = lab.model(sampled, attention_mask=mask, position_ids=positions).logits.float()
     for step in range(8):
-        kept = utils.generation.warp_logits(logits[:, Q - 1 + step], sampled[:, : Q + step], 1.0, **knobs)
+        kept = utils.sampling_knobs.warp_logits(logits[:, Q - 1 + step], sampled[:, : Q + step], 1.0, **knobs)
         assert kept.gather(1, sampled[:, Q + step, None]).isfinite().all()
 
 

@@ -30,6 +30,7 @@ or, for the last five, whenever the file is there (a copy without it takes the p
                          reward_funcs.py)
     utils/environments.py  one environment per rollout (with --environment_factory; it builds on tools.py)
     utils/dynamic_sampling.py  DAPO's dynamic sampling in grpo.py (with --filter_groups)
+    utils/sampling_knobs.py  top-k, top-p, min-p, repetition penalty (with one of their flags)
     utils/rollout_func.py  TRL's rollout_func: grpo.py trains on your own loop's rollouts (with --rollout_func;
                          it uses reward_funcs.py)
     utils/lm_head.py     the tiled LM head: log-probabilities without the [B, T, V] logits (a copy without
