@@ -491,24 +491,21 @@ def ended_at_eos(run, responses, response_mask) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state):
-    """(recomputed old logprobs or None, reference logprobs [B, R], rewards [B, F]) of the sampled rows."""
-    chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
+def score(args, run, queries, query_mask, responses, response_mask, examples, trainer_state, held_out=False):
+    """Rewards [B, F] of the sampled rows (the reward model first, then the functions); `examples` index the
+    training split, or with `held_out` the test split."""
+    raw_prompts, columns = (
+        (run.eval_raw_prompts, run.eval_columns) if held_out else (run.raw_prompts, run.columns)
+    )
+    chunk, Q = args.local_rollout_forward_batch_size, queries.size(1)
     rows_at = functools.partial(
         utils.generation.query_response_rows, queries, query_mask, responses, response_mask
     )
-    ref_logprobs, rewards_per_func, recomputed_logprobs = [], [], []
+    rewards_per_func = []
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         run.checkpointer.boundary()
         query_responses, mask = rows_at(idx)
-        ref_logprobs.append(
-            utils.logprobs.batched_response_logprobs(run.ref_policy, query_responses, mask, Q, T, chunk)
-        )
-        if run.recompute_old_logprobs:  # bare: training's forward without DDP's hooks
-            bare = utils.run.bare(run.policy)
-            recomputed = utils.logprobs.batched_response_logprobs(bare, query_responses, mask, Q, T, chunk)
-            recomputed_logprobs.append(recomputed)
-        prompts, columns = utils.rollout.reward_inputs(run, run.raw_prompts, run.columns, examples, idx)
+        prompts, row_columns = utils.rollout.reward_inputs(run, raw_prompts, columns, examples, idx)
         rewards = utils.scoring.score_rows(
             run.scorers,
             query_responses,
@@ -516,12 +513,26 @@ def score(args, run, queries, query_mask, responses, response_mask, examples, tr
             Q,
             chunk,
             prompts=prompts,
-            columns=columns,
+            columns=row_columns,
             trainer_state=trainer_state,
         )
-        rewards_per_func.append(rewards)
-    recomputed_logprobs = torch.cat(recomputed_logprobs) if recomputed_logprobs else None
-    return recomputed_logprobs, torch.cat(ref_logprobs), torch.cat(rewards_per_func).float()
+        rewards_per_func.append(rewards.float())
+    return torch.cat(rewards_per_func)
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(args, run, queries, query_mask, responses, response_mask):
+    """(recomputed old logprobs or None, reference logprobs) [B, R] of the batch's rows."""
+    chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
+    old_logprobs, ref_logprobs = [], []
+    for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
+        run.checkpointer.boundary()
+        rows = utils.generation.query_response_rows(queries, query_mask, responses, response_mask, idx)
+        ref_logprobs.append(utils.logprobs.batched_response_logprobs(run.ref_policy, *rows, Q, T, chunk))
+        if run.recompute_old_logprobs:  # bare: training's forward without DDP's hooks
+            bare = utils.run.bare(run.policy)
+            old_logprobs.append(utils.logprobs.batched_response_logprobs(bare, *rows, Q, T, chunk))
+    return torch.cat(old_logprobs) if old_logprobs else None, torch.cat(ref_logprobs)
 
 
 # ---- checks and sizes --------------------------------------------------------------------------------------
@@ -927,7 +938,10 @@ def main(args: Args) -> dict:
 
         # 2. Score: rewards, reference logprobs and the KL.
         with accelerator.autocast():
-            recomputed_logprobs, ref_logprobs, rewards_per_func = score(
+            recomputed_logprobs, ref_logprobs = old_and_ref_logprobs(
+                args, run, queries, query_mask, responses, response_mask
+            )
+            rewards_per_func = score(
                 args, run, queries, query_mask, responses, response_mask, rows, trainer_state
             )
         # A tool's answer has no sampling logprob (NaN): 0 there, outside every mask below.
@@ -1105,23 +1119,9 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         responses, lengths, response_mask, _, _ = sample(
             args, run, queries, query_mask, k, key, first, run.engine
         )
-        rows = torch.arange(responses.size(0), device=device)
-        query_responses, mask = utils.generation.query_response_rows(
-            queries, query_mask, responses, response_mask, rows
+        rewards_per_func = score(
+            args, run, queries, query_mask, responses, response_mask, examples, trainer_state, held_out=True
         )
-        prompts, columns = utils.rollout.reward_inputs(
-            run, run.eval_raw_prompts, run.eval_columns, examples, rows
-        )
-        rewards_per_func = utils.scoring.score_rows(
-            run.scorers,
-            query_responses,
-            mask,
-            queries.size(1),
-            args.local_rollout_forward_batch_size,
-            prompts=prompts,
-            columns=columns,
-            trainer_state=trainer_state,
-        ).float()
     scores = combine_rewards(rewards_per_func, run.weights)
     has_eos = ended_at_eos(run, responses, response_mask)
     if args.missing_eos_penalty is not None:  # as training's objective/scores
@@ -1132,7 +1132,8 @@ def held_out_batch(args, run, trainer_state, indices: list[int]) -> tuple[dict, 
         values.update(
             {f"rewards/{name}/mean": rewards_per_func[:, f] for f, name in enumerate(run.reward_names)}
         )
-    return values, (queries[rows % queries.size(0)], responses, response_mask, scores)
+    rows = torch.arange(responses.size(0), device=device) % queries.size(0)  # each completion's query
+    return values, (queries[rows], responses, response_mask, scores)
 
 
 if __name__ == "__main__":
