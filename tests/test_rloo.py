@@ -326,7 +326,8 @@ def test_first_update_recomputes_the_sampling_logprobs(lab, world, tmp_path):
 
 def test_missing_eos_penalty_lands_on_the_unfinished(lab, tmp_path):
     """A reward of 0 and --missing_eos_penalty 1: each update's mean score is minus the share of completions
-    without EOS (the policy finishes about half of them, so the two shares differ)."""
+    without EOS (the policy finishes about half of them, so the two shares differ). The learning rate is TRL
+    0.19's: its linear schedule over the updates steps once an update, after it."""
     (tmp_path / "zero.py").write_text(
         "def zero(prompts, completions):\n    return [0.0] * len(completions)\n"
     )
@@ -340,6 +341,7 @@ def test_missing_eos_penalty_lands_on_the_unfinished(lab, tmp_path):
     assert len(lines) == 6 and any(m["val/num_eos_tokens"] != 4 for m in lines)  # 8 completions an update
     for metrics in lines:
         assert metrics["objective/scores"] == pytest.approx(-(8 - metrics["val/num_eos_tokens"]) / 8)
+    assert [m["learning_rate"] for m in lines] == pytest.approx([3e-6 * (1 - u / 6) for u in range(6)])
 
 
 def test_rule_based_reward_rises(world, lab, tmp_path):
