@@ -1026,17 +1026,10 @@ def main(args: Args) -> dict:
                     vespo = args.loss_type == "vespo"  # vLLM's weights enter its sequence weight instead
                     mb_weights = 1.0 if vllm_weights is None or vespo else vllm_weights
                     if variants is not None:  # the masks of their flags (utils/loss_variants.py)
-                        theirs = (args.use_vllm or args.rollout_func) and sampled_logprobs is not None
-                        sampled = sampled_logprobs[idx] if theirs else raw_old_logprobs  # the sampler's
+                        given = (args.use_vllm or args.rollout_func) and sampled_logprobs is not None
+                        pi_old = sampled_logprobs[idx] if given else raw_old_logprobs  # the sampler's
                         mb_weights = variants.masked_weights(
-                            args,
-                            mb_weights,
-                            advantages[idx],
-                            logprobs,
-                            entropy,
-                            sampled,
-                            mb_mask,
-                            accelerator,
+                            args, mb_weights, advantages[idx], logprobs, entropy, pi_old, mb_mask, accelerator
                         )
                     per_token_loss = policy_token_loss(
                         args, logprobs, mb_old_logprobs, advantages[idx], mb_weights, mb_mask, vllm_weights
