@@ -507,3 +507,12 @@ def test_speed_counts_the_checkpoint_files_a_process_maps(tmp_path):
         assert checkpoints_mapped_kib() == before
     finally:
         gc.enable()
+
+
+def test_every_mutation_names_one_place_of_its_file():
+    """benchmark/reliability/mutations.py's bugs follow the code: each mutation's text is found exactly once in
+    its file, so that a reshaping cannot leave a mutation stale (never run) or ambiguous."""
+    from mutations import MUTATIONS
+
+    counts = {(m.file, m.what): (ROOT / m.file).read_text().count(m.old) for m in MUTATIONS}
+    assert all(count == 1 for count in counts.values()), {k: c for k, c in counts.items() if c != 1}

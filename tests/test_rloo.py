@@ -1,6 +1,7 @@
 """rloo.py: the leave-one-out math against loops written from the equations and hand-computed cases, the batch
 arithmetic, and runs through the command line on the tiny world (invariant, learning, 2 processes, copy)."""
 
+import math
 import shutil
 
 import pytest
@@ -126,6 +127,18 @@ def test_normalize_advantage_uses_the_whitening_of_utils():
     assert kept.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert kept.std().item() == pytest.approx(1.0, abs=1e-4)
     assert out[:, 2].tolist() == [0.0, 0.0]
+
+
+def test_normalize_advantages_standardizes_over_the_actions_alone():
+    """TRL 1.16's --normalize_advantages, (A - mean) / (std + 1e-4) over the masked actions: by hand on [B, R] with
+    padding (100s, out of the statistics and 0 after) and an unscored row (NaN, kept NaN)."""
+    advantages = torch.tensor([[1.0, 3.0, 100.0], [5.0, 7.0, 100.0], [math.nan, math.nan, math.nan]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    out = rloo.standardize_advantages(advantages, mask)
+    std = torch.tensor([1.0, 3.0, 5.0, 7.0]).std().item()  # mean 4, over the 4 scored actions
+    expected = [-3 / (std + 1e-4), -1 / (std + 1e-4), 0.0, 1 / (std + 1e-4), 3 / (std + 1e-4), 0.0]
+    assert out[:2].flatten().tolist() == pytest.approx(expected)
+    assert out[2].isnan().all()
 
 
 # ------------------------------------------------------------------------------------------------ the clipped loss
