@@ -126,12 +126,12 @@ def generate(
     **knobs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `response_length` tokens from softmax(logits / temperature) (greedy at 0) after `queries` [B, Q],
-    the logits first shaped by `knobs` (utils/sampling_knobs.py: top_k, top_p, min_p, repetition_penalty) -> (query_responses
-    [B, Q+R], logprobs [B, R] under logits / temperature, unshaped, as the training forward gives them); no stop
-    at EOS."""
+    the logits first shaped by `knobs` (top_k, top_p, min_p, repetition_penalty: utils/sampling_knobs.py) ->
+    (query_responses [B, Q+R], logprobs [B, R] under logits / temperature, unshaped, as the training forward gives
+    them); no stop at EOS."""
     all_tokens, all_logprobs = [], []
     last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
-    if knobs:  # sampling_knobs has imported it
+    if knobs:  # the optional module, imported only when a knob is given
         from utils.sampling_knobs import warp_logits
     for i in range(0, queries.size(0), chunk_size):
         tokens, mask = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
