@@ -1,6 +1,5 @@
 """The copy footprint: what a copy of each script carries from utils/, printed, and stated in the README."""
 
-import ast
 import shutil
 
 import pytest
@@ -89,73 +88,6 @@ def test_no_core_imports_an_optional_module():
     for script in readability.SCRIPTS:
         core = readability.footprint(ROOT, ROOT / f"{script}.py")
         assert not set(OPTIONAL_MODULES) & set(core), script
-
-
-MUTATORS = {
-    "append",
-    "extend",
-    "insert",
-    "update",
-    "add",
-    "setdefault",
-    "pop",
-    "popitem",
-    "clear",
-    "remove",
-    "discard",
-}
-
-
-def module_state(tree: ast.Module) -> set[str]:
-    """A module's own state: its module-level names that a function rebinds (`global`), and its containers (a list,
-    dict or set) but the constant tables: UPPER_CASE and never changed in place."""
-    names = {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
-    changed = {
-        node.func.value.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-        and isinstance(node.func.value, ast.Name)
-    } | {
-        node.value.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
-    }  # fmt: skip
-    for node in tree.body:
-        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-        built = isinstance(value, ast.Call) and getattr(value.func, "id", None) in ("list", "dict", "set")
-        if isinstance(value, (ast.List, ast.Dict, ast.Set)) or built:
-            for target in targets:
-                if isinstance(target, ast.Name) and (not target.id.isupper() or target.id in changed):
-                    names.add(target.id)
-    return names
-
-
-def test_no_module_state_is_shared_between_modules():
-    """No utils module or script reads or writes another utils module's state (a global some function rebinds, a
-    module-level list, dict or set that is not a constant table): each module's state is reached only through its
-    own functions (the signals received, the model flags, the dropout kept for saving, the caches)."""
-    state = {path.stem: module_state(ast.parse(path.read_text())) for path in (ROOT / "utils").glob("*.py")}
-    known = [("signals", "_RECEIVED"), ("loading", "MODEL_FLAGS"), ("loading", "_KEPT_DROPOUT")]
-    assert all(name in state[module] for module, name in known), "the check no longer sees the known state"
-    shared = []
-    for path in [*(ROOT / "utils").glob("*.py"), *(ROOT / f"{s}.py" for s in readability.SCRIPTS)]:
-        own = path.stem if path.parent.name == "utils" else None
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("utils."):
-                module = node.module.split(".")[1]
-                shared += [
-                    f"{path.name}: {module}.{a.name}" for a in node.names if a.name in state.get(module, ())
-                ]
-            elif isinstance(node, ast.Attribute):
-                owner = (
-                    node.value.attr
-                    if isinstance(node.value, ast.Attribute)
-                    else getattr(node.value, "id", None)
-                )
-                if owner in state and owner != own and node.attr in state[owner]:
-                    shared.append(f"{path.name}: {owner}.{node.attr}")
-    assert not shared, shared
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def test_knobs_off_change_nothing_and_logprobs_stay_unshaped(tiny_model):
         return generation.generate(tiny_model, queries, mask, 6, 0.9, 4, gen, **knobs)
 
     plain, plain_logprobs = sample()
-    assert generation.sampling_knobs(type("A", (), generation.SAMPLING_KNOBS)) == {}
+    assert generation.sampling_knobs(type("A", (), dict(generation.SAMPLING_KNOBS))) == {}
     off, off_logprobs = sample(**generation.sampling_knobs(type("A", (), {"top_k": 0, "top_p": 1.0})))
     assert torch.equal(plain, off) and torch.equal(plain_logprobs, off_logprobs)
 

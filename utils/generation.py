@@ -103,15 +103,17 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     return ids.clamp_(max=probs.size(-1) - 1)
 
 
-SAMPLING_KNOBS = {"top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}  # off, as in TRL
+SAMPLING_KNOBS = (("top_k", 0), ("top_p", 1.0), ("min_p", None), ("repetition_penalty", 1.0))  # off, as TRL's
 
 
 def sampling_knobs(args) -> dict:
     """The sampling flags given among SAMPLING_KNOBS and --generation_kwargs, checked by utils/sampling_knobs.py
     (optional: imported only when one is given); {} when none is."""
-    given = [f"--{name}" for name, off in SAMPLING_KNOBS.items() if getattr(args, name, off) != off]
+    given = [f"--{name}" for name, off in SAMPLING_KNOBS if getattr(args, name, off) != off]
     given += ["--generation_kwargs"] if getattr(args, "generation_kwargs", None) else []
-    return optional_module("utils.sampling_knobs", given[0]).read_knobs(args) if given else {}
+    if not given:
+        return {}
+    return optional_module("utils.sampling_knobs", given[0]).read_knobs(args, dict(SAMPLING_KNOBS))
 
 
 @torch.no_grad()
@@ -132,7 +134,7 @@ def generate(
     all_tokens, all_logprobs = [], []
     last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     if knobs:  # the optional module, imported only when a knob is given
-        from utils.sampling_knobs import warp_logits
+        warp_logits = optional_module("utils.sampling_knobs", f"--{next(iter(knobs))}").warp_logits
     for i in range(0, queries.size(0), chunk_size):
         tokens, mask = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
         position_ids = position_ids_from_mask(mask)

@@ -2,7 +2,7 @@
 --repetition_penalty and --generation_kwargs, checked, and the logits they shape as transformers' `generate`
 shapes them for TRL's sampler.
 
-    knobs = utils.generation.sampling_knobs(args)   # {} when none is given; else this file's read_knobs(args)
+    knobs = utils.generation.sampling_knobs(args)   # {} when none is given; else this file's read_knobs
     logits = warp_logits(logits, seen_ids, temperature, **knobs)
 """
 
@@ -13,28 +13,26 @@ import math
 
 import torch
 
-from utils.generation import SAMPLING_KNOBS
 from utils.run import UsageError
 
 
-def read_knobs(args) -> dict:
-    """The flags among SAMPLING_KNOBS that shape sampling, --generation_kwargs (a JSON object of the same names)
-    over them, those left off left out; a UsageError for a value out of range or another name."""
-    knobs = {name: getattr(args, name, off) for name, off in SAMPLING_KNOBS.items()}
+def read_knobs(args, off: dict) -> dict:
+    """The flags among `off` (name -> the value that leaves it off, utils.generation.SAMPLING_KNOBS) that shape
+    sampling, --generation_kwargs (a JSON object of the same names) over them, those left off left out; a
+    UsageError for a value out of range or another name."""
+    knobs = {name: getattr(args, name, value) for name, value in off.items()}
     extra = getattr(args, "generation_kwargs", None)
     if extra:
         extra = json.loads(extra) if isinstance(extra, str) else extra
-        unknown = sorted(set(extra) - set(SAMPLING_KNOBS))
+        unknown = sorted(set(extra) - set(off))
         if unknown:
-            raise UsageError(
-                f"--generation_kwargs takes {', '.join(SAMPLING_KNOBS)} here, not {', '.join(unknown)}."
-            )
+            raise UsageError(f"--generation_kwargs takes {', '.join(off)} here, not {', '.join(unknown)}.")
         knobs.update(extra)
     if knobs["top_k"] < 0 or not 0 < knobs["top_p"] <= 1 or knobs["repetition_penalty"] <= 0:
         raise UsageError("--top_k must be >= 0, --top_p in (0, 1] and --repetition_penalty > 0.")
     if knobs["min_p"] is not None and not 0 <= knobs["min_p"] <= 1:
         raise UsageError(f"--min_p must be in [0, 1], got {knobs['min_p']}.")
-    return {name: value for name, value in knobs.items() if value != SAMPLING_KNOBS[name]}
+    return {name: value for name, value in knobs.items() if value != off[name]}
 
 
 def warp_logits(
