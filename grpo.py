@@ -471,6 +471,7 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
     G = num_completions or args.num_generations
     R, T = args.max_completion_length, args.temperature
+    knobs = utils.generation.sampling_knobs(args)  # once a call, not once a chunk
     if run.rollout_func is not None:  # sampled in rollout_queries (utils/rollout_func.py)
         return run.rollout_func.tensors(R, run.pad_id, queries.device)
     responses, logprobs = [], []
@@ -495,7 +496,7 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
                 T,
                 chunk,
                 generator or run.sampling_generator,
-                **utils.generation.sampling_knobs(args),
+                **knobs,
             )
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(call_logprobs)
@@ -504,7 +505,7 @@ def sample(args, run, queries, query_mask, sync_weights=True, num_completions=No
         response_mask = utils.generation.lengths_to_mask(lengths, R)
         if run.tools is not None:  # the tool calls, their answers and the next turns (utils/tools.py)
             first_turn = (queries, query_mask, responses, lengths, logprobs)
-            noise, knobs = generator or run.sampling_generator, utils.generation.sampling_knobs(args)
+            noise = generator or run.sampling_generator
             return run.tools.continue_batch(
                 generate, model, first_turn, R, T, chunk, noise, run.eos_ids, **knobs
             )

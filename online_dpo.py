@@ -356,6 +356,7 @@ def sample(args, run, queries, query_mask, prompt_of_row, generator):
     """One completion per row (of prompt prompt_of_row[i]), prompts repeated chunk by chunk, truncated after
     EOS: (responses, lengths, response_mask, logprobs) [n, R]."""
     chunk, responses, logprobs = args.local_rollout_forward_batch_size, [], []
+    knobs = utils.generation.sampling_knobs(args)  # once a call, not once a chunk
     run.policy.eval()  # dropout is off anyway; eval keeps the KV cache on under gradient checkpointing
     with torch.no_grad(), utils.run.gathered_for_generation(run.policy, run.accelerator) as sampler:
         for rows in prompt_of_row.split(chunk):
@@ -368,7 +369,7 @@ def sample(args, run, queries, query_mask, prompt_of_row, generator):
                 args.temperature,
                 chunk,
                 generator,
-                **utils.generation.sampling_knobs(args),
+                **knobs,
             )
             responses.append(query_responses[:, queries.size(1) :])
             logprobs.append(chunk_logprobs)

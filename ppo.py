@@ -485,6 +485,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
     """
     accelerator, model, device = run.accelerator, run.model, queries.device
     Q, T, chunk = queries.size(1), args.temperature, args.local_rollout_forward_batch_size
+    knobs = utils.generation.sampling_knobs(args)  # once a call, not once a chunk
     first_prompt = accelerator.process_index * args.local_batch_size
     query_responses, logprobs = [], []
     if run.engine is not None:  # outside the gathering below
@@ -503,7 +504,7 @@ def rollout(args, run, queries, query_mask, update, prompts, trainer_state) -> d
                 T,
                 chunk,
                 noise,
-                **utils.generation.sampling_knobs(args),
+                **knobs,
             )
             query_responses.append(chunk_query_responses)
             logprobs.append(chunk_logprobs)

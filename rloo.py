@@ -438,6 +438,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
     the tool answers between turns). A call from prompt p uses noise (seed, *key, first_prompt + p), the later
     turns (seed, *key, first_prompt, 1)."""
     chunk, P = args.local_rollout_forward_batch_size, queries.size(0)
+    knobs = utils.generation.sampling_knobs(args)  # once a call, not once a chunk
     if run.rollout_func is not None:  # sampled in rollout_queries (utils/rollout_func.py)
         return run.rollout_func.tensors(args.response_length, run.pad_id, queries.device)
     prompts_per_call = max(1, chunk // num_completions)
@@ -462,7 +463,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
                 args.temperature,
                 rows.numel(),
                 noise,
-                **utils.generation.sampling_knobs(args),
+                **knobs,
             )
             responses.append(query_responses[:, queries.size(1) :].unflatten(0, (num_completions, -1)))
             logprobs.append(call_logprobs.unflatten(0, (num_completions, -1)))
@@ -474,7 +475,7 @@ def sample(args, run, queries, query_mask, num_completions, key, first_prompt, e
             noise = utils.generation.sampling_generator(
                 args.seed, *key, first_prompt, 1, device=queries.device
             )
-            R, T, knobs = args.response_length, args.temperature, utils.generation.sampling_knobs(args)
+            R, T = args.response_length, args.temperature
             return run.tools.continue_batch(
                 generate, model, first_turn, R, T, chunk, noise, run.eos_ids, **knobs
             )
@@ -525,12 +526,12 @@ def old_and_ref_logprobs(args, run, queries, query_mask, responses, response_mas
     """(recomputed old logprobs or None, reference logprobs) [B, R] of the batch's rows."""
     chunk, Q, T = args.local_rollout_forward_batch_size, queries.size(1), args.temperature
     old_logprobs, ref_logprobs = [], []
+    bare = utils.run.bare(run.policy)  # training's forward without DDP's hooks
     for idx in torch.arange(responses.size(0), device=queries.device).split(chunk):
         run.checkpointer.boundary()
         rows = utils.generation.query_response_rows(queries, query_mask, responses, response_mask, idx)
         ref_logprobs.append(utils.logprobs.batched_response_logprobs(run.ref_policy, *rows, Q, T, chunk))
-        if run.recompute_old_logprobs:  # bare: training's forward without DDP's hooks
-            bare = utils.run.bare(run.policy)
+        if run.recompute_old_logprobs:
             old_logprobs.append(utils.logprobs.batched_response_logprobs(bare, *rows, Q, T, chunk))
     return torch.cat(old_logprobs) if old_logprobs else None, torch.cat(ref_logprobs)
 

@@ -50,9 +50,9 @@ def filter_values(args, run, rewards_per_func: torch.Tensor, combine_rewards) ->
 
 def sample_groups(args, run, sample_round, drawn: int, combine_rewards) -> tuple:
     """Rounds of P new prompts, `sample_round(drawn, sync_weights)` each (examples [P], queries, query_mask,
-    then tensors of a row per completion, the rewards [B, F] last), until every process holds P groups whose --filter_groups_metric differs (all decide on every
-    process's counts, so all stop together), at most --max_num_gen_batches -> the picked groups' rows as one
-    round's, and the filter's metrics."""
+    then tensors of a row per completion, the rewards [B, F] last), until every process holds P groups whose
+    --filter_groups_metric differs (all decide on every process's counts, so all stop together), at most
+    --max_num_gen_batches -> the picked groups' rows as one round's, and the filter's metrics."""
     G, P, W = args.num_generations, args.local_prompts_per_generation, args.world_size
     limit = args.max_num_gen_batches or len(run.prompt_ids) // (P * W)
     rounds, keep = [], []
